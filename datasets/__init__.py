@@ -1,0 +1,1 @@
+"""Corpora, tokenizers and HDF5 shards (imported as ``hpcllm.datasets``)."""

@@ -1,0 +1,7 @@
+"""``python -m hpcllm`` is the ``hpcllm`` command."""
+
+import sys
+
+from hpcllm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""User errors: one clear line on stderr and exit code 2, on every rank, never a hang."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+USER_ERROR_EXIT = 2
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for (config, sizes, paths), reported without a traceback.
+
+    ``same_on_all_ranks`` says whether every rank detects the error from the same inputs (a bad
+    grid size, say). Then only rank 0 prints it, so an 8-rank job shows one line, not eight,
+    and every rank exits on its own with no collective left waiting. An error that only some
+    ranks see (a file missing on one node) is printed with its rank and aborts the whole MPI
+    job, since the other ranks may already wait in a collective.
+    """
+
+    def __init__(self, message: str, *, same_on_all_ranks: bool = True) -> None:
+        super().__init__(message)
+        self.same_on_all_ranks = same_on_all_ranks
+
+
+def _env_rank() -> int:
+    """Return this process's world rank as the launcher's environment gives it (0 if none)."""
+    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(key)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def _abort_mpi_job(code: int) -> None:
+    """Abort every rank of the MPI job if MPI is running with more than one rank."""
+    mpi_module = sys.modules.get("mpi4py.MPI")
+    if mpi_module is None:
+        return
+    mpi = mpi_module
+    if mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(code)
+
+
+def run_reporting_errors(main: Callable[[], int | None]) -> int:
+    """Run ``main`` and turn a UserError into one stderr line and exit code 2.
+
+    Any other exception prints its traceback and, under MPI with several ranks, aborts the job
+    so that ranks blocked in a collective do not hang forever.
+    """
+    try:
+        return int(main() or 0)
+    except UserError as err:
+        rank = _env_rank()
+        if not err.same_on_all_ranks:
+            print(f"hpcllm: error (rank {rank}): {err}", file=sys.stderr, flush=True)
+            _abort_mpi_job(USER_ERROR_EXIT)
+        elif rank == 0:
+            print(f"hpcllm: error: {err}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        _abort_mpi_job(1)
+        return 1

@@ -1,0 +1,475 @@
+"""Where each process sits: launcher detection, the tp × pp × dp grid, MPI and torch groups.
+
+Rank order follows Megatron-LM: tensor-parallel rank varies fastest, then data-parallel, then
+pipeline-parallel,
+
+    world_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the t ranks of a tensor-parallel group are consecutive and, with t ≤ GPUs per node, share a
+node and its NVLink, while pipeline stages are the furthest apart (across nodes).
+
+Three layers, each usable alone:
+
+* :class:`Layout` is pure arithmetic (coordinates, group members), tested without MPI or torch;
+* :func:`detect_launcher` reads the environment that mpirun, Hydra or srun set, without
+  importing mpi4py, so a plain ``python`` run needs no MPI and ``srun`` without PMI is caught
+  before MPI would abort;
+* :func:`init` starts MPI and torch.distributed and returns a :class:`Grid` holding this
+  rank's coordinates, its mpi4py sub-communicators and the matching torch process groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hpcllm.errors import UserError
+
+# ---------------------------------------------------------------------------------------------
+# The grid as arithmetic
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the three parallel axes, plus v virtual pipeline stages per pipeline rank."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.vpp > 1 and self.pp < 2:
+            raise UserError(
+                f"parallel.vpp={self.vpp} (interleaved virtual stages) needs parallel.pp >= 2, "
+                f"got pp={self.pp}"
+            )
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+                  vpp: int = 1) -> Layout:
+        """Return the layout for ``world_size`` ranks; ``dp`` defaults to world/(tp·pp)."""
+        for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("vpp", vpp)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise UserError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if dp is None:
+            if world_size % (tp * pp) != 0:
+                raise UserError(
+                    f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                    f"choose tp and pp whose product divides {world_size}"
+                )
+            dp = world_size // (tp * pp)
+        elif tp * pp * dp != world_size:
+            raise UserError(
+                f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal the world size "
+                f"{world_size}; launch {tp * pp * dp} ranks or change the sizes"
+            )
+        return cls(tp=tp, pp=pp, dp=dp, vpp=vpp)
+
+    @property
+    def world_size(self) -> int:
+        """Return t·p·d, the number of ranks this layout needs."""
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """Return ``(tp_rank, pp_rank, dp_rank)`` of a world rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return tp_rank, pp_rank, dp_rank
+
+    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """Return the world rank at grid coordinates ``(tp_rank, pp_rank, dp_rank)``."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def tp_group(self, rank: int) -> list[int]:
+        """Return the world ranks of ``rank``'s tensor-parallel group, by tp rank."""
+        _, pp_rank, dp_rank = self.coords(rank)
+        return [self.rank(t, pp_rank, dp_rank) for t in range(self.tp)]
+
+    def pp_group(self, rank: int) -> list[int]:
+        """Return the world ranks of ``rank``'s pipeline, first stage first."""
+        tp_rank, _, dp_rank = self.coords(rank)
+        return [self.rank(tp_rank, p, dp_rank) for p in range(self.pp)]
+
+    def dp_group(self, rank: int) -> list[int]:
+        """Return the world ranks holding replicas of the same model shard as ``rank``."""
+        tp_rank, pp_rank, _ = self.coords(rank)
+        return [self.rank(tp_rank, pp_rank, d) for d in range(self.dp)]
+
+    def mp_group(self, rank: int) -> list[int]:
+        """Return the world ranks of ``rank``'s model-parallel group (its tp×pp block)."""
+        _, _, dp_rank = self.coords(rank)
+        return sorted(self.rank(t, p, dp_rank) for p in range(self.pp) for t in range(self.tp))
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Return every group along ``axis`` (``tp``, ``pp``, ``dp`` or ``mp``), each once."""
+        member_of = {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group,
+                     "mp": self.mp_group}[axis]
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.world_size):
+            seen.setdefault(tuple(member_of(rank)), None)
+        return [list(group) for group in seen]
+
+
+# ---------------------------------------------------------------------------------------------
+# Who started us
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher's environment says about this process, read before MPI starts."""
+
+    launcher: str  # "openmpi" | "hydra" | "slurm" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+
+
+def _int_env(env: Mapping[str, str], *keys: str) -> int | None:
+    for key in keys:
+        value = env.get(key)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def detect_launcher(env: Mapping[str, str] | None = None) -> Launch:
+    """Return how this process was started, from the launcher's environment variables.
+
+    Open MPI's mpirun sets ``OMPI_COMM_WORLD_*``; MPICH/Intel MPI's Hydra sets ``PMI_RANK`` and
+    ``PMI_SIZE``; ``srun --mpi=pmix`` sets ``SLURM_PROCID`` with ``PMIX_RANK``. Open MPI is
+    checked first because mpirun inside an sbatch allocation also inherits Slurm variables.
+    ``srun`` with several tasks and no PMI raises a UserError here, before mpi4py is imported:
+    MPI_Init would otherwise either abort or start every task as its own world of one.
+    """
+    env = os.environ if env is None else env
+    rank = _int_env(env, "OMPI_COMM_WORLD_RANK")
+    if rank is not None:
+        return Launch(
+            launcher="openmpi",
+            rank=rank,
+            world_size=_int_env(env, "OMPI_COMM_WORLD_SIZE") or 1,
+            local_rank=_int_env(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+            local_size=_int_env(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
+        )
+    slurm_rank = _int_env(env, "SLURM_PROCID")
+    in_srun_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    slurm_tasks = _int_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1
+    if slurm_rank is not None and in_srun_step and "PMIX_RANK" in env:
+        return Launch(
+            launcher="slurm",
+            rank=slurm_rank,
+            world_size=slurm_tasks,
+            local_rank=_int_env(env, "SLURM_LOCALID") or 0,
+            local_size=_int_env(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+            or 1,
+        )
+    rank = _int_env(env, "PMI_RANK")
+    if rank is not None:
+        return Launch(
+            launcher="hydra",
+            rank=rank,
+            world_size=_int_env(env, "PMI_SIZE") or 1,
+            local_rank=_int_env(env, "MPI_LOCALRANKID", "SLURM_LOCALID") or 0,
+            local_size=_int_env(env, "MPI_LOCALNRANKS") or 1,
+        )
+    if slurm_rank is not None and in_srun_step and slurm_tasks > 1:
+        raise UserError(
+            f"srun started {slurm_tasks} tasks without PMI, so MPI cannot connect them; "
+            "run `srun --mpi=pmix ...` (see `srun --mpi=list`)"
+        )
+    return Launch(launcher="single", rank=0, world_size=1, local_rank=0, local_size=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The running grid
+
+
+@dataclass
+class Grid:
+    """This rank's place in the grid, with its MPI communicators and torch process groups.
+
+    ``*_comm`` are mpi4py communicators (``None`` in a single process started without a
+    launcher, where MPI is never imported); ``*_group`` are torch.distributed groups with
+    the same members. ``pp_prev``/``pp_next`` are the world ranks of the neighbouring pipeline
+    stages, wrapping around as the interleaved schedule needs.
+    """
+
+    layout: Layout
+    launch: Launch
+    rank: int
+    host: str
+    device: Any  # torch.device
+    backend: str
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+    mp_group: Any
+    world_comm: Any = None
+    tp_comm: Any = None
+    pp_comm: Any = None
+    dp_comm: Any = None
+    mp_comm: Any = None
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks in the job."""
+        return self.layout.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Return this rank's index among the ranks of its node."""
+        return self.launch.local_rank
+
+    @property
+    def tp(self) -> int:
+        """Return the tensor-parallel size t."""
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        """Return the pipeline-parallel size p."""
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        """Return the data-parallel size d."""
+        return self.layout.dp
+
+    @property
+    def vpp(self) -> int:
+        """Return the number of virtual pipeline stages per rank v."""
+        return self.layout.vpp
+
+    @property
+    def pp_prev(self) -> int:
+        """Return the world rank of the previous pipeline stage (the last, from the first)."""
+        return self.layout.rank(self.tp_rank, (self.pp_rank - 1) % self.pp, self.dp_rank)
+
+    @property
+    def pp_next(self) -> int:
+        """Return the world rank of the next pipeline stage (the first, from the last)."""
+        return self.layout.rank(self.tp_rank, (self.pp_rank + 1) % self.pp, self.dp_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Return whether this rank holds the first pipeline stage."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Return whether this rank holds the last pipeline stage."""
+        return self.pp_rank == self.pp - 1
+
+    def describe(self) -> dict[str, Any]:
+        """Return this rank's coordinates and group members as a JSON-ready dict."""
+        return {
+            "rank": self.rank,
+            "tp_rank": self.tp_rank,
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "tp_group": self.layout.tp_group(self.rank),
+            "pp_group": self.layout.pp_group(self.rank),
+            "dp_group": self.layout.dp_group(self.rank),
+            "host": self.host,
+            "local_rank": self.local_rank,
+            "device": str(self.device),
+        }
+
+
+def _mpi() -> Any:
+    """Import mpi4py.MPI (initialising MPI) with settings that suit a torch process."""
+    import mpi4py
+
+    # Horovod's background thread calls MPI while the main thread may too, and Horovod expects
+    # MPI_THREAD_MULTIPLE when it finds MPI already initialised.
+    mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _rendezvous(world: Any, launch: Launch) -> tuple[str, int, Any]:
+    """Return (address, port, store) of a TCPStore that rank 0 serves, agreed over MPI.
+
+    Rank 0 opens the store on a free port (or MASTER_PORT) and broadcasts where it is, so no
+    two jobs on a node race for a fixed port. Address: MASTER_ADDR if set, loopback when all
+    ranks share a host, else rank 0's hostname as the other nodes resolve it.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    hosts = world.allgather(socket.gethostname())
+    timeout = timedelta(seconds=int(os.environ.get("HPCLLM_DIST_TIMEOUT", "600")))
+    if launch.rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn(hosts[0])
+        )
+        port = int(os.environ.get("MASTER_PORT", "0"))
+        try:
+            store = dist.TCPStore(addr, port, launch.world_size, is_master=True,
+                                  timeout=timeout, wait_for_workers=False)
+            found = (addr, store.port, "")
+        except Exception as err:  # reported on every rank below, not only here
+            store, found = None, (addr, port, f"{type(err).__name__}: {err}")
+    else:
+        found = None
+    addr, port, error = world.bcast(found, root=0)
+    if error:
+        raise UserError(f"cannot open the torch.distributed rendezvous on {addr}:{port}: {error}")
+    if launch.rank != 0:
+        store = dist.TCPStore(addr, port, launch.world_size, is_master=False, timeout=timeout)
+    return addr, port, store
+
+
+def _torch_groups(layout: Layout, rank: int, backend: str) -> dict[str, Any]:
+    """Create every tp/pp/dp/mp torch group (all ranks must take part) and keep ours."""
+    import torch.distributed as dist
+
+    mine = {}
+    for axis in ("tp", "pp", "dp", "mp"):
+        # Every rank creates every group in the same order, as torch.distributed requires.
+        for members in layout.groups(axis):
+            group = dist.new_group(members, backend=backend)
+            if rank in members:
+                mine[axis] = group
+    return mine
+
+
+def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
+    """Split the MPI world into this rank's tp/pp/dp/mp communicators, ordered as the grid."""
+    tp_rank, pp_rank, dp_rank = layout.coords(rank)
+    splits = {
+        "tp": (pp_rank * layout.dp + dp_rank, tp_rank),
+        "pp": (dp_rank * layout.tp + tp_rank, pp_rank),
+        "dp": (pp_rank * layout.tp + tp_rank, dp_rank),
+        "mp": (dp_rank, rank),
+    }
+    return {axis: world.Split(color, key) for axis, (color, key) in splits.items()}
+
+
+def init(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int = 1,
+         backend: str | None = None, env: Mapping[str, str] | None = None) -> Grid:
+    """Return this rank's Grid, starting MPI and torch.distributed if not yet started.
+
+    Sizes are checked before any collective, from the launcher's world size, so a bad layout is
+    a UserError on every rank at once and never a hang. Calling ``init`` again with another
+    layout reuses the world process group and builds new groups.
+    """
+    launch = detect_launcher(env)
+    layout = Layout.for_world(launch.world_size, tp=tp, pp=pp, dp=dp, vpp=vpp)
+
+    import torch
+    import torch.distributed as dist
+
+    world_comm = None
+    if launch.launcher != "single":
+        MPI = _mpi()
+        world_comm = MPI.COMM_WORLD
+        if world_comm.Get_size() != launch.world_size or world_comm.Get_rank() != launch.rank:
+            raise UserError(
+                f"MPI sees rank {world_comm.Get_rank()} of {world_comm.Get_size()} but the "
+                f"{launch.launcher} launcher said {launch.rank} of {launch.world_size}; "
+                "is mpi4py built against the MPI that launched the job?"
+            )
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+
+    if not dist.is_initialized():
+        if world_comm is None:
+            store = dist.HashStore()
+        else:
+            _, _, store = _rendezvous(world_comm, launch)
+        dist.init_process_group(backend, store=store, rank=launch.rank,
+                                world_size=launch.world_size,
+                                device_id=device if device.type == "cuda" else None)
+
+    groups = _torch_groups(layout, launch.rank, backend)
+    comms = _mpi_comms(world_comm, layout, launch.rank) if world_comm is not None else {}
+    tp_rank, pp_rank, dp_rank = layout.coords(launch.rank)
+    return Grid(
+        layout=layout, launch=launch, rank=launch.rank, host=socket.gethostname(),
+        device=device, backend=backend, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+        tp_group=groups["tp"], pp_group=groups["pp"], dp_group=groups["dp"],
+        mp_group=groups["mp"], world_comm=world_comm, tp_comm=comms.get("tp"),
+        pp_comm=comms.get("pp"), dp_comm=comms.get("dp"), mp_comm=comms.get("mp"),
+    )
+
+
+def describe_grid(grid: Grid) -> dict[str, Any]:
+    """Return the whole job's grid as one dict (a collective: every rank must call it).
+
+    The shape is what ``hpcllm topo --json`` prints: sizes, then one entry per world rank.
+    """
+    import torch.distributed as dist
+
+    rows: list[Any] = [None] * grid.world_size
+    dist.all_gather_object(rows, grid.describe())
+    return {"world_size": grid.world_size, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
+            "vpp": grid.vpp, "launcher": grid.launch.launcher, "backend": grid.backend,
+            "ranks": rows}
+
+
+def render_grid(report: dict[str, Any]) -> str:
+    """Return a human-readable table and picture of a :func:`describe_grid` report."""
+    head = ("rank", "host", "local", "device", "tp", "pp", "dp", "tp_group", "pp_group",
+            "dp_group")
+    rows = [
+        (str(r["rank"]), r["host"], str(r["local_rank"]), r["device"], str(r["tp_rank"]),
+         str(r["pp_rank"]), str(r["dp_rank"]), _members(r["tp_group"]),
+         _members(r["pp_group"]), _members(r["dp_group"]))
+        for r in report["ranks"]
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(head, *rows, strict=True)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+    vpp = f", {report['vpp']} virtual stages per rank" if report["vpp"] > 1 else ""
+    out = [
+        f"world {report['world_size']} = tp {report['tp']} x pp {report['pp']} x "
+        f"dp {report['dp']}{vpp}  (launcher {report['launcher']}, backend {report['backend']})",
+        "",
+        line(head).rstrip(),
+        *(line(row).rstrip() for row in rows),
+        "",
+        "pipeline stages (rows) x data-parallel replicas; [..] is one tensor-parallel group:",
+    ]
+    by_rank = {r["rank"]: r for r in report["ranks"]}
+    for stage in range(report["pp"]):
+        cells = []
+        for replica in range(report["dp"]):
+            first = next(r for r in by_rank.values()
+                         if r["pp_rank"] == stage and r["dp_rank"] == replica)
+            cells.append(f"dp {replica}: {_members(first['tp_group'])}")
+        out.append(f"  stage {stage}:  " + "   ".join(cells))
+    return "\n".join(out)
+
+
+def _members(ranks: list[int]) -> str:
+    return "[" + " ".join(str(r) for r in ranks) + "]"
+
+
+def shutdown() -> None:
+    """Tear down torch.distributed if it was started (MPI finalises itself at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,32 @@
+"""An independent oracle for Megatron's rank order, written the way Megatron-LM builds groups.
+
+Megatron's ``initialize_model_parallel`` enumerates groups per axis with strided ranges rather
+than from coordinates; re-deriving them that way checks :class:`hpcllm.topology.Layout`
+against a second construction instead of against itself.
+"""
+
+from __future__ import annotations
+
+
+def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
+    """Return the tp, pp, dp and mp groups Megatron-LM forms for these sizes."""
+    world = tp * pp * dp
+    per_stage = world // pp
+    tp_groups = [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)]
+    pp_groups = [list(range(i, world, per_stage)) for i in range(per_stage)]
+    dp_groups = []
+    for stage in range(pp):
+        start, end = stage * per_stage, (stage + 1) * per_stage
+        dp_groups += [list(range(start + j, end, tp)) for j in range(tp)]
+    mp_groups = [sorted(r for g in pp_groups for r in g if (r % per_stage) // tp == d)
+                 for d in range(dp)]
+    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups}
+
+
+def group_of(groups: list[list[int]], rank: int) -> list[int]:
+    """Return the one group in ``groups`` that holds ``rank``."""
+    (found,) = [g for g in groups if rank in g]
+    return found
+
+
+LAYOUTS_8 = [(1, 1, 8), (2, 2, 2), (2, 4, 1), (8, 1, 1), (1, 8, 1), (4, 1, 2)]

@@ -1,0 +1,45 @@
+"""Under mpirun: build the grid for each layout given and report what every group holds.
+
+Usage: mpirun -np N python check_grid.py T,P,D [T,P,D ...]
+
+For each layout it prints one JSON line per rank: coordinates, the members of the torch
+groups and of the mpi4py communicators, and the result of an all-reduce of (rank + 1) in
+each torch group. The pytest side compares all of it with an independent oracle.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpcllm import topology
+
+
+def report(tp: int, pp: int, dp: int) -> dict:
+    grid = topology.init(tp=tp, pp=pp, dp=dp)
+    out = {"layout": [tp, pp, dp], "rank": grid.rank,
+           "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
+           "pp_prev": grid.pp_prev, "pp_next": grid.pp_next,
+           "torch": {}, "mpi": {}, "sum": {}}
+    for axis in ("tp", "pp", "dp", "mp"):
+        group = getattr(grid, f"{axis}_group")
+        comm = getattr(grid, f"{axis}_comm")
+        out["torch"][axis] = dist.get_process_group_ranks(group)
+        # Members in communicator-rank order, to check the Split keys as well as the colours.
+        out["mpi"][axis] = comm.allgather(grid.rank)
+        value = torch.tensor([float(grid.rank + 1)])
+        dist.all_reduce(value, group=group)
+        out["sum"][axis] = value.item()
+    return out
+
+
+def main() -> None:
+    for spec in sys.argv[1:]:
+        tp, pp, dp = (int(x) for x in spec.split(","))
+        print(json.dumps(report(tp, pp, dp)), flush=True)
+    topology.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+import json
+
+import pytest
+from megatron_order import LAYOUTS_8, group_of, megatron_groups
+from mpirun import python, run_mpi
+
+from hpcllm.topology import Layout
+
+pytestmark = pytest.mark.mpi
+
+
+def _json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_grid_groups_under_mpirun_8_ranks():
+    specs = [",".join(map(str, sizes)) for sizes in LAYOUTS_8]
+    result = run_mpi(8, python("tests/mpi_scripts/check_grid.py", *specs), timeout=240).check()
+    assert sorted(result.rank_stdout) == list(range(8))
+    for rank in range(8):
+        reports = _json_lines(result.rank_stdout[rank])
+        assert [tuple(r["layout"]) for r in reports] == LAYOUTS_8
+        for report in reports:
+            tp, pp, dp = report["layout"]
+            oracle = megatron_groups(tp, pp, dp)
+            assert report["rank"] == rank
+            # Megatron: tp fastest, then dp, then pp.
+            assert report["coords"] == [rank % tp, rank // (tp * dp), (rank // tp) % dp]
+            for axis in ("tp", "pp", "dp", "mp"):
+                members = group_of(oracle[axis], rank)
+                assert report["torch"][axis] == members, (axis, report)
+                assert report["mpi"][axis] == members, (axis, report)
+                assert report["sum"][axis] == sum(m + 1 for m in members), (axis, report)
+            pipeline = group_of(oracle["pp"], rank)
+            stage = pipeline.index(rank)
+            assert report["pp_prev"] == pipeline[stage - 1]
+            assert report["pp_next"] == pipeline[(stage + 1) % pp]
+
+
+def test_topo_json_under_mpirun():
+    result = run_mpi(4, python("-m", "hpcllm", "topo", "--tp", "2", "--pp", "2", "--json"),
+                     timeout=120).check()
+    assert set(result.rank_stdout) == {0}, "only rank 0 prints"
+    report = json.loads(result.rank_stdout[0])
+    layout = Layout(2, 2, 1)
+    assert (report["world_size"], report["tp"], report["pp"], report["dp"]) == (4, 2, 2, 1)
+    assert report["launcher"] == "openmpi"
+    for rank, row in enumerate(report["ranks"]):
+        assert row["rank"] == rank
+        assert [row["tp_rank"], row["pp_rank"], row["dp_rank"]] == list(layout.coords(rank))
+        assert row["tp_group"] == layout.tp_group(rank)
+        assert row["pp_group"] == layout.pp_group(rank)
+        assert row["dp_group"] == layout.dp_group(rank)
+        assert row["local_rank"] == rank and row["device"] == "cpu" and row["host"]
+
+
+def test_topo_table_under_mpirun():
+    result = run_mpi(4, python("-m", "hpcllm", "topo", "--tp", "2"), timeout=120).check()
+    text = result.rank_stdout[0]
+    assert "world 4 = tp 2 x pp 1 x dp 2" in text
+    assert "stage 0:  dp 0: [0 1]   dp 1: [2 3]" in text
+
+
+@pytest.mark.parametrize("np, args, words", [
+    (6, ["--tp", "4"], "world size 6 is not divisible by tp*pp = 4*1 = 4"),
+    (4, ["--tp", "2", "--dp", "3"], "tp*pp*dp = 2*1*3 = 6 does not equal the world size 4"),
+    (4, ["--pp", "1", "--vpp", "2"], "needs parallel.pp >= 2"),
+])
+def test_bad_grid_is_one_line_and_exit_2_on_every_rank(np, args, words):
+    result = run_mpi(np, python("-m", "hpcllm", "topo", *args), timeout=60)
+    assert result.returncode == 2
+    ours = [line for text in result.rank_stderr.values() for line in text.splitlines()]
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("hpcllm: error: ") and words in ours[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_error_seen_by_one_rank_aborts_instead_of_hanging():
+    result = run_mpi(3, python("tests/mpi_scripts/rank_local_error.py"), timeout=60)
+    assert result.returncode != 0
+    assert "hpcllm: error (rank 1): shard data/train-0001.h5 is missing" in result.stderr
+    assert "Traceback" not in result.stderr
