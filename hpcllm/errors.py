@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -34,6 +35,24 @@ def _env_rank() -> int:
     return 0
 
 
+def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
+    """Return once every MPI rank got here, or after ``timeout_s``; no-op without a launcher."""
+    from hpcllm.topology import detect_launcher
+
+    try:
+        launch = detect_launcher()
+    except UserError:  # srun without PMI: MPI cannot start, and srun waits for every task
+        return
+    if launch.world_size == 1:
+        return
+    from hpcllm.topology import start_mpi
+
+    request = start_mpi().COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not request.Test() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _abort_mpi_job(code: int) -> None:
     """Abort every rank of the MPI job if MPI is running with more than one rank."""
     mpi_module = sys.modules.get("mpi4py.MPI")
@@ -58,8 +77,10 @@ def run_reporting_errors(main: Callable[[], int | None]) -> int:
         if not err.same_on_all_ranks:
             print(f"hpcllm: error (rank {rank}): {err}", file=sys.stderr, flush=True)
             _abort_mpi_job(USER_ERROR_EXIT)
-        elif rank == 0:
-            print(f"hpcllm: error: {err}", file=sys.stderr, flush=True)
+        else:
+            if rank == 0:
+                print(f"hpcllm: error: {err}", file=sys.stderr, flush=True)
+            _wait_for_all_ranks()
         return USER_ERROR_EXIT
     except KeyboardInterrupt:
         return 130

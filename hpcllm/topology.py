@@ -291,8 +291,8 @@ class Grid:
         }
 
 
-def _mpi() -> Any:
-    """Import mpi4py.MPI (initialising MPI) with settings that suit a torch process."""
+def start_mpi() -> Any:
+    """Return the mpi4py.MPI module, initialising MPI with settings that suit torch and Horovod."""
     import mpi4py
 
     # Horovod's background thread calls MPI while the main thread may too, and Horovod expects
@@ -379,7 +379,7 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int = 1,
 
     world_comm = None
     if launch.launcher != "single":
-        MPI = _mpi()
+        MPI = start_mpi()
         world_comm = MPI.COMM_WORLD
         if world_comm.Get_size() != launch.world_size or world_comm.Get_rank() != launch.rank:
             raise UserError(

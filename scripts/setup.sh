@@ -13,6 +13,10 @@ CACHE=${HPCLLM_CACHE:-$HOME/.cache/hpcllm}
 
 say() { printf '[setup] %s\n' "$*"; }
 
+# pip, quieter: the machine's pip.conf lists find-links folders that may not exist, and pip
+# warns about each one for every package.
+pip_q() { "$VPY" -m pip "$@" -q 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
 as_root() {
   if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
     say "need root to run: $*"; exit 1; fi
@@ -27,10 +31,19 @@ apt_install() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-# 1. Open MPI (mpi4py and Horovod compile against its headers).
-if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
-  say "installing Open MPI from Debian"
-  apt_install openmpi-bin libopenmpi-dev
+# 1. Debian packages: Open MPI (mpi4py and Horovod compile against its headers), and Slurm with
+#    munge, which the test suite starts as a one-node cluster to check `srun --mpi=pmix`.
+missing=()
+command -v mpirun >/dev/null && command -v mpicc >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
+if [ -z "${HPCLLM_NO_SLURM:-}" ]; then
+  for tool in slurmctld slurmd srun; do
+    PATH="$PATH:/usr/sbin" command -v "$tool" >/dev/null || { missing+=(slurm-wlm); break; }
+  done
+  PATH="$PATH:/usr/sbin" command -v munged >/dev/null || missing+=(munge)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  say "installing from Debian: ${missing[*]}"
+  apt_install "${missing[@]}"
 fi
 
 # 2. The virtual environment. A stamp holding the hash of the requirements skips pip on a
@@ -45,10 +58,10 @@ fi
 VPY="$VENV/bin/python"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   say "installing Python packages"
-  "$VPY" -m pip install -q --upgrade pip setuptools wheel
-  "$VPY" -m pip install -q "torch==$TORCH_VERSION"
-  "$VPY" -m pip install -q -r "$REQS"
-  "$VPY" -m pip install -q --no-deps -e "$ROOT"
+  pip_q install --upgrade pip setuptools wheel
+  pip_q install "torch==$TORCH_VERSION"
+  pip_q install -r "$REQS"
+  pip_q install --no-deps -e "$ROOT" >/dev/null
 fi
 
 # 3. Horovod. 0.28.1 sets CMAKE_CXX_STANDARD 14 in two CMakeLists, which torch >= 2.1 headers
@@ -64,7 +77,7 @@ if ! "$VPY" -c 'import horovod.torch as h; assert h.mpi_built()' 2>/dev/null; th
     command -v g++ >/dev/null || apt_install g++
     build=$(mktemp -d)
     trap 'rm -rf "$build"' EXIT
-    "$VPY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$build"
+    pip_q download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$build"
     tar -xzf "$build"/horovod-*.tar.gz -C "$build"
     src=$(ls -d "$build"/horovod-*/)
     grep -rl --include=CMakeLists.txt 'CMAKE_CXX_STANDARD 14' "$src" \
@@ -80,7 +93,7 @@ if ! "$VPY" -c 'import horovod.torch as h; assert h.mpi_built()' 2>/dev/null; th
     wheel="$WHEELS/$(basename "$built")"
   fi
   say "installing $(basename "$wheel")"
-  "$VPY" -m pip install -q --no-deps "$wheel"
+  pip_q install --no-deps "$wheel"
   "$VPY" -c 'import horovod.torch as h; assert h.mpi_built(), "Horovod built without MPI"'
 fi
 
