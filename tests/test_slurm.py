@@ -49,3 +49,19 @@ def test_srun_without_pmi_says_to_add_mpi_pmix(slurm):
     ours = [line for line in run.stderr.splitlines() if line.startswith("hpcllm:")]
     assert len(ours) == 1 and "--mpi=pmix" in ours[0], run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_sbatch_job_script(slurm, tmp_path):
+    # The script asks for 2 nodes of 4 GPUs; the test cluster is one node without GPUs.
+    run = subprocess.run(
+        ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=0",
+         "--cpus-per-task=1", f"--output={tmp_path}/job.out", "--chdir", str(tmp_path),
+         "--export=ALL,HPCLLM=" + str(Path(sys.executable).parent / "hpcllm"),
+         str(Path(__file__).parent.parent / "jobs" / "slurm.sbatch"), "topo", "--pp", "2",
+         "--json"],
+        env=slurm, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr + (tmp_path / "job.out").read_text()
+    # srun may warn first (no cpu binding on the test cluster); the report is the last line.
+    report = json.loads((tmp_path / "job.out").read_text().splitlines()[-1])
+    assert (report["world_size"], report["pp"], report["dp"]) == (4, 2, 2)
+    assert report["launcher"] == "slurm"

@@ -1,8 +1,11 @@
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from megatron_order import LAYOUTS_8, group_of, megatron_groups
-from mpirun import python, run_mpi
+from mpirun import REPO, mpi_env, python, run_mpi
 
 from hpcllm.topology import Layout
 
@@ -80,3 +83,13 @@ def test_error_seen_by_one_rank_aborts_instead_of_hanging():
     assert result.returncode != 0
     assert "hpcllm: error (rank 1): shard data/train-0001.h5 is missing" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_mpirun_job_script_launches_a_verb():
+    env = mpi_env({"NP": "4", "HPCLLM": str(Path(sys.executable).parent / "hpcllm")})
+    run = subprocess.run([str(REPO / "jobs" / "mpirun.sh"), "topo", "--tp", "2", "--json"],
+                         capture_output=True, text=True, env=env, timeout=120,
+                         start_new_session=True)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert (report["world_size"], report["tp"], report["dp"]) == (4, 2, 2)

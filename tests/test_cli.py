@@ -1,0 +1,38 @@
+import json
+import os
+import subprocess
+import sys
+
+from mpirun import REPO
+
+
+def _hpcllm(*args, env=None):
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))}
+    return subprocess.run([sys.executable, "-m", "hpcllm", *args], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env={**clean, **(env or {})})
+
+
+def test_topo_in_a_single_process_needs_no_launcher():
+    run = _hpcllm("topo", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["world_size"] == 1 and report["launcher"] == "single"
+    assert report["ranks"][0]["tp_group"] == [0] and report["ranks"][0]["device"] == "cpu"
+    assert "mpi4py" not in run.stderr
+
+
+def test_bad_size_in_a_single_process_is_exit_2_without_traceback():
+    run = _hpcllm("topo", "--tp", "2")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "hpcllm: error: world size 1 is not divisible by tp*pp = 2*1 = 2; "
+        "choose tp and pp whose product divides 1"]
+
+
+def test_topo_help_explains_every_option():
+    run = _hpcllm("topo", "--help")
+    assert run.returncode == 0
+    for option in ("--tp", "--pp", "--dp", "--vpp", "--json"):
+        assert option in run.stdout
+    assert "Megatron" in run.stdout
