@@ -1,8 +1,12 @@
-"""``hpcllm bench data``: tokens per second that the reader delivers to each rank.
+"""``hpcllm bench data`` and ``hpcllm bench prepare``: how fast data is read and prepared.
 
-Under mpirun every rank reads its own data-parallel part at the same time, as in training,
-and rank 0 prints each rank's rate. No compute runs between micro-batches, so the figure is
-the ceiling the reader puts on training throughput.
+``bench data``: under mpirun every rank reads its own data-parallel part at the same time, as
+in training, and rank 0 prints each rank's rate. No compute runs between micro-batches, so the
+figure is the ceiling the reader puts on training throughput.
+
+``bench prepare``: runs prepare at several rank counts in one go and prints MB of text per
+second side by side, split into training the tokenizer (rank 0 alone) and tokenizing +
+writing shards (all ranks).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcllm.datasets.reader import MicroBatchReader
+from hpcllm.errors import UserError
 
 
 def bench_reader(data: Path, *, seq_len: int, micro_batch_size: int, steps: int,
@@ -56,7 +61,8 @@ def run(data: Path, *, seq_len: int, micro_batch_size: int, steps: int, warmup: 
         result = bench_reader(data, seq_len=seq_len, micro_batch_size=micro_batch_size,
                               steps=steps, warmup=warmup, dp_rank=launch.rank,
                               dp_size=launch.world_size, cache_mb=mb)
-        results += comm.gather(result, root=0) if comm is not None else [result]
+        gathered = comm.gather(result, root=0) if comm is not None else [result]
+        results += gathered or []  # None on ranks other than 0
     if launch.rank == 0:
         if as_json:
             print(json.dumps({"reader": results}))
@@ -67,4 +73,64 @@ def run(data: Path, *, seq_len: int, micro_batch_size: int, steps: int, warmup: 
             print(f"  chunk cache {r['cache_mb']:>3} MiB  rank {r['dp_rank']}: "
                   f"{r['tokens_per_s'] / 1e6:8.2f} M tokens/s "
                   f"({r['tokens']} tokens in {r['seconds']:.3f} s)")
+    return 0
+
+
+def bench_prepare(corpus: str, out_root: Path, ranks: tuple[int, ...],
+                  tokenizers: tuple[str, ...], vocab_size: int,
+                  threads_per_rank: int | None = None) -> list[dict[str, Any]]:
+    """Run ``hpcllm prepare`` for each tokenizer at each rank count, one after another.
+
+    Returns each run's timing from its manifest. Runs of more than one rank go through
+    mpirun, as a user would start them; all runs write to folders under ``out_root``.
+    """
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    rows = []
+    for tokenizer in tokenizers:
+        for n in ranks:
+            out = out_root / f"{tokenizer}-{n}ranks"
+            cmd = [sys.executable, "-m", "hpcllm", "prepare", "--corpus", corpus,
+                   "--tokenizer", tokenizer, "--vocab-size", str(vocab_size),
+                   "--out", str(out), "--quiet"]
+            env = dict(os.environ)
+            if threads_per_rank:
+                env["RAYON_NUM_THREADS"] = str(threads_per_rank)
+            if n > 1:
+                mpirun = shutil.which("mpirun")
+                if mpirun is None:
+                    raise UserError("mpirun not found; `make setup` installs Open MPI")
+                cmd = [mpirun, "-np", str(n), "--oversubscribe", "--bind-to", "none", *cmd]
+                env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+                cmd[1:1] = ["-x", "RAYON_NUM_THREADS"] if threads_per_rank else []
+            subprocess.run(cmd, check=True, env=env)
+            prep = json.loads((out / "manifest.json").read_text())
+            rows.append({"tokenizer": tokenizer, "ranks": n, "threads": threads_per_rank,
+                         "text_mb": prep["text_bytes"] / 1e6, **prep["prepare"]})
+    return rows
+
+
+def run_prepare(corpus: str, out_root: Path, ranks: tuple[int, ...],
+                tokenizers: tuple[str, ...], vocab_size: int, as_json: bool,
+                threads_per_rank: int | None = None) -> int:
+    """Print prepare throughput for each tokenizer and rank count, side by side."""
+    rows = bench_prepare(corpus, out_root, ranks, tokenizers, vocab_size, threads_per_rank)
+    if as_json:
+        print(json.dumps({"prepare": rows}))
+        return 0
+    threads = f"{threads_per_rank} tokenizer thread(s) per rank" if threads_per_rank else \
+        "tokenizer threads: cores / ranks per node"
+    print(f"prepare --corpus {corpus}: {rows[0]['text_mb']:.2f} MB of text; {threads}")
+    print(f"{'tokenizer':<10} {'ranks':>5} {'total s':>8} {'MB/s':>7} {'setup s':>12} "
+          f"{'tokenize s':>11} {'tokenize MB/s':>14} {'vs 1 rank':>10}")
+    base: dict[str, float] = {}
+    for r in rows:
+        base.setdefault(r["tokenizer"], r["tokenize_mb_per_s"])
+        print(f"{r['tokenizer']:<10} {r['ranks']:>5} {r['seconds']:>8.2f} {r['mb_per_s']:>7.2f} "
+              f"{r['setup_seconds']:>12.2f} {r['tokenize_seconds']:>11.2f} "
+              f"{r['tokenize_mb_per_s']:>14.2f} "
+              f"{r['tokenize_mb_per_s'] / base[r['tokenizer']]:>9.2f}x")
     return 0

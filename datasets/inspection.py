@@ -51,7 +51,9 @@ def render_summary(info: dict[str, Any]) -> str:
     prep = info["prepare"]
     if prep:
         lines.append(f"prepared   on {prep['ranks']} ranks in {prep['seconds']:.1f} s "
-                     f"({prep['mb_per_s']:.2f} MB/s of text)")
+                     f"({prep['mb_per_s']:.2f} MB/s of text); setup and tokenizer "
+                     f"{prep['setup_seconds']:.1f} s, then tokenize + write "
+                     f"{prep['tokenize_seconds']:.1f} s ({prep['tokenize_mb_per_s']:.2f} MB/s)")
     return "\n".join(lines)
 
 

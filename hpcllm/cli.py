@@ -142,6 +142,26 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
                       help="micro-batches read before timing [default: 20]")
     data.add_argument("--json", action="store_true", help="print JSON")
     data.set_defaults(run=_run_bench_data)
+    prep = targets.add_parser(
+        "prepare",
+        help="prepare throughput in MB/s at several rank counts",
+        description="Run `hpcllm prepare` on a built-in corpus for each tokenizer at each rank "
+        "count (through mpirun when > 1) and print MB of text per second side by side.",
+    )
+    prep.add_argument("--corpus", default="python-stdlib", choices=["python-stdlib"],
+                      help="[default: python-stdlib]")
+    prep.add_argument("--out", type=Path, required=True, metavar="DIR",
+                      help="scratch folder for the prepared copies")
+    prep.add_argument("--ranks", type=_positive, nargs="+", default=[1, 2],
+                      help="rank counts to run [default: 1 2]")
+    prep.add_argument("--tokenizers", nargs="+", default=["byte", "bpe"],
+                      choices=["byte", "bpe"], help="[default: byte bpe]")
+    prep.add_argument("--vocab-size", type=_positive, default=8192, help="[default: 8192]")
+    prep.add_argument("--threads-per-rank", type=_positive, default=None,
+                      help="tokenizer threads per rank (RAYON_NUM_THREADS) [default: the "
+                      "node's cores shared among its ranks]")
+    prep.add_argument("--json", action="store_true", help="print JSON")
+    prep.set_defaults(run=_run_bench_prepare)
 
 
 def _run_topo(args: argparse.Namespace) -> int:
@@ -195,6 +215,13 @@ def _run_bench_data(args: argparse.Namespace) -> int:
 
     return bench.run(args.dir, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                      steps=args.steps, warmup=args.warmup, as_json=args.json)
+
+
+def _run_bench_prepare(args: argparse.Namespace) -> int:
+    from hpcllm.datasets import bench
+
+    return bench.run_prepare(args.corpus, args.out, tuple(args.ranks), tuple(args.tokenizers),
+                             args.vocab_size, args.json, args.threads_per_rank)
 
 
 def main(argv: list[str] | None = None) -> int:
