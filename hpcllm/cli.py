@@ -53,8 +53,76 @@ def _build_parser() -> argparse.ArgumentParser:
 
     _add_prepare(verbs)
     _add_inspect(verbs)
+    _add_train(verbs)
+    _add_generate(verbs)
+    _add_convert(verbs)
     _add_bench(verbs)
     return parser
+
+
+def _add_train(verbs: argparse._SubParsersAction) -> None:
+    train = verbs.add_parser(
+        "train",
+        help="train a GPT on prepared shards",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GPT from a YAML config on every rank of the job (mpirun/srun, or "
+        "one process). Sections and keys: model (preset, n_layer, n_head, d_model, seq_len, "
+        "vocab_size, dropout, recompute, fused_kernels), parallel (tp, pp, dp, vpp, schedule, "
+        "dp_engine, sequence_parallel, scatter_gather, ddp_bucket_mb), data (path, seed, "
+        "prefetch), train (steps, micro_batch_size, global_batch_size, lr, min_lr, "
+        "warmup_steps, lr_decay_steps, lr_scaling, lr_reference_batch, precision, grad_clip, "
+        "weight_decay, beta1, beta2, seed, log_interval, eval_interval, eval_iters, "
+        "save_interval, peak_tflops, profile_steps), run (dir, resume, tensorboard).\n\n"
+        "The run folder gets config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and "
+        "loss.png. SIGTERM or SIGUSR1 finishes the current step, saves a checkpoint and "
+        "exits 0; run.resume: auto continues from checkpoints/latest.\n\n"
+        "examples:\n"
+        "  mpirun -np 2 hpcllm train --config jobs/configs/tiny-cpu.yaml\n"
+        "  hpcllm train --config jobs/configs/tiny-cpu.yaml --set train.steps=20 "
+        "--set train.precision=bf16",
+    )
+    train.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    train.add_argument("--profile-steps", metavar="A:B",
+                       help="cudaProfilerStart before step A and Stop before step B, for "
+                       "`nsys profile --capture-range=cudaProfilerApi` (no-op on CPU)")
+    train.add_argument("--peak-tflops", type=float, metavar="X",
+                       help="peak TFLOP/s per GPU for MFU (default: the device table; "
+                       "on CPU MFU is null unless given)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=_run_train)
+
+
+def _add_generate(verbs: argparse._SubParsersAction) -> None:
+    gen = verbs.add_parser("generate", help="sample text from a run's latest checkpoint",
+                           description="Load RUN_DIR's latest checkpoint (tp=1, pp=1) and "
+                           "continue a prompt.")
+    gen.add_argument("--checkpoint", type=Path, required=True, metavar="RUN_DIR",
+                     help="a run folder (with checkpoints/latest and tokenizer.json)")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--tokens", type=_positive, default=100, help="new tokens [default: 100]")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="0 picks the most likely token [default: 0.8]")
+    gen.add_argument("--top-k", type=_positive, default=50, help="[default: 50]")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
+    gen.set_defaults(run=_run_generate)
+
+
+def _add_convert(verbs: argparse._SubParsersAction) -> None:
+    conv = verbs.add_parser(
+        "convert", help="Hugging Face GPT-2 checkpoints in and out",
+        description="--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint "
+        "holds a Hugging Face GPT-2 (config.json + model.safetensors); train from it with "
+        "--set run.dir=RUN_DIR. --to-hf DIR --checkpoint RUN_DIR writes a run's latest "
+        "checkpoint as a GPT2LMHeadModel folder.")
+    way = conv.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
+    way.add_argument("--to-hf", type=Path, metavar="DIR", help="Hugging Face folder to write")
+    conv.add_argument("--out", type=Path, metavar="RUN_DIR", help="run folder (with --from-hf)")
+    conv.add_argument("--checkpoint", type=Path, metavar="RUN_DIR",
+                      help="run folder to export (with --to-hf)")
+    conv.set_defaults(run=_run_convert)
 
 
 def _add_prepare(verbs: argparse._SubParsersAction) -> None:
@@ -215,6 +283,59 @@ def _run_bench_data(args: argparse.Namespace) -> int:
 
     return bench.run(args.dir, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                      steps=args.steps, warmup=args.warmup, as_json=args.json)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from hpcllm.config import load_config
+
+    overrides = list(args.overrides)
+    if args.profile_steps:
+        overrides.append(f"train.profile_steps={args.profile_steps}")
+    if args.peak_tflops is not None:
+        overrides.append(f"train.peak_tflops={args.peak_tflops}")
+    cfg = load_config(args.config, overrides)
+    from hpcllm import observe
+    from hpcllm.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    summary = trainer.run(progress=not args.no_progress)
+    if trainer.grid.rank == 0:
+        plot = observe.plot_loss(trainer.run_dir)
+        mfu = f"{summary['mfu']:.1%}" if summary.get("mfu") is not None else "n/a (no peak)"
+        stopped = f" (stopped by {summary['stopped_by']})" if summary["stopped_by"] else ""
+        print(f"trained {summary['step']} steps{stopped} on {summary['world_size']} ranks, "
+              f"{summary['parameters'] / 1e6:.2f} M parameters, global batch "
+              f"{summary['global_batch']}", flush=True)
+        if summary.get("val_loss") is not None:
+            print(f"validation loss {summary['val_loss']:.4f}   ", end="")
+        if summary.get("tokens_per_s") is not None:
+            print(f"{summary['tokens_per_s']:.0f} tokens/s   "
+                  f"{summary['tflops_per_gpu']:.4f} TFLOP/s per rank   MFU {mfu}")
+        print(f"run folder {trainer.run_dir}  (loss curve {plot})", flush=True)
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from hpcllm.generate import generate
+
+    print(generate(args.checkpoint, args.prompt, tokens=args.tokens,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    return 0
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from hpcllm import convert
+    from hpcllm.errors import UserError
+
+    if args.from_hf is not None:
+        if args.out is None:
+            raise UserError("--from-hf needs --out RUN_DIR")
+        print(f"wrote {convert.from_hf(args.from_hf, args.out)}")
+    else:
+        if args.checkpoint is None:
+            raise UserError("--to-hf needs --checkpoint RUN_DIR")
+        print(f"wrote {convert.to_hf(args.checkpoint, args.to_hf)}")
+    return 0
 
 
 def _run_bench_prepare(args: argparse.Namespace) -> int:

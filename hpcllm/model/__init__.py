@@ -1,0 +1,1 @@
+"""The GPT model, built from the layers of :mod:`hpcllm.parallel.tensor`."""

@@ -1,0 +1,182 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, tanh GeLU, tied input/output embeddings.
+
+Built from the tensor-parallel layers (:mod:`hpcllm.parallel.tensor`) and the fused-op dispatch
+points (:mod:`hpcllm.kernels`); with a tensor-parallel group of one rank they are plain layers.
+The model knows nothing of pipelines or data-parallel engines: :meth:`GPT.embed`, the
+``blocks`` and :meth:`GPT.head` are the pieces a pipeline stage takes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hpcllm import kernels
+from hpcllm.config import ModelConfig, padded_vocab
+from hpcllm.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    normal_init,
+)
+
+
+def _tp_size(group: Any) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm through the fused-op dispatch point."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, heads split over the tp group; returns output without bias."""
+
+    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator) -> None:
+        super().__init__()
+        h, t = cfg.d_model, _tp_size(group)
+        self.local_heads = cfg.n_head // t
+        self.head_dim = h // cfg.n_head
+        self.dropout = cfg.dropout
+        self.selective = cfg.recompute == "selective"
+        self.qkv = ColumnParallelLinear(h, 3 * h, group=group, gen=gen,
+                                        init=normal_init(cfg.init_std), stride=3)
+        self.proj = RowParallelLinear(h, h, group=group, gen=gen,
+                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        q, k, v = (part.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+                   for part in self.qkv(x).chunk(3, dim=-1))
+        if self.selective and self.training:
+            # Korthikanti et al.: the attention core holds the s² activations and is cheap to
+            # recompute; keeping everything else stored costs little memory.
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.proj(y, add_bias=False), self.proj.bias
+
+
+class MLP(nn.Module):
+    """h → 4h (column-parallel) → GeLU → h (row-parallel); returns output without bias."""
+
+    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator) -> None:
+        super().__init__()
+        h = cfg.d_model
+        self.fc = ColumnParallelLinear(h, 4 * h, group=group, gen=gen,
+                                       init=normal_init(cfg.init_std))
+        self.proj = RowParallelLinear(4 * h, h, group=group, gen=gen,
+                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = kernels.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
+        return self.proj(y, add_bias=False), self.proj.bias
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator) -> None:
+        super().__init__()
+        self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.attn = Attention(cfg, group, gen)
+        self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.mlp = MLP(cfg, group, gen)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.attn(self.ln1(x))
+        x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
+        out, bias = self.mlp(self.ln2(x))
+        return kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
+
+
+class GPT(nn.Module):
+    """The whole GPT (or, with ``tp_group``, this rank's tensor-parallel shard of it).
+
+    ``vocab_size`` is the tokenizer's; the embedding is padded to a multiple of 128·t and the
+    padded rows never reach the loss or the returned logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, tp_group: Any = None,
+                 seed: int = 1234) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab(vocab_size, _tp_size(tp_group))
+        self.tp_group = tp_group
+        gen = torch.Generator().manual_seed(seed)
+        self.wte = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, group=tp_group,
+                                          gen=gen, init=normal_init(cfg.init_std))
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        normal_init(cfg.init_std)(self.wpe.weight, gen)
+        self.blocks = nn.ModuleList(Block(cfg, tp_group, gen) for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s)."""
+        s = ids.shape[1]
+        if s > self.cfg.seq_len:
+            raise ValueError(f"sequence of {s} tokens is longer than model.seq_len "
+                             f"{self.cfg.seq_len}")
+        pos = torch.arange(s, device=ids.device)
+        return F.dropout(self.wte(ids) + self.wpe(pos), self.cfg.dropout, self.training)
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x after every block, recomputing each in backward under ``recompute: full``."""
+        full = self.cfg.recompute == "full" and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if full else block(x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits over the real vocabulary (the output layer shares the embedding)."""
+        logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
+        return logits[..., :self.vocab_size]
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the mean cross-entropy against ``labels``, or the logits when none."""
+        logits = self.head(self.run_blocks(self.embed(ids)))
+        return logits if labels is None else kernels.cross_entropy(logits, labels)
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, gen: torch.Generator | None = None) -> torch.Tensor:
+        """Return ``ids`` extended by ``new_tokens`` sampled tokens."""
+        for _ in range(new_tokens):
+            logits = self(ids[:, -self.cfg.seq_len:])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+            ids = torch.cat([ids, nxt], dim=1)
+        return ids
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Return the number of parameters this rank holds."""
+    return sum(p.numel() for p in model.parameters())

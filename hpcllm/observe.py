@@ -1,0 +1,151 @@
+"""What a run reports: FLOPs and MFU, memory, NVTX ranges, metrics.jsonl and TensorBoard.
+
+FLOPs follow Narayanan et al. (SC21), eq. 3: a GPT step on B sequences of s tokens with l
+layers, hidden size h and vocabulary V costs
+
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))      without recomputation,
+    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))      with full recomputation (one more forward of
+                                                 every layer; the output layer is not redone).
+
+Selective recomputation redoes only the attention core, 4·B·s²·h per layer. ``tflops_per_gpu``
+counts the work done (recomputation included, as the paper reports it); ``mfu`` divides the
+model's FLOPs (the 72· count) by the device's peak, as Chowdhery et al. (PaLM) define it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense peak TFLOP/s per GPU, from the vendors' data sheets (SXM parts, no sparsity). fp32
+# means TF32 tensor cores, which torch uses for fp32 matmuls when allowed.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
+}
+
+
+def step_flops(batch: int, seq_len: int, n_layer: int, d_model: int, vocab: int,
+               recompute: str = "none") -> float:
+    """Return the FLOPs of one training step on ``batch`` sequences (Megatron's count)."""
+    b, s, layers, h, v = batch, seq_len, n_layer, d_model, vocab
+    if recompute == "full":
+        return 96.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+    flops = 72.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    if recompute == "selective":
+        flops += 4.0 * b * s * s * h * layers
+    return flops
+
+
+def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """Return the device's peak TFLOP/s for ``precision``: the override, the table, or None."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks[precision]
+    return None
+
+
+def memory_mb(device: torch.device) -> float:
+    """Return peak allocated CUDA memory, or this process's resident set on CPU, in MB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e6
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss / 1e6
+
+
+def gpu_utilisation(device: torch.device) -> float | None:
+    """Return the GPU's busy percentage from NVML (what nvidia-smi shows), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # NVML missing or not permitted: the metric is simply absent
+        return None
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """Mark a range for Nsight Systems (a cheap no-op when no profiler is attached)."""
+    import nvtx
+
+    with nvtx.annotate(name, domain="hpcllm"):
+        yield
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to metrics.jsonl, and mirrors it to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Record one step's metrics."""
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, int | float) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        """Flush and close both outputs."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Return the records of a run's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(run_dir: Path) -> Path:
+    """Draw the run's training and validation loss to loss.png; return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(run_dir) / "loss.png"
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,202 @@
+"""Megatron's tensor-parallel layers and the autograd functions that move data between ranks.
+
+Each communication is an ``autograd.Function`` whose backward mirrors its forward: copying
+into the tensor-parallel region all-reduces gradients on the way back, reducing out of it
+passes gradients through, gathering splits and splitting gathers. With a tp group of one rank
+every function is the identity and each layer an ordinary Linear or Embedding.
+
+Weights are initialised whole, from the same generator on every rank, and each rank keeps its
+slice, so a model built with t > 1 holds exactly the shards of the t = 1 model from the same
+seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+InitFn = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_last(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return x unchanged; its gradient is all-reduced over the tp group."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return the sum of x over the tp group; its gradient passes through."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return the tp ranks' x concatenated along the last dimension; backward splits."""
+    return x if _size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return this rank's slice of x's last dimension; backward gathers."""
+    return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def normal_init(std: float) -> InitFn:
+    """Return an initialiser that draws N(0, std²) from the given generator."""
+    def init(weight: torch.Tensor, gen: torch.Generator) -> None:
+        with torch.no_grad():
+            weight.normal_(0.0, std, generator=gen)
+    return init
+
+
+def _init_shard(shard: torch.Tensor, full_shape: tuple[int, ...], dim: int, stride: int,
+                init: InitFn, gen: torch.Generator, group: Any) -> None:
+    """Initialise the whole weight from ``gen`` and copy this rank's slice into ``shard``.
+
+    ``stride`` > 1 splits each of ``stride`` equal blocks along ``dim`` separately (the fused
+    q|k|v projection keeps its q, k and v heads together on each rank).
+    """
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init(full, gen)
+    blocks = full.chunk(stride, dim=dim)
+    mine = [b.chunk(_size(group), dim=dim)[_rank(group)] for b in blocks]
+    with torch.no_grad():
+        shard.copy_(torch.cat(mine, dim=dim))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X·Aᵀ + b with A split by output rows: each rank computes its columns of Y."""
+
+    def __init__(self, in_features: int, out_features: int, *, group: Any, gen: torch.Generator,
+                 init: InitFn, bias: bool = True, gather_output: bool = False,
+                 stride: int = 1) -> None:
+        super().__init__()
+        t = _size(group)
+        if out_features % (t * stride):
+            raise ValueError(f"out_features {out_features} not divisible by tp {t} x {stride}")
+        self.group, self.gather_output = group, gather_output
+        self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
+        _init_shard(self.weight, (out_features, in_features), 0, stride, init, gen, group)
+        self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        y = F.linear(copy_to_tp(x, self.group), self.weight,
+                     self.bias if add_bias else None)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X·Aᵀ + b with A split by input columns: partial products summed over the tp group.
+
+    The bias is added after the sum (once), or left to the caller (``add_bias=False``) so a
+    fused bias-dropout-add can take it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Any, gen: torch.Generator,
+                 init: InitFn, bias: bool = True, input_is_parallel: bool = True) -> None:
+        super().__init__()
+        t = _size(group)
+        if in_features % t:
+            raise ValueError(f"in_features {in_features} not divisible by tp {t}")
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
+        _init_shard(self.weight, (out_features, in_features), 1, 1, init, gen, group)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y + self.bias if (add_bias and self.bias is not None) else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split over the tp group."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, group: Any, gen: torch.Generator,
+                 init: InitFn) -> None:
+        super().__init__()
+        t = _size(group)
+        if num_embeddings % t:
+            raise ValueError(f"vocabulary {num_embeddings} not divisible by tp {t}")
+        self.group = group
+        per_rank = num_embeddings // t
+        self.vocab_start = _rank(group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, dim))
+        _init_shard(self.weight, (num_embeddings, dim), 0, 1, init, gen, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if _size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)

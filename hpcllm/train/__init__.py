@@ -1,0 +1,1 @@
+"""The training step, optimizer and schedule, checkpoints."""

@@ -1,0 +1,307 @@
+"""The training loop: the one place that wires grid, data, model, engine and optimizer.
+
+A step: ``accumulation`` micro-batches forward and backward (gradient reduction only on the
+last), unscale, clip by the global norm, optimizer step under the AMP scaler, then metrics.
+SIGTERM or SIGUSR1 finishes the step in flight, saves a checkpoint and ends the run cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcllm import observe, topology
+from hpcllm.config import Config, accumulation_steps, parse_profile_steps
+from hpcllm.datasets.reader import MicroBatchReader
+from hpcllm.datasets.shards import load_manifest
+from hpcllm.errors import UserError
+from hpcllm.kernels import resolve_fused
+from hpcllm.model.gpt import GPT, count_parameters
+from hpcllm.parallel.data import build_engine
+from hpcllm.train import checkpoint
+from hpcllm.train.optim import (
+    autocast,
+    build_optimizer,
+    build_scaler,
+    lr_at,
+)
+
+GradHook = Callable[[int, torch.nn.Module], None]
+
+
+def _check_supported(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.tp > 1 or p.pp > 1 or p.vpp > 1 or p.sequence_parallel:
+        raise UserError("tensor and pipeline parallelism (parallel.tp/pp/vpp > 1, "
+                        "sequence_parallel) are not available in this version yet; "
+                        "set parallel.tp=1 and parallel.pp=1")
+
+
+class Trainer:
+    """Sets up a run from its config on this rank's grid position, then trains it."""
+
+    def __init__(self, cfg: Config, grad_hooks: list[GradHook] | None = None) -> None:
+        _check_supported(cfg)
+        self.cfg = cfg
+        self.grad_hooks = grad_hooks or []
+        p, t = cfg.parallel, cfg.train
+        self.grid = topology.init(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
+        self.device = self.grid.device
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks sharing a node share its cores; torch would start a thread per core each.
+            cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(max(1, cores // self.grid.launch.local_size))
+        self.manifest = load_manifest(cfg.data.path)
+        vocab = cfg.model.vocab_size or self.manifest.vocab_size
+        if vocab < self.manifest.vocab_size:
+            raise UserError(f"model.vocab_size {vocab} is smaller than the data's tokenizer "
+                            f"({self.manifest.vocab_size})")
+        resolve_fused(cfg.model.fused_kernels, self.device)
+        self.run_dir = Path(cfg.run.dir)
+        if self.grid.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.dump(self.run_dir / "config.yaml")
+            # The run keeps its tokenizer, so generate and convert need not find the data.
+            shutil.copy(self.manifest.tokenizer_path, self.run_dir / "tokenizer.json")
+
+        self.accumulation = accumulation_steps(t, self.grid.dp)
+        self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
+        self.tokens_per_step = self.global_batch * cfg.model.seq_len
+        # Same weights on every rank from the seed; dropout streams differ per pipeline stage.
+        torch.manual_seed(t.seed + 100 * self.grid.pp_rank)
+        self.model = GPT(cfg.model, vocab, tp_group=self.grid.tp_group if p.tp > 1 else None,
+                         seed=t.seed).to(self.device)
+        self.engine = build_engine(p.dp_engine, self.model, self.grid, p.ddp_bucket_mb)
+        self.optimizer = build_optimizer(self.model, t, self.device)
+        self.scaler = build_scaler(t.precision, self.device)
+        self.step = 0
+        self.consumed_samples = 0
+        self.skipped_steps = 0
+        self._resume()
+        self.reader = MicroBatchReader(
+            self.manifest, seq_len=cfg.model.seq_len, micro_batch_size=t.micro_batch_size,
+            dp_rank=self.grid.dp_rank, dp_size=self.grid.dp, seed=cfg.data.seed,
+            consumed_samples=self.consumed_samples, prefetch=cfg.data.prefetch)
+        self.flops_per_step = observe.step_flops(
+            self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
+            self.model.padded_vocab, cfg.model.recompute)
+        self.model_flops_per_step = observe.step_flops(
+            self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
+            self.model.padded_vocab, "none")
+        self.peak = observe.peak_tflops(self.device, t.precision, t.peak_tflops)
+        self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
+        self._stop_signal: int | None = None
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        if self.cfg.run.resume != "auto":
+            return
+        folder = checkpoint.latest(self.run_dir)
+        if folder is None:
+            return
+        shard = checkpoint.load_shard(folder, self.grid.tp_rank, self.grid.pp_rank,
+                                      self.grid.tp, self.grid.pp)
+        self.model.load_state_dict(shard["model"])
+        if shard.get("optimizer") is not None:
+            self.optimizer.load_state_dict(shard["optimizer"])
+        if shard.get("scaler"):
+            self.scaler.load_state_dict(shard["scaler"])
+        if shard.get("rng") is not None:
+            checkpoint.set_rng_state(shard["rng"], self.device)
+        meta = checkpoint.read_meta(folder)
+        self.step = meta["step"]
+        self.consumed_samples = meta.get("consumed_samples", 0)
+        self.skipped_steps = meta.get("skipped_steps", 0)
+        if meta.get("global_batch") not in (None, self.global_batch):
+            raise UserError(f"{folder} was trained with global batch {meta['global_batch']}; "
+                            f"this run has {self.global_batch}, so the data position would "
+                            "not line up")
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (every rank must call this)."""
+        import yaml
+
+        shard = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict(), "rng": checkpoint.rng_state(self.device)}
+        meta = {"consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
+                "global_batch": self.global_batch, "vocab_size": self.model.vocab_size}
+        return checkpoint.save(self.run_dir, self.step, self.grid, shard, meta,
+                               yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _set_lr(self) -> float:
+        lr = lr_at(self.step, self.cfg.train, self.global_batch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def train_step(self, batches: Any) -> dict[str, Any]:
+        """Run one optimizer step over ``accumulation`` micro-batches; return its metrics."""
+        t = self.cfg.train
+        started = time.perf_counter()
+        lr = self._set_lr()
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        data_time = 0.0
+        for micro in range(self.accumulation):
+            with observe.nvtx_range(f"data mb{micro}"):
+                fetched = time.perf_counter()
+                batch = next(batches)
+                ids = batch.input_ids.to(self.device, non_blocking=True)
+                labels = batch.labels.to(self.device, non_blocking=True)
+                data_time += time.perf_counter() - fetched
+            last = micro == self.accumulation - 1
+            with self.engine.accumulate(last):
+                with observe.nvtx_range(f"forward mb{micro}"), autocast(t.precision,
+                                                                         self.device):
+                    loss = self.engine.module(ids, labels)
+                with observe.nvtx_range(f"backward mb{micro}"):
+                    self.scaler.scale(loss / self.accumulation).backward()
+            loss_sum += loss.detach()
+        with observe.nvtx_range("gradient communication"):
+            self.engine.finish_gradients()
+        for hook in self.grad_hooks:
+            hook(self.step, self.model)
+        with observe.nvtx_range("optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale
+            self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += int(skipped)
+        self.consumed_samples += self.global_batch
+        self.step += 1
+        loss_mean = loss_sum / self.accumulation
+        if self.grid.dp > 1:
+            dist.all_reduce(loss_mean, group=self.grid.dp_group)
+            loss_mean /= self.grid.dp
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step_time = time.perf_counter() - started
+        return {"step": self.step, "loss": loss_mean.item(), "lr": lr,
+                "grad_norm": grad_norm.item(), "step_time_s": step_time,
+                "data_time_s": data_time, "skipped": bool(skipped)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
+        t = self.cfg.train
+        self.model.eval()
+        reader = MicroBatchReader(self.manifest, split="val", seq_len=self.cfg.model.seq_len,
+                                  micro_batch_size=t.micro_batch_size, dp_rank=self.grid.dp_rank,
+                                  dp_size=self.grid.dp, seed=self.cfg.data.seed, prefetch=2)
+        batches = iter(reader)
+        total = torch.zeros((), device=self.device)
+        iters = min(t.eval_iters, reader.steps_per_epoch)
+        for _ in range(iters):
+            batch = next(batches)
+            with autocast(t.precision, self.device):
+                total += self.model(batch.input_ids.to(self.device),
+                                    batch.labels.to(self.device)).float()
+        batches.close()
+        total /= iters
+        if self.grid.dp > 1:
+            dist.all_reduce(total, group=self.grid.dp_group)
+            total /= self.grid.dp
+        return total.item()
+
+    # -- the run -------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stop_signal = signum
+
+    def _stop_requested(self) -> bool:
+        # Every rank must agree, or one would save while another waits in the next step.
+        flag = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _metrics(self, record: dict[str, Any], step_times: list[float]) -> dict[str, Any]:
+        step_time = sum(step_times) / len(step_times)
+        tflops = self.flops_per_step / step_time / self.grid.world_size / 1e12
+        model_tflops = self.model_flops_per_step / step_time / self.grid.world_size / 1e12
+        record.update(
+            tokens_per_s=self.tokens_per_step / step_time,
+            step_time_s=step_time,
+            tflops_per_gpu=tflops,
+            mfu=model_tflops / self.peak if self.peak else None,
+            memory_mb=observe.memory_mb(self.device),
+            gpu_util=observe.gpu_utilisation(self.device),
+            skipped_steps=self.skipped_steps,
+            consumed_samples=self.consumed_samples,
+        )
+        return record
+
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        """Train to ``train.steps`` (or a stop signal); return the run's summary."""
+        t = self.cfg.train
+        is_root = self.grid.rank == 0
+        log = observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard) if is_root else None
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM,
+                                                                   signal.SIGUSR1)}
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=self.step, disable=not (progress and is_root),
+                   desc="train", unit="step", dynamic_ncols=True)
+        batches = iter(self.reader)
+        step_times: list[float] = []
+        summary: dict[str, Any] = {"start_step": self.step, "stopped_by": None}
+        first_step = self.step
+        try:
+            while self.step < t.steps:
+                if self.profile and self.step == self.profile[0] and self.device.type == "cuda":
+                    torch.cuda.profiler.start()
+                with observe.nvtx_range(f"step {self.step}"):
+                    record = self.train_step(batches)
+                if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
+                    torch.cuda.profiler.stop()
+                # The first step of a process pays one-off costs; keep it out of the rates.
+                if self.step > first_step + 1 or t.steps - first_step == 1:
+                    step_times.append(record["step_time_s"])
+                summary["last_loss"] = record["loss"]
+                evaluate = t.eval_interval and self.step % t.eval_interval == 0 \
+                    or self.step == t.steps
+                if evaluate:
+                    record["val_loss"] = summary["val_loss"] = self.evaluate()
+                if self.step % t.log_interval == 0 or self.step == t.steps or evaluate:
+                    record = self._metrics(record, step_times or [record["step_time_s"]])
+                    step_times = step_times[-t.log_interval:]
+                    if log:
+                        log.write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                    tok_s=f"{record['tokens_per_s']:.0f}")
+                    summary.update({k: record[k] for k in ("tokens_per_s", "tflops_per_gpu",
+                                                           "mfu", "step_time_s")})
+                bar.update(1)
+                stop = self._stop_requested()
+                if (t.save_interval and self.step % t.save_interval == 0) or stop \
+                        or self.step == t.steps:
+                    self.save()
+                if stop:
+                    summary["stopped_by"] = signal.Signals(self._stop_signal or
+                                                           signal.SIGTERM).name
+                    break
+        finally:
+            bar.close()
+            batches.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if log:
+                log.close()
+        summary.update(step=self.step, skipped_steps=self.skipped_steps,
+                       parameters=count_parameters(self.model), world_size=self.grid.world_size,
+                       global_batch=self.global_batch, run_dir=str(self.run_dir))
+        return summary

@@ -1,0 +1,159 @@
+import json
+import math
+
+import pytest
+import torch
+
+from hpcllm.config import ModelConfig, load_config, padded_vocab
+from hpcllm.convert import from_hf_state, hf_config, to_hf_state
+from hpcllm.errors import UserError
+from hpcllm.model.gpt import GPT
+from hpcllm.observe import step_flops
+from hpcllm.train.optim import lr_at
+
+
+def small(**kw) -> ModelConfig:
+    cfg = dict(preset=None, n_layer=2, n_head=4, d_model=32, seq_len=16, dropout=0.0)
+    cfg.update(kw)
+    return ModelConfig(**cfg)
+
+
+def test_vocab_is_padded_to_128_times_tp():
+    assert padded_vocab(257, 1) == 384
+    assert padded_vocab(50257, 1) == 50304
+    assert padded_vocab(50257, 4) == 50688
+    assert GPT(small(), 257).wte.weight.shape == (384, 32)
+
+
+def test_logits_cover_the_real_vocabulary_and_loss_is_causal():
+    torch.manual_seed(0)
+    model = GPT(small(), 100).eval()
+    ids = torch.randint(0, 100, (2, 16))
+    logits = model(ids)
+    assert logits.shape == (2, 16, 100)
+    changed = ids.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 100
+    # Positions before 10 cannot see the change.
+    assert torch.equal(model(changed)[:, :10], logits[:, :10])
+    assert not torch.allclose(model(changed)[:, 10:], logits[:, 10:])
+
+
+def _loss_and_grads(recompute):
+    model = GPT(small(recompute=recompute), 100, seed=3).train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (3, 16), generator=gen)
+    labels = torch.randint(0, 100, (3, 16), generator=gen)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_gives_the_same_loss_and_gradients(recompute):
+    base_loss, base_grads = _loss_and_grads("none")
+    loss, grads = _loss_and_grads(recompute)
+    torch.testing.assert_close(loss, base_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, base_grads[name], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _hand_count(b, s, layers, h, v):
+    """Matmul FLOPs counted layer by layer: 2·m·n·k per (m×k)(k×n), backward twice forward."""
+    per_layer = (2 * b * s * h * 3 * h        # q, k, v projection
+                 + 2 * b * s * s * h          # scores q·kᵀ over all heads
+                 + 2 * b * s * s * h          # scores · v
+                 + 2 * b * s * h * h          # output projection
+                 + 2 * b * s * h * 4 * h      # MLP up
+                 + 2 * b * s * 4 * h * h)     # MLP down
+    forward = layers * per_layer + 2 * b * s * h * v   # + logits
+    return 3 * forward, layers * per_layer
+
+
+def test_flop_count_matches_a_hand_count():
+    b, s, layers, h, v = 8, 128, 4, 128, 384
+    total, layer_forward = _hand_count(b, s, layers, h, v)
+    assert step_flops(b, s, layers, h, v) == pytest.approx(total, rel=1e-12)
+    # Full recomputation runs every layer's forward once more, not the logits.
+    assert step_flops(b, s, layers, h, v, "full") == pytest.approx(total + layer_forward,
+                                                                   rel=1e-12)
+    assert step_flops(b, s, layers, h, v, "selective") == pytest.approx(
+        total + layers * 4 * b * s * s * h, rel=1e-12)
+
+
+def test_lr_warmup_cosine_and_linear_scaling():
+    cfg = load_config(overrides=["train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=10",
+                                 "train.steps=110"]).train
+    assert lr_at(0, cfg, 32) == pytest.approx(1e-4)
+    assert lr_at(9, cfg, 32) == pytest.approx(1e-3)
+    assert lr_at(60, cfg, 32) == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert lr_at(110, cfg, 32) == pytest.approx(1e-4)
+    cfg.lr_scaling, cfg.lr_reference_batch = "linear", 64
+    assert lr_at(9, cfg, 256) == pytest.approx(4e-3)
+    assert lr_at(110, cfg, 256) == pytest.approx(4e-4)
+
+
+def test_config_overrides_presets_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  preset: gpt2-124m\n  n_layer: 2\ntrain:\n  lr: 1.0e-3\n")
+    cfg = load_config(path, ["train.steps=7", "parallel.sequence_parallel=true",
+                             "model.vocab_size=null"])
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len) == (2, 768, 1024)
+    assert cfg.train.steps == 7 and cfg.parallel.sequence_parallel is True
+    for override, words in [("train.stepz=1", "unknown key train.stepz"),
+                            ("train.steps=abc", "train.steps must be int"),
+                            ("model.n_head=5", "not divisible by model.n_head"),
+                            ("train.precision=fp8", "precision must be one of"),
+                            ("parallel.tp=8", "n_head 4 is not divisible by parallel.tp 8"),
+                            ("oops", "--set expects section.key=value")]:
+        with pytest.raises(UserError, match=words):
+            load_config(None, [override])
+
+
+def test_hf_conversion_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    hf_cfg = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2,
+                                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    # Random biases and LayerNorm parameters too, so every tensor's mapping is exercised.
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    reference.save_pretrained(tmp_path / "hf", safe_serialization=True)
+
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    ours = GPT(small(n_layer=saved["n_layer"], vocab_size=300), 300)
+    from_hf_state(load_file(str(tmp_path / "hf" / "model.safetensors")), ours)
+    ours.eval()
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), reference(ids).logits, rtol=1e-5, atol=1e-5)
+    # Round trip: ours -> HF -> ours is exact, and HF's own tensors come back bit for bit.
+    back = to_hf_state(ours)
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for name, value in original.items():
+        if name.endswith(("attn.bias", "masked_bias")) or name == "lm_head.weight":
+            continue
+        assert torch.equal(back[name], value), name
+    again = GPT(small(), 300)
+    from_hf_state(back, again)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    # And our config.json loads in transformers with the same shape.
+    shape = hf_config(ours.cfg, 300, 0)
+    loaded = transformers.GPT2Config(**{k: v for k, v in shape.items()
+                                        if k not in ("architectures", "model_type")})
+    assert (loaded.n_layer, loaded.n_embd, loaded.vocab_size) == (2, 32, 300)
+
+
+def test_init_is_gpt2_style():
+    model = GPT(small(n_layer=8, d_model=64, seq_len=16), 1000, seed=0)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    scaled = 0.02 / math.sqrt(2 * 8)
+    assert model.blocks[0].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
+    assert torch.equal(GPT(small(), 100, seed=5).wte.weight, GPT(small(), 100, seed=5).wte.weight)

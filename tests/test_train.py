@@ -1,0 +1,139 @@
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from mpirun import REPO, python, run_mpi
+
+from hpcllm.config import load_config
+from hpcllm.datasets.prepare import PrepareOptions, prepare
+from hpcllm.generate import load_run_model
+from hpcllm.observe import read_metrics
+from hpcllm.train import checkpoint
+from hpcllm.train.trainer import Trainer
+
+SMALL = ["model.preset=null", "model.n_layer=2", "model.n_head=2", "model.d_model=64",
+         "model.seq_len=64", "train.micro_batch_size=4", "train.lr=3e-3", "train.min_lr=3e-4",
+         "train.warmup_steps=5", "train.log_interval=1", "train.eval_iters=4",
+         "run.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def stdlib(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    return out
+
+
+def _cfg(stdlib, run_dir, *extra):
+    return load_config(None, [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra])
+
+
+def test_loss_falls_on_the_stdlib_corpus(stdlib, tmp_path):
+    trainer = Trainer(_cfg(stdlib, tmp_path / "run", "train.steps=40", "train.eval_interval=0"))
+    summary = trainer.run(progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 40
+    assert losses[0] == pytest.approx(math.log(257), abs=0.3)  # uniform over bytes + EOS
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+    assert summary["val_loss"] < losses[0] - 1.5
+    record = read_metrics(tmp_path / "run")[-1]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "step_time_s", "memory_mb", "val_loss"):
+        assert key in record
+    assert record["mfu"] is None  # CPU, no peak given
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert checkpoint.latest(tmp_path / "run").name == "step_00000040"
+
+
+def test_fp16_skips_a_step_with_an_inf_gradient_and_goes_on(stdlib, tmp_path):
+    before = {}
+
+    def hook(step, model):
+        before[step] = [p.detach().clone() for p in model.parameters()]
+        if step == 2:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+
+    cfg = _cfg(stdlib, tmp_path / "run", "train.steps=5", "train.precision=fp16",
+               "train.eval_interval=0")
+    summary = Trainer(cfg, grad_hooks=[hook]).run(progress=False)
+    assert summary["skipped_steps"] == 1
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert same(before[2], before[3]), "the step with the inf gradient changed the weights"
+    assert not same(before[3], before[4]), "training did not go on after the skipped step"
+    records = read_metrics(tmp_path / "run")
+    assert [r["skipped"] for r in records] == [False, False, True, False, False]
+    assert records[-1]["skipped_steps"] == 1 and math.isfinite(records[-1]["loss"])
+
+
+def _train_cli(np, stdlib, run_dir, *extra, timeout=300):
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
+        args += ["--set", item]
+    return run_mpi(np, python(*args), timeout=timeout).check()
+
+
+@pytest.mark.mpi
+def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path):
+    # Two ranks, two micro-batches each per step (global batch 16): DDP with no_sync.
+    common = ["train.global_batch_size=16", "train.lr_decay_steps=8", "train.eval_interval=0"]
+    _train_cli(2, stdlib, tmp_path / "whole", "train.steps=8", *common)
+    _train_cli(2, stdlib, tmp_path / "split", "train.steps=4", *common)
+    _train_cli(2, stdlib, tmp_path / "split", "train.steps=8", *common)
+    whole = {r["step"]: r for r in read_metrics(tmp_path / "whole")}
+    split = {r["step"]: r for r in read_metrics(tmp_path / "split")}
+    assert sorted(split) == list(range(1, 9))
+    for step in range(1, 9):
+        assert split[step]["loss"] == whole[step]["loss"], step
+        assert split[step]["grad_norm"] == whole[step]["grad_norm"], step
+        assert split[step]["consumed_samples"] == 16 * step
+
+
+def _wait_for_metrics(run_dir, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "training ended before the signal"
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and path.read_text().count("\n") >= 2:
+            return
+        time.sleep(0.1)
+    raise AssertionError("no metrics in time")
+
+
+@pytest.mark.parametrize("launcher, sig", [("single", signal.SIGTERM),
+                                           ("mpirun", signal.SIGUSR1)])
+def test_signal_saves_a_loadable_checkpoint_and_exits_0(stdlib, tmp_path, launcher, sig):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
+    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", "train.steps=100000",
+                 "train.eval_interval=0"]:
+        cmd += ["--set", item]
+    if launcher == "mpirun":
+        from mpirun import mpi_env
+
+        cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", *cmd]
+        env = mpi_env()
+    else:
+        env = None
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_metrics(run_dir, proc)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"stopped by {sig.name}" in out
+    folder = checkpoint.latest(run_dir)
+    meta = checkpoint.read_meta(folder)
+    assert 2 <= meta["step"] < 100000
+    model, tokenizer = load_run_model(run_dir)
+    assert tokenizer.vocab_size == 257 and model.cfg.n_layer == 2
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == meta["step"]
