@@ -94,8 +94,9 @@ def bench_prepare(corpus: str, out_root: Path, ranks: tuple[int, ...],
         for n in ranks:
             out = out_root / f"{tokenizer}-{n}ranks"
             cmd = [sys.executable, "-m", "hpcllm", "prepare", "--corpus", corpus,
-                   "--tokenizer", tokenizer, "--vocab-size", str(vocab_size),
-                   "--out", str(out), "--quiet"]
+                   "--tokenizer", tokenizer, "--out", str(out), "--quiet"]
+            if tokenizer == "bpe":
+                cmd += ["--vocab-size", str(vocab_size)]
             env = dict(os.environ)
             if threads_per_rank:
                 env["RAYON_NUM_THREADS"] = str(threads_per_rank)

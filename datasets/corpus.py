@@ -97,6 +97,9 @@ def _jsonl_text(path: Path, number: int, line: bytes, field: str) -> str:
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{number + 1}: not JSON ({err.msg})",
                         same_on_all_ranks=False) from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}:{number + 1}: not UTF-8 ({err.reason})",
+                        same_on_all_ranks=False) from None
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
         raise UserError(f"{path}:{number + 1}: no string field {field!r} "
                         "(choose it with --jsonl-field)", same_on_all_ranks=False)

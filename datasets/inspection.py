@@ -27,6 +27,7 @@ def summary(manifest: Manifest) -> dict[str, Any]:
             split: {"shards": len(manifest.shards[split]),
                     "documents": manifest.n_documents(split),
                     "tokens": manifest.n_tokens(split),
+                    "text_bytes": sum(x.text_bytes for x in manifest.shards[split]),
                     "files": [s.path.name for s in manifest.shards[split]]}
             for split in SPLITS
         },
@@ -44,8 +45,7 @@ def render_summary(info: dict[str, Any]) -> str:
         f"text       {info['text_bytes'] / 1e6:.2f} MB",
     ]
     for split, s in info["splits"].items():
-        ratio = f", {info['text_bytes'] / max(1, s['tokens']):.2f} B/token" \
-            if split == "train" else ""
+        ratio = f", {s['text_bytes'] / max(1, s['tokens']):.2f} B/token"
         lines.append(f"{split:<10} {s['shards']} shards, {s['documents']} documents, "
                      f"{s['tokens']} tokens{ratio}")
     prep = info["prepare"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class PrepareOptions:
     inputs: tuple[str, ...] = ()
     corpus: str | None = None
     tokenizer: str = "bpe"
-    vocab_size: int = 8192
+    vocab_size: int | None = None  # BPE only; None: 8192
     val_fraction: float = 0.01
     shards: int | None = None
     val_shards: int = 1
@@ -54,6 +55,12 @@ class PrepareOptions:
         """Raise a UserError for options that cannot work."""
         if bool(self.inputs) == bool(self.corpus):
             raise UserError("give either --input PATH... or --corpus NAME")
+        if self.vocab_size is not None:
+            if self.tokenizer != "bpe":
+                raise UserError("--vocab-size applies to --tokenizer bpe only")
+            if self.vocab_size < 257:
+                raise UserError(f"--vocab-size must be at least 257 (256 bytes + EOS), "
+                                f"got {self.vocab_size}")
         if not 0 <= self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.shards is not None and self.shards < 1:
@@ -131,13 +138,20 @@ def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) 
         return byte_tokenizer()
     if opts.tokenizer != "bpe":
         return load_tokenizer(Path(opts.tokenizer))
-    # Rank 0 trains on the training documents only, so validation text stays unseen.
-    spec = None
+    # Rank 0 trains on the training documents only, so validation text stays unseen. Its
+    # error, if any, travels with the result so that every rank stops with it.
+    spec, error = None, None
     if world.rank == 0:
         texts = (text for _, _, text in iter_documents(
             sources, lambda i: split_of(i, opts.val_fraction)[0] == "train", opts.jsonl_field))
-        spec = train_bpe(texts, opts.vocab_size).spec
-    return Tokenizer(world.bcast(spec))
+        try:
+            spec = train_bpe(texts, opts.vocab_size or 8192).spec
+        except UserError as err:
+            error = str(err)
+    spec, error = world.bcast((spec, error))
+    if error:
+        raise UserError(error)
+    return Tokenizer(spec)
 
 
 def _shard_plan(opts: PrepareOptions, world: _World) -> tuple[int, Callable[[int], bool]]:
@@ -210,9 +224,17 @@ def _tokenize_into(writers: dict[tuple[str, int], ShardWriter], opts: PrepareOpt
     bar = tqdm(desc=f"tokenizing ({world.size} ranks)", unit="B", unit_scale=True,
                disable=not progress or world.rank != 0 or None, leave=False)
     batch: list[tuple[int, int, str]] = []
+    checked = []
 
     def flush() -> None:
         encoded = tokenizer.encode_batch([text for _, _, text in batch])
+        if not checked and batch:
+            checked.append(True)
+            if tokenizer.decode(encoded[0]) != batch[0][2]:
+                # A tokenizer.json with a normaliser (lower-casing, say) loses text.
+                print(f"hpcllm: warning (rank {world.rank}): the tokenizer does not give "
+                      f"back document {batch[0][0]} exactly; decoded shards will differ from "
+                      "the input text", file=sys.stderr, flush=True)
         for (doc_id, source_index, text), ids in zip(batch, encoded, strict=True):
             split, index = split_of(doc_id, opts.val_fraction)
             key = (split, index % n_shards[split])

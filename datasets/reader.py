@@ -62,9 +62,16 @@ class TokenStream:
     def _token_ids(self) -> list[Any]:
         """Return the low-level HDF5 ids of each shard's tokens, opening files if needed."""
         if self._handles is None or self._pid != os.getpid():
-            self._handles = [open_shard(self.manifest, s, self.cache_bytes)
-                             for s in self.shards]
-            self._ids = [h["tokens"].id for h in self._handles]
+            handles: list[Any] = []
+            try:
+                for shard in self.shards:
+                    handles.append(open_shard(self.manifest, shard, self.cache_bytes))
+            except BaseException:
+                for handle in handles:
+                    handle.close()
+                raise
+            self._handles = handles
+            self._ids = [h["tokens"].id for h in handles]
             self._pid = os.getpid()
         return self._ids
 
@@ -109,6 +116,10 @@ class ShardDataset:
         self.stream = TokenStream(manifest, split, cache_bytes)
         self.seq_len = seq_len
         self.n_samples = max(0, (self.stream.n_tokens - 1) // seq_len)
+        if self.stream.n_tokens == 0:
+            raise UserError(f"the {split} split of {manifest.root} is empty"
+                            + ("; prepare with a larger --val-fraction" if split == "val"
+                               else ""))
         if self.n_samples == 0:
             raise UserError(f"sequence length {seq_len} is longer than the {split} data "
                             f"({self.stream.n_tokens} tokens in {manifest.root})")

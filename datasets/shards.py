@@ -28,6 +28,22 @@ CHUNK_TOKENS = 1 << 16
 _FLUSH_TOKENS = 1 << 22
 
 
+def durable_replace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` after its data reached the disk, and make the rename durable.
+
+    Without the fsyncs a node crash (not just a killed process) could leave ``dst`` pointing
+    at data that never left the page cache.
+    """
+    with open(src, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(src, dst)
+    fd = os.open(dst.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Return uint16 when every id fits, else uint32."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
@@ -107,7 +123,7 @@ class ShardWriter:
                                 text_bytes=self.text_bytes,
                                 sources=json.dumps(list(self._sources)))
         self._file.close()
-        os.replace(self._partial, self.path)
+        durable_replace(self._partial, self.path)
         return {"file": self.path.name, "n_documents": self.n_documents, "n_tokens": n_tokens,
                 "text_bytes": self.text_bytes}
 
@@ -123,7 +139,7 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     path = out_dir / MANIFEST
     tmp = out_dir / f".{MANIFEST}.partial-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
+    durable_replace(tmp, path)
     return path
 
 

@@ -32,6 +32,8 @@ class Tokenizer:
             from tokenizers import Tokenizer as HFTokenizer
 
             self._hf = HFTokenizer.from_str(spec)
+            # "<|endoftext|>" written in a document is text, not the end of the document.
+            self._hf.encode_special_tokens = True
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             eos = self._hf.token_to_id(EOS_TOKEN)
             if eos is None:

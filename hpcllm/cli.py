@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,14 +13,26 @@ from hpcllm.errors import run_reporting_errors
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are UserErrors: one line, rank 0, exit 2 on every rank."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from hpcllm.errors import UserError
+
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpcllm",
         description="Train GPT-style models with tensor, pipeline and data parallelism, "
         "started by mpirun or srun.",
@@ -158,8 +171,9 @@ def _add_prepare(verbs: argparse._SubParsersAction) -> None:
                       help="bpe: train a byte-level BPE on the training documents; byte: raw "
                       "UTF-8 bytes (257 ids: 256 bytes and EOS); FILE.json: a Hugging Face "
                       "tokenizer.json with an <|endoftext|> token [default: bpe]")
-    prep.add_argument("--vocab-size", type=_positive, default=8192, metavar="N",
-                      help="vocabulary of the trained BPE, EOS included [default: 8192]")
+    prep.add_argument("--vocab-size", type=_positive, default=None, metavar="N",
+                      help="vocabulary of the trained BPE, EOS included (bpe only) "
+                      "[default: 8192]")
     prep.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
                       help="fraction of documents (not tokens) held out for validation, "
                       "spread evenly through the corpus [default: 0.01]")
@@ -271,7 +285,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(f"ok: {count} shards verified (checksums, counts, document offsets)",
               file=sys.stderr)
     if args.dump:
-        inspection.dump(manifest, args.dump, sys.stdout.buffer)
+        try:
+            inspection.dump(manifest, args.dump, sys.stdout.buffer)
+        except BrokenPipeError:  # `| head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     info = inspection.summary(manifest)
     print(json.dumps(info, indent=2) if args.json else inspection.render_summary(info))
@@ -347,5 +364,8 @@ def _run_bench_prepare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``hpcllm`` command line and return its exit code."""
-    args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_reporting_errors(lambda: args.run(args))
+    def parse_and_run() -> int:
+        args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return args.run(args)
+
+    return run_reporting_errors(parse_and_run)

@@ -36,8 +36,12 @@ def _env_rank() -> int:
 
 
 def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
-    """Return once every MPI rank got here, or after ``timeout_s``; no-op without a launcher."""
-    from hpcllm.topology import detect_launcher
+    """Return once every MPI rank got here; abort the job if they do not within ``timeout_s``.
+
+    An error that was meant to be seen by every rank but was not (a bug) then ends the job
+    instead of leaving the other ranks waiting forever.
+    """
+    from hpcllm.topology import detect_launcher, error_comm
 
     try:
         launch = detect_launcher()
@@ -45,11 +49,13 @@ def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
         return
     if launch.world_size == 1:
         return
-    from hpcllm.topology import start_mpi
-
-    request = start_mpi().COMM_WORLD.Ibarrier()
+    comm = error_comm()
+    request = comm.Ibarrier()
     deadline = time.monotonic() + timeout_s
-    while not request.Test() and time.monotonic() < deadline:
+    while not request.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.flush()
+            comm.Abort(USER_ERROR_EXIT)
         time.sleep(0.01)
 
 

@@ -291,6 +291,9 @@ class Grid:
         }
 
 
+_ERROR_COMM: list[Any] = []
+
+
 def start_mpi() -> Any:
     """Return the mpi4py.MPI module, initialising MPI with settings that suit torch and Horovod."""
     import mpi4py
@@ -300,7 +303,17 @@ def start_mpi() -> Any:
     mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
+    if not _ERROR_COMM:
+        # Made here, where every rank passes together, so that the error path never needs a
+        # collective of its own and its barrier cannot match one of the program's.
+        _ERROR_COMM.append(MPI.COMM_WORLD.Dup())
     return MPI
+
+
+def error_comm() -> Any:
+    """Return the communicator reserved for agreeing on errors (MPI started first)."""
+    start_mpi()
+    return _ERROR_COMM[0]
 
 
 def _rendezvous(world: Any, launch: Launch) -> tuple[str, int, Any]:

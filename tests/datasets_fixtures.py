@@ -18,6 +18,7 @@ TEXTS = [
     "# " + "long line of text " * 400 + "\n",
     "x = [i ** 2 for i in range(10)]\nprint(x)\n",
     "The quick brown fox jumps over the lazy dog. " * 50,
+    "a document may mention <|endoftext|> as text; it must stay text\n",
 ]
 JSONL_TEXTS = ["first json document", "second one\nwith a newline", "third: ü ß ø"]
 

@@ -21,7 +21,9 @@ def _dump(out, split):
 def test_prepare_on_three_ranks_equals_one(tmp_path, tokenizer):
     inputs, docs = make_corpus(tmp_path / "src")
     args = ["-m", "hpcllm", "prepare", "--input", *inputs, "--tokenizer", tokenizer,
-            "--vocab-size", "300", "--val-fraction", "0.2", "--quiet"]
+            "--val-fraction", "0.2", "--quiet"]
+    if tokenizer == "bpe":
+        args += ["--vocab-size", "300"]
     run_mpi(3, python(*args, "--out", str(tmp_path / "three")), timeout=120).check()
     run_mpi(1, python(*args, "--out", str(tmp_path / "one"), "--shards", "3"),
             timeout=120).check()
@@ -43,6 +45,16 @@ def test_prepare_user_error_is_one_line_on_every_rank(tmp_path):
     lines = [line for text in result.rank_stderr.values() for line in text.splitlines()]
     assert lines == [f"hpcllm: error: input {tmp_path / 'nope'} does not exist "
                      "(no file, folder or glob match)"]
+
+
+def test_bad_vocab_size_on_three_ranks_is_exit_2_not_a_hang(tmp_path):
+    inputs, _ = make_corpus(tmp_path / "src")
+    result = run_mpi(3, python("-m", "hpcllm", "prepare", "--input", *inputs, "--vocab-size",
+                               "100", "--out", str(tmp_path / "out")), timeout=60)
+    assert result.returncode == 2
+    lines = [line for text in result.rank_stderr.values() for line in text.splitlines()]
+    assert lines == ["hpcllm: error: --vocab-size must be at least 257 (256 bytes + EOS), "
+                     "got 100"]
 
 
 def test_error_in_one_ranks_part_aborts_the_job_with_its_name(tmp_path):

@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,16 +34,23 @@ def _joined(docs):
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
 def test_round_trip_multi_file_corpus(tmp_path, tokenizer):
+    vocab = {"vocab_size": 300} if tokenizer == "bpe" else {}
     manifest, docs = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer=tokenizer,
-                                    vocab_size=300, val_fraction=0.25, shards=3)
+                                    val_fraction=0.25, shards=3, **vocab)
     expected = split_docs(docs, 0.25)
-    assert len(expected["val"]) == 2 and len(expected["train"]) == 9
+    assert len(expected["val"]) == 3 and len(expected["train"]) == 9
     for split in ("train", "val"):
         assert _dump(tmp_path / "out", split) == _joined(expected[split])
         assert manifest["n_documents"][split] == len(expected[split])
     assert manifest["tokenizer"]["kind"] == tokenizer
     assert manifest["text_bytes"] == sum(len(d.encode()) for d in docs)
     assert len(manifest["splits"]["train"]) == 3
+    # EOS only ends documents: the literal "<|endoftext|>" in one of them stayed text.
+    eos = manifest["tokenizer"]["eos_id"]
+    for entry in manifest["splits"]["train"]:
+        with h5py.File(tmp_path / "out" / entry["file"]) as f:
+            tokens, offsets = f["tokens"][:], f["doc_offsets"][:]
+        assert (tokens == eos).sum() == len(offsets) - 1
 
 
 def test_token_dtype_and_shard_attributes(tmp_path):
@@ -96,6 +104,24 @@ def test_builtin_corpus_has_no_test_suites():
     assert not any("/test/" in str(s.path) or s.path.name.startswith("test_")
                    for s in sources)
     assert sum(s.path.stat().st_size for s in sources) > 5e6
+
+
+def test_non_utf8_jsonl_line_is_a_user_error(tmp_path):
+    (tmp_path / "c.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(UserError, match="c.jsonl:2: not UTF-8"):
+        prepare(PrepareOptions(out=tmp_path / "out", inputs=(str(tmp_path / "c.jsonl"),),
+                               tokenizer="byte"), progress=False)
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(tokenizer="bpe", vocab_size=100), "--vocab-size must be at least 257"),
+    (dict(tokenizer="byte", vocab_size=1000), "--vocab-size applies to --tokenizer bpe only"),
+    (dict(tokenizer="byte", val_fraction=1.0), "--val-fraction must be in"),
+])
+def test_bad_options_are_user_errors(tmp_path, options, words):
+    with pytest.raises(UserError, match=re.escape(words)):
+        prepare(PrepareOptions(out=tmp_path / "out", inputs=(str(tmp_path),), **options),
+                progress=False)
 
 
 @pytest.mark.parametrize("make, words", [

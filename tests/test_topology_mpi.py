@@ -68,6 +68,8 @@ def test_topo_table_under_mpirun():
     (6, ["--tp", "4"], "world size 6 is not divisible by tp*pp = 4*1 = 4"),
     (4, ["--tp", "2", "--dp", "3"], "tp*pp*dp = 2*1*3 = 6 does not equal the world size 4"),
     (4, ["--pp", "1", "--vpp", "2"], "needs parallel.pp >= 2"),
+    (2, ["--dp", "0"], "argument --dp: must be a positive integer, got '0'"),
+    (2, ["--tp", "abc"], "argument --tp: must be a positive integer, got 'abc'"),
 ])
 def test_bad_grid_is_one_line_and_exit_2_on_every_rank(np, args, words):
     result = run_mpi(np, python("-m", "hpcllm", "topo", *args), timeout=60)
