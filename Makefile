@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test lint unit clean-venv
+.PHONY: setup test lint unit demo clean-venv
 
 setup:
 	bash scripts/setup.sh
@@ -20,3 +20,12 @@ unit: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The main job: prepare the built-in corpus (once), train the tiny GPT on 2 MPI ranks, sample.
+DEMO_NP ?= 2
+DEMO_RUN ?= runs/tiny-cpu
+demo: setup
+	@test -f data/stdlib/manifest.json || $(VENV)/bin/hpcllm prepare --corpus python-stdlib --out data/stdlib
+	NP=$(DEMO_NP) jobs/mpirun.sh train --config jobs/configs/tiny-cpu.yaml --set run.dir=$(DEMO_RUN) --set run.resume=none
+	@echo "--- a sample from $(DEMO_RUN):"
+	@$(VENV)/bin/hpcllm generate --checkpoint $(DEMO_RUN) --prompt "def " --tokens 120

@@ -244,6 +244,20 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
                       "node's cores shared among its ranks]")
     prep.add_argument("--json", action="store_true", help="print JSON")
     prep.set_defaults(run=_run_bench_prepare)
+    over = targets.add_parser(
+        "overhead",
+        help="hpcllm's training step against a plain PyTorch loop",
+        description="Train the config's model in one process with hpcllm's step and with a "
+        "plain PyTorch loop (same weights, batch, AdamW, precision), in alternating blocks, "
+        "and print the ratio of median step times.")
+    over.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
+    over.add_argument("--set", dest="overrides", action="append", default=[],
+                      metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    over.add_argument("--steps", type=_positive, default=5, help="steps per block [default: 5]")
+    over.add_argument("--rounds", type=_positive, default=6,
+                      help="alternating blocks of each [default: 6]")
+    over.add_argument("--json", action="store_true", help="print JSON")
+    over.set_defaults(run=_run_bench_overhead)
 
 
 def _run_topo(args: argparse.Namespace) -> int:
@@ -352,6 +366,28 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.checkpoint is None:
             raise UserError("--to-hf needs --checkpoint RUN_DIR")
         print(f"wrote {convert.to_hf(args.checkpoint, args.to_hf)}")
+    return 0
+
+
+def _run_bench_overhead(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from hpcllm.config import load_config
+    from hpcllm.train.bench import bench_overhead
+
+    with tempfile.TemporaryDirectory(prefix="hpcllm-overhead-") as scratch:
+        cfg = load_config(args.config, [*args.overrides, f"run.dir={scratch}",
+                                        "run.resume=none", "run.tensorboard=false"])
+        result = bench_overhead(cfg, args.steps, args.rounds)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    med = result["median_step_s"]
+    print(f"{result['steps_each']} steps each on {result['device']} ({result['precision']}), "
+          f"{result['tokens_per_step']} tokens per step")
+    print(f"  plain PyTorch loop  {med['plain'] * 1e3:9.2f} ms/step")
+    print(f"  hpcllm step         {med['hpcllm'] * 1e3:9.2f} ms/step")
+    print(f"  ratio hpcllm/plain  {result['ratio']:9.3f}")
     return 0
 
 

@@ -94,9 +94,15 @@ def nvtx_range(name: str) -> Iterator[None]:
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl, and mirrors it to TensorBoard."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool, start_step: int = 0) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        # Keep what the run logged up to the step it resumes from; a run that died after its
+        # last checkpoint logged steps it is about to run again.
+        kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step] \
+            if start_step and self.path.exists() else []
+        self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        for record in kept:
+            self._file.write(json.dumps(record) + "\n")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -249,13 +249,14 @@ class Trainer:
         """Train to ``train.steps`` (or a stop signal); return the run's summary."""
         t = self.cfg.train
         is_root = self.grid.rank == 0
-        log = observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard) if is_root else None
+        log = observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard, self.step) \
+            if is_root else None
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM,
                                                                    signal.SIGUSR1)}
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=self.step, disable=not (progress and is_root),
-                   desc="train", unit="step", dynamic_ncols=True)
+                   desc="train", unit="step", dynamic_ncols=True, mininterval=2.0)
         batches = iter(self.reader)
         step_times: list[float] = []
         summary: dict[str, Any] = {"start_step": self.step, "stopped_by": None}
