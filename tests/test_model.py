@@ -111,7 +111,7 @@ def test_config_overrides_presets_and_errors(tmp_path):
 
 
 def test_hf_conversion_matches_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from safetensors.torch import load_file
 
     hf_cfg = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2,
