@@ -141,6 +141,7 @@ def test_signal_saves_a_loadable_checkpoint_and_exits_0(stdlib, tmp_path, launch
 
 def test_convert_a_trained_run_to_hf_and_back(stdlib, tmp_path):
     import transformers
+
     from hpcllm.convert import from_hf, to_hf
 
     Trainer(_cfg(stdlib, tmp_path / "run", "train.steps=2", "train.eval_interval=0")).run(
