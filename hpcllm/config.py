@@ -58,6 +58,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     scatter_gather: bool = True
     ddp_bucket_mb: float = 25.0
+    ddp_bucket_view: bool = True  # gradient_as_bucket_view: grads live in DDP's buckets
+    dp_compression: str = "none"  # none | fp16 | bf16: gradients cast for the all-reduce
+    horovod_fusion_mb: float | None = None  # None: Horovod's default (64 MiB)
+    horovod_cycle_ms: float | None = None  # None: Horovod's default (1 ms)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 50
@@ -131,6 +136,7 @@ _CHOICES = {
     ("model", "fused_kernels"): ("auto", "on", "off"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved", "zb-h1"),
     ("parallel", "dp_engine"): ("ddp", "horovod", "ps"),
+    ("parallel", "dp_compression"): ("none", "fp16", "bf16"),
     ("train", "lr_scaling"): ("none", "linear"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
 }

@@ -1,54 +1,292 @@
-"""Data-parallel engines behind one interface (``parallel.dp_engine``).
+"""Data-parallel engines behind one interface: ``parallel.dp_engine: ddp | horovod | ps``.
 
-An engine wraps the model for forward/backward, says how to skip gradient reduction during
-accumulation, and finishes the reduction before the optimizer steps. This version has
-PyTorch DDP; Horovod and the single-parameter-server baseline plug in behind the same methods.
+All three give the same result: after each optimizer step every replica holds the parameters
+one process would have after training on the whole global batch. They differ in how the
+gradients travel, which is what ``hpcllm bench dp`` measures:
+
+* ``ddp``: PyTorch DistributedDataParallel. Gradients are all-reduced in buckets while
+  backward is still running (overlap); ``no_sync`` skips it during accumulation.
+* ``horovod``: Horovod's ring all-reduce with tensor fusion, started on the grid's
+  data-parallel MPI communicator, so each model shard (t·p > 1) has its own Horovod world.
+* ``ps``: a single parameter server, what ``nn.DataParallel`` does: every rank sends its whole
+  gradient to the dp group's root, which averages, steps, and broadcasts the new parameters.
+  No overlap and one root link carrying everything: the bottleneck Bai (2022) measured.
+
+Each engine also times this rank's exposed communication (``comm_wait_s``: time spent waiting
+for gradients after its own backward finished), so a slow rank shows up as the one whose
+peers wait for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from hpcllm.errors import UserError
 
+ENGINES = ("ddp", "horovod", "ps")
 
-class DDPEngine:
-    """PyTorch DistributedDataParallel over the grid's data-parallel group.
 
-    Gradients are all-reduced in buckets while backward runs; during gradient accumulation
-    the reduction is skipped (``no_sync``) until the last micro-batch. With d = 1 the model is
-    used as it is.
-    """
+class Engine:
+    """What the trainer needs from a data-parallel engine."""
 
-    name = "ddp"
+    name = "none"
+    waits_in_backward = False  # whether comm_wait_s was spent inside the last backward
 
-    def __init__(self, model: nn.Module, grid: Any, bucket_mb: float) -> None:
+    def __init__(self, model: nn.Module, grid: Any) -> None:
         self.model = model
         self.module: nn.Module = model
+        self.grid = grid
+        self.comm_wait_s = 0.0
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
+                         accumulation: int) -> torch.optim.Optimizer:
+        """Return the optimizer the trainer should use (Horovod wraps it)."""
+        return optimizer
+
+    def accumulate(self, last_micro_batch: bool) -> Any:
+        """Return the context for one micro-batch's forward and backward."""
+        return contextlib.nullcontext()
+
+    def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the reduced (averaged) gradients available where the optimizer steps."""
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+             clip: float) -> tuple[float, bool]:
+        """Unscale, clip, step and update the scaler; return (grad norm, step skipped)."""
+        return _local_step(self.model, optimizer, scaler, clip)
+
+    def reset_timers(self) -> None:
+        """Start a new step's communication timing."""
+        self.comm_wait_s = 0.0
+
+
+def _local_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                scaler: torch.amp.GradScaler, clip: float) -> tuple[float, bool]:
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return float(norm), bool(scaler.is_enabled() and scaler.get_scale() < scale)
+
+
+class _AllReduceTimer:
+    """DDP communication hook state: when buckets were launched and when they completed."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.launched: list[float] = []
+        self.finished: list[float] = []
+
+    def exposed_wait(self) -> float:
+        """Return the time from the last bucket's launch to the last completion."""
+        if not self.launched or not self.finished:
+            return 0.0
+        return max(0.0, max(self.finished) - max(self.launched))
+
+
+def _timed_hook(inner: Any) -> Any:
+    # DDP inspects the hook's annotations and accepts only dist.GradBucket (or none) for the
+    # bucket, which postponed annotations turn into strings: leave it unannotated.
+    def hook(state: _AllReduceTimer, bucket):  # noqa: ANN001, ANN202
+        state.launched.append(time.perf_counter())
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            state.finished.append(time.perf_counter())
+            return fut.value()
+
+        return inner(state.group, bucket).then(done)
+    return hook
+
+
+class DDPEngine(Engine):
+    """PyTorch DistributedDataParallel over the grid's data-parallel group."""
+
+    name = "ddp"
+    waits_in_backward = True
+
+    def __init__(self, model: nn.Module, grid: Any, bucket_mb: float = 25.0,
+                 gradient_as_bucket_view: bool = True, compression: str = "none") -> None:
+        super().__init__(model, grid)
+        self.timer = _AllReduceTimer(grid.dp_group)
         if grid.dp > 1:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             from torch.nn.parallel import DistributedDataParallel
 
             self.module = DistributedDataParallel(
                 model, device_ids=[grid.device] if grid.device.type == "cuda" else None,
                 process_group=grid.dp_group, bucket_cap_mb=bucket_mb,
-                gradient_as_bucket_view=True)
+                gradient_as_bucket_view=gradient_as_bucket_view)
+            inner = {"none": default_hooks.allreduce_hook,
+                     "fp16": default_hooks.fp16_compress_hook,
+                     "bf16": default_hooks.bf16_compress_hook}[compression]
+            self.module.register_comm_hook(self.timer, _timed_hook(inner))
 
     def accumulate(self, last_micro_batch: bool) -> Any:
-        """Return the context for one micro-batch's backward (no reduction unless last)."""
         if last_micro_batch or self.module is self.model:
             return contextlib.nullcontext()
         return self.module.no_sync()
 
-    def finish_gradients(self) -> None:
-        """Wait for the gradient reduction (DDP finishes it inside the last backward)."""
+    def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # DDP finished the reduction inside the last backward; what it waited for there is
+        # the time from its last bucket's launch to that bucket's completion.
+        self.comm_wait_s += self.timer.exposed_wait()
+
+    def reset_timers(self) -> None:
+        super().reset_timers()
+        self.timer.launched.clear()
+        self.timer.finished.clear()
 
 
-def build_engine(name: str, model: nn.Module, grid: Any, bucket_mb: float) -> DDPEngine:
-    """Return the data-parallel engine ``parallel.dp_engine`` names."""
+class HorovodEngine(Engine):
+    """Horovod ring all-reduce, initialised on the data-parallel MPI communicator."""
+
+    name = "horovod"
+
+    def __init__(self, model: nn.Module, grid: Any, fusion_mb: float | None = None,
+                 cycle_ms: float | None = None, compression: str = "none") -> None:
+        super().__init__(model, grid)
+        # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes
+        # there. Fusion buffer and cycle time are read once, by hvd.init.
+        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
+        if fusion_mb is not None:
+            os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(fusion_mb * 1024 * 1024))
+        if cycle_ms is not None:
+            os.environ["HOROVOD_CYCLE_TIME"] = str(cycle_ms)
+        try:
+            import horovod.torch as hvd
+        except ImportError as err:
+            raise UserError(f"parallel.dp_engine: horovod needs Horovod built with MPI and "
+                            f"PyTorch; run `make setup` ({err})") from None
+        if grid.dp_comm is None:
+            raise UserError("parallel.dp_engine: horovod needs a launcher (mpirun or srun "
+                            "--mpi=pmix), even for one rank")
+        hvd.init(comm=grid.dp_comm)
+        if hvd.size() != grid.dp:
+            raise UserError(f"Horovod sees {hvd.size()} ranks in the data-parallel group, "
+                            f"the grid has d = {grid.dp}")
+        self.hvd = hvd
+        self.compression = hvd.Compression.fp16 if compression == "fp16" else \
+            hvd.Compression.none
+        if compression == "bf16":
+            raise UserError("Horovod compresses to fp16 only; use parallel.dp_compression: "
+                            "fp16 or none")
+        # Every replica starts from rank 0's weights (the trainer seeds them alike already;
+        # this makes it true for any init, as Horovod users expect).
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
+                         accumulation: int) -> torch.optim.Optimizer:
+        if optimizer.state:
+            # Broadcast only real state (a resumed run). On empty state Horovod initialises
+            # it by stepping with zero gradients, which applies AdamW's weight decay once.
+            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=self.model.named_parameters(),
+            backward_passes_per_step=accumulation, compression=self.compression,
+            op=self.hvd.Average)
+
+    def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        started = time.perf_counter()
+        optimizer.synchronize()  # waits for the all-reduces the backward hooks started
+        self.comm_wait_s += time.perf_counter() - started
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+             clip: float) -> tuple[float, bool]:
+        # Gradients are already averaged (synchronize); unscale and clip those, then step
+        # without Horovod synchronising a second time.
+        with optimizer.skip_synchronize():
+            return _local_step(self.model, optimizer, scaler, clip)
+
+
+class ParameterServerEngine(Engine):
+    """One parameter server (the dp group's first rank), as ``nn.DataParallel`` does it.
+
+    After the last backward every rank sends its whole gradient, flattened, to the root with
+    one reduce; the root averages, unscales, clips and steps; then one broadcast sends every
+    parameter back. Nothing overlaps with compute.
+    """
+
+    name = "ps"
+
+    def __init__(self, model: nn.Module, grid: Any) -> None:
+        super().__init__(model, grid)
+        self.group = grid.dp_group
+        self.root = grid.layout.dp_group(grid.rank)[0]
+        self.is_root = grid.dp_rank == 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            if grid.dp > 1:
+                dist.broadcast(flat, src=self.root, group=self.group)
+            self._unflatten(flat, [p.data for p in self.params])
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        offset = 0
+        for target in targets:
+            n = target.numel()
+            target.copy_(flat[offset:offset + n].view_as(target))
+            offset += n
+
+    def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.grid.dp == 1:
+            return
+        started = time.perf_counter()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.reduce(flat, dst=self.root, group=self.group)
+        if self.is_root:
+            flat /= self.grid.dp
+            for p, g in zip(self.params, grads, strict=True):
+                if p.grad is None:
+                    p.grad = g
+            self._unflatten(flat, [p.grad for p in self.params])
+        self.comm_wait_s += time.perf_counter() - started
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+             clip: float) -> tuple[float, bool]:
+        if self.grid.dp == 1:
+            return _local_step(self.model, optimizer, scaler, clip)
+        result = torch.zeros(3)  # grad norm, skipped, new loss scale
+        if self.is_root:
+            norm, skipped = _local_step(self.model, optimizer, scaler, clip)
+            result = torch.tensor([norm, float(skipped),
+                                   scaler.get_scale() if scaler.is_enabled() else 1.0])
+        started = time.perf_counter()
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            dist.broadcast(flat, src=self.root, group=self.group)
+            dist.broadcast(result, src=self.root, group=self.group)
+            if not self.is_root:
+                self._unflatten(flat, [p.data for p in self.params])
+        self.comm_wait_s += time.perf_counter() - started
+        if not self.is_root:
+            # Only the root stepped; the others drop their (unreduced) gradients and take the
+            # root's loss scale so the next backward scales alike.
+            optimizer.zero_grad()
+            if scaler.is_enabled():
+                scaler.update(new_scale=float(result[2]))
+        return float(result[0]), bool(result[1])
+
+
+def build_engine(name: str, model: nn.Module, grid: Any, parallel: Any) -> Engine:
+    """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``."""
     if name == "ddp":
-        return DDPEngine(model, grid, bucket_mb)
-    raise UserError(f"parallel.dp_engine: {name} is not available yet in this version; "
-                    "use ddp")
+        return DDPEngine(model, grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view,
+                         parallel.dp_compression)
+    if name == "horovod":
+        return HorovodEngine(model, grid, parallel.horovod_fusion_mb,
+                             parallel.horovod_cycle_ms, parallel.dp_compression)
+    if name == "ps":
+        if parallel.dp_compression != "none":
+            raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")
+        return ParameterServerEngine(model, grid)
+    raise UserError(f"parallel.dp_engine must be one of {', '.join(ENGINES)}, got {name!r}")

@@ -48,7 +48,8 @@ def build_optimizer(model: nn.Module, train: TrainConfig,
     groups = [{"params": decay, "weight_decay": train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     fast: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), **fast)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2),
+                             eps=train.adam_eps, **fast)
 
 
 def build_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:

@@ -79,13 +79,15 @@ class Trainer:
         torch.manual_seed(t.seed + 100 * self.grid.pp_rank)
         self.model = GPT(cfg.model, vocab, tp_group=self.grid.tp_group if p.tp > 1 else None,
                          seed=t.seed).to(self.device)
-        self.engine = build_engine(p.dp_engine, self.model, self.grid, p.ddp_bucket_mb)
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.scaler = build_scaler(t.precision, self.device)
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
         self._resume()
+        # After resuming: the engine broadcasts or wraps what every replica then holds.
+        self.engine = build_engine(p.dp_engine, self.model, self.grid, p)
+        self.optimizer = self.engine.attach_optimizer(self.optimizer, self.accumulation)
         self.reader = MicroBatchReader(
             self.manifest, seq_len=cfg.model.seq_len, micro_batch_size=t.micro_batch_size,
             dp_rank=self.grid.dp_rank, dp_size=self.grid.dp, seed=cfg.data.seed,
@@ -151,8 +153,10 @@ class Trainer:
         started = time.perf_counter()
         lr = self._set_lr()
         self.model.train()
+        self.engine.reset_timers()
         loss_sum = torch.zeros((), device=self.device)
         data_time = 0.0
+        compute_time = 0.0
         for micro in range(self.accumulation):
             with observe.nvtx_range(f"data mb{micro}"):
                 fetched = time.perf_counter()
@@ -161,26 +165,24 @@ class Trainer:
                 labels = batch.labels.to(self.device, non_blocking=True)
                 data_time += time.perf_counter() - fetched
             last = micro == self.accumulation - 1
+            computed = time.perf_counter()
             with self.engine.accumulate(last):
                 with observe.nvtx_range(f"forward mb{micro}"), autocast(t.precision,
                                                                          self.device):
                     loss = self.engine.module(ids, labels)
                 with observe.nvtx_range(f"backward mb{micro}"):
                     self.scaler.scale(loss / self.accumulation).backward()
+            compute_time += time.perf_counter() - computed
             loss_sum += loss.detach()
         with observe.nvtx_range("gradient communication"):
-            self.engine.finish_gradients()
+            self.engine.finish_gradients(self.optimizer)
+        if self.engine.waits_in_backward:
+            compute_time -= self.engine.comm_wait_s
         for hook in self.grad_hooks:
             hook(self.step, self.model)
         with observe.nvtx_range("optimizer"):
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, skipped = self.engine.step(self.optimizer, self.scaler, t.grad_clip)
+            self.optimizer.zero_grad()
         self.skipped_steps += int(skipped)
         self.consumed_samples += self.global_batch
         self.step += 1
@@ -192,8 +194,9 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - started
         return {"step": self.step, "loss": loss_mean.item(), "lr": lr,
-                "grad_norm": grad_norm.item(), "step_time_s": step_time,
-                "data_time_s": data_time, "skipped": bool(skipped)}
+                "grad_norm": grad_norm, "step_time_s": step_time,
+                "data_time_s": data_time, "compute_s": compute_time,
+                "comm_wait_s": self.engine.comm_wait_s, "skipped": bool(skipped)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -229,7 +232,22 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _per_rank(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Return every rank's compute and wait times of this step, and the slowest rank.
+
+        Synchronous updates wait for the slowest rank: it computes longest and waits least.
+        """
+        mine = (record["compute_s"], record["comm_wait_s"])
+        rows: list[Any] = [None] * self.grid.world_size
+        dist.all_gather_object(rows, mine)
+        compute = [r[0] for r in rows]
+        return {"rank_compute_s": compute, "rank_comm_wait_s": [r[1] for r in rows],
+                "rank_busy_share": [c / record["step_time_s"] for c in compute],
+                "slowest_rank": max(range(len(compute)), key=compute.__getitem__),
+                "dp_engine": self.engine.name}
+
     def _metrics(self, record: dict[str, Any], step_times: list[float]) -> dict[str, Any]:
+        record.update(self._per_rank(record))
         step_time = sum(step_times) / len(step_times)
         tflops = self.flops_per_step / step_time / self.grid.world_size / 1e12
         model_tflops = self.model_flops_per_step / step_time / self.grid.world_size / 1e12
