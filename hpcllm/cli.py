@@ -258,6 +258,39 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
                       help="alternating blocks of each [default: 6]")
     over.add_argument("--json", action="store_true", help="print JSON")
     over.set_defaults(run=_run_bench_overhead)
+    dpb = targets.add_parser(
+        "dp",
+        help="DDP vs Horovod vs parameter server, fp32 and mixed precision",
+        description="Train the config's model for a few steps as a single-rank baseline and "
+        "with each data-parallel engine at each d (mpirun), in each precision, with the "
+        "micro-batch per rank fixed; then all-reduce a gradient-sized buffer through MPI, "
+        "torch.distributed and Horovod. Prints the comparison table and writes "
+        "bench_dp.json, bench_dp.png and bench_dp.txt to --out.")
+    dpb.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
+    dpb.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    dpb.add_argument("--dp", type=_positive, nargs="+", default=None,
+                     help="data-parallel sizes [default: 2 up to the cores or GPUs here]")
+    dpb.add_argument("--engines", nargs="+", default=["ddp", "horovod", "ps"],
+                     choices=["ddp", "horovod", "ps"], help="[default: all three]")
+    dpb.add_argument("--precisions", nargs="+", default=None,
+                     choices=["fp32", "bf16", "fp16"],
+                     help="[default: fp32 and bf16 on CPU, fp32 and fp16 on GPU]")
+    dpb.add_argument("--steps", type=_positive, default=30, help="steps per run [default: 30]")
+    dpb.add_argument("--warmup", type=int, default=5,
+                     help="first steps left out of the rates [default: 5]")
+    dpb.add_argument("--out", type=Path, default=Path("runs/bench-dp"),
+                     help="folder for the runs and results [default: runs/bench-dp]")
+    dpb.set_defaults(run=_run_bench_dp)
+    allr = targets.add_parser(
+        "allreduce", help="all-reduce bandwidth through MPI, torch.distributed and Horovod",
+        description="Under mpirun: all-reduce one float32 buffer through mpi4py, "
+        "torch.distributed and Horovod and print algbw/busbw (nccl-tests definitions).")
+    allr.add_argument("--bytes", type=_positive, default=8 << 20, help="[default: 8 MiB]")
+    allr.add_argument("--iters", type=_positive, default=50, help="[default: 50]")
+    allr.add_argument("--warmup", type=int, default=5, help="[default: 5]")
+    allr.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
+    allr.set_defaults(run=_run_bench_allreduce)
 
 
 def _run_topo(args: argparse.Namespace) -> int:
@@ -388,6 +421,30 @@ def _run_bench_overhead(args: argparse.Namespace) -> int:
     print(f"  plain PyTorch loop  {med['plain'] * 1e3:9.2f} ms/step")
     print(f"  hpcllm step         {med['hpcllm'] * 1e3:9.2f} ms/step")
     print(f"  ratio hpcllm/plain  {result['ratio']:9.3f}")
+    return 0
+
+
+def _run_bench_dp(args: argparse.Namespace) -> int:
+    import torch
+
+    from hpcllm.parallel import bench_dp
+
+    gpu = torch.cuda.is_available()
+    dps = args.dp or list(range(2, max(2, torch.cuda.device_count() if gpu
+                                       else len(os.sched_getaffinity(0))) + 1))
+    precisions = args.precisions or ["fp32", "fp16" if gpu else "bf16"]
+    return bench_dp.run(args.config, args.overrides, dps, args.engines, precisions,
+                        args.steps, args.warmup, args.out)
+
+
+def _run_bench_allreduce(args: argparse.Namespace) -> int:
+    from hpcllm.parallel import bench_dp
+
+    result = bench_dp.bench_allreduce(args.bytes, args.iters, args.warmup)
+    if result is not None:
+        print(bench_dp.render_allreduce(result))
+        if args.json_out:
+            args.json_out.write_text(json.dumps(result, indent=2))
     return 0
 
 

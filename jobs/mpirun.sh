@@ -14,12 +14,11 @@ HPCLLM=${HPCLLM:-$ROOT/.venv/bin/hpcllm}
 NP=${NP:-4}
 GPUS_PER_NODE=${GPUS_PER_NODE:-$NP}
 
-args=(-np "$NP" --map-by "ppr:${GPUS_PER_NODE}:node" --bind-to none
-      -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS)
+args=(-np "$NP" --map-by "ppr:${GPUS_PER_NODE}:node" --bind-to none -x PATH)
 [ -n "${HOSTFILE:-}" ] && args+=(--hostfile "$HOSTFILE")
 # Rendezvous and Horovod settings, when the user set them, reach every rank.
-for var in MASTER_ADDR MASTER_PORT HOROVOD_TIMELINE HOROVOD_FUSION_THRESHOLD HOROVOD_CYCLE_TIME \
-           NCCL_DEBUG NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
+for var in LD_LIBRARY_PATH MASTER_ADDR MASTER_PORT HOROVOD_TIMELINE HOROVOD_FUSION_THRESHOLD \
+           HOROVOD_CYCLE_TIME NCCL_DEBUG NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME; do
   [ -n "${!var:-}" ] && args+=(-x "$var")
 done
 if ! command -v nvidia-smi >/dev/null; then
@@ -27,6 +26,7 @@ if ! command -v nvidia-smi >/dev/null; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+args+=(-x OMP_NUM_THREADS)
 # Horovod's CPU collectives go through MPI under mpirun (its gloo path crashes there).
 export HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-MPI}
 args+=(-x HOROVOD_CPU_OPERATIONS)

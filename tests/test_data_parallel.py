@@ -83,3 +83,46 @@ def test_every_engine_equals_one_process_on_the_global_batch(tmp_path, dp, preci
                 assert error <= TOLERANCE[(precision, kind)], (engine, rank, accumulation, error)
                 if kind == "sgd":  # engines agree with each other closer still
                     assert _relative_error(got, ddp) <= 1e-6, (engine, rank, accumulation)
+
+
+def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+    from hpcllm.observe import read_metrics
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    losses = {}
+    for engine in ENGINES:
+        args = ["-m", "hpcllm", "train", "--no-progress"]
+        for item in [*SMALL, f"data.path={data}", f"run.dir={tmp_path / engine}",
+                     "train.steps=4", "train.global_batch_size=16", "train.eval_interval=0",
+                     f"parallel.dp_engine={engine}"]:
+            args += ["--set", item]
+        run_mpi(2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+        records = read_metrics(tmp_path / engine)
+        losses[engine] = [r["loss"] for r in records]
+        last = records[-1]
+        assert last["dp_engine"] == engine
+        assert len(last["rank_compute_s"]) == 2 and len(last["rank_comm_wait_s"]) == 2
+        assert last["slowest_rank"] in (0, 1)
+        assert all(0 < share <= 1.01 for share in last["rank_busy_share"])
+    for engine in ENGINES:
+        torch.testing.assert_close(torch.tensor(losses[engine]), torch.tensor(losses["ddp"]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_allreduce_benchmark_reports_every_transport(tmp_path):
+    out = tmp_path / "allreduce.json"
+    run_mpi(2, python("-m", "hpcllm", "bench", "allreduce", "--bytes", "65536", "--iters", "3",
+                      "--json-out", str(out)), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+            timeout=120).check()
+    import json
+
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"mpi", "torch-gloo", "horovod"}
+    assert result["results"]["mpi"]["vs_mpi"] == 1.0
+    for row in result["results"].values():
+        assert row["seconds"] > 0
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])  # 2(n-1)/n = 1 at n = 2

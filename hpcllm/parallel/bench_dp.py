@@ -1,0 +1,254 @@
+"""``hpcllm bench dp`` and ``hpcllm bench allreduce``: the comparison of Bai (2022), as a command.
+
+``bench dp`` trains the config's model for a few steps as a single-rank baseline and with
+each engine (ddp, horovod, ps) at each data-parallel size d, in fp32 and in mixed precision,
+each run a real ``mpirun -np d hpcllm train``. The micro-batch per rank stays fixed (weak
+scaling, as in the study: global batch = micro-batch x d). From each run's metrics.jsonl it
+reports throughput per rank and in total, speedup over the single rank, scaling efficiency
+(total / (d x single)), each rank's busy share of the step (and NVML utilisation on GPUs),
+and the share of the step spent waiting for gradients.
+
+``bench allreduce`` is the transport underneath: one gradient-sized buffer all-reduced
+through mpi4py (MPI), torch.distributed (gloo or nccl) and Horovod, with nccl-tests'
+definitions: algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcllm.errors import UserError
+
+ALGORITHM = {  # what carries each engine's gradient reduction
+    "ddp": "torch.distributed all-reduce in buckets, overlapped with backward (gloo: ring "
+           "over TCP; nccl: ring/tree)",
+    "horovod": "Horovod fused all-reduce through MPI (Open MPI's tuned collectives)",
+    "ps": "reduce to the root, root steps, broadcast of all parameters; no overlap",
+}
+
+
+def _mpi_env() -> dict[str, str]:
+    env = dict(os.environ, HOROVOD_CPU_OPERATIONS=os.environ.get("HOROVOD_CPU_OPERATIONS",
+                                                                   "MPI"))
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def _launch(np_: int, args: list[str], timeout: float, force_mpirun: bool = False) -> None:
+    cmd = [sys.executable, "-m", "hpcllm", *args]
+    if np_ > 1 or force_mpirun:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            raise UserError("mpirun not found; `make setup` installs Open MPI")
+        cmd = [mpirun, "-np", str(np_), "--oversubscribe", "--bind-to", "none", *cmd]
+    subprocess.run(cmd, check=True, env=_mpi_env(), timeout=timeout, stdout=subprocess.DEVNULL)
+
+
+def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
+    from hpcllm.observe import read_metrics
+
+    records = [r for r in read_metrics(run_dir) if r["step"] > warmup] or \
+        read_metrics(run_dir)[-1:]
+    step_time = statistics.median(r["step_time_s"] for r in records)
+    tokens_per_step = records[-1]["tokens_per_s"] * records[-1]["step_time_s"]
+    busy = np.mean([r["rank_busy_share"] for r in records], axis=0)
+    wait = np.mean([r["rank_comm_wait_s"] for r in records], axis=0)
+    util = [r["gpu_util"] for r in records if r.get("gpu_util") is not None]
+    return {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+            "busy_share": busy.tolist(), "comm_share": float(wait.mean() / step_time),
+            "gpu_util": statistics.mean(util) if util else None,
+            "slowest_rank": max(range(len(busy)), key=lambda i: busy[i]),
+            "final_loss": records[-1]["loss"]}
+
+
+def bench_dp(config: Path | None, overrides: list[str], dps: list[int], engines: list[str],
+             precisions: list[str], steps: int, warmup: int, out: Path) -> dict[str, Any]:
+    """Run every configuration; return the rows of the comparison table."""
+    out.mkdir(parents=True, exist_ok=True)
+    common = [*(["--config", str(config)] if config else []), "--no-progress"]
+    for item in [*overrides, f"train.steps={steps}", "train.log_interval=1",
+                 "train.eval_interval=0", "train.save_interval=0", "train.global_batch_size=null",
+                 "run.resume=none", "run.tensorboard=false"]:
+        common += ["--set", item]
+    rows = []
+    for precision in precisions:
+        runs = [("single", 1)] + [(e, d) for d in dps for e in engines]
+        baseline = None
+        for engine, d in runs:
+            run_dir = out / f"{engine}-d{d}-{precision}"
+            args = ["train", *common, "--set", f"train.precision={precision}",
+                    "--set", f"parallel.dp_engine={'ddp' if engine == 'single' else engine}",
+                    "--set", f"run.dir={run_dir}"]
+            started = time.perf_counter()
+            # Horovod needs an MPI launcher even for one rank.
+            _launch(d, args, timeout=1800, force_mpirun=engine == "horovod")
+            row = {"engine": engine, "dp": d, "precision": precision,
+                   "wall_s": time.perf_counter() - started, **_summarise(run_dir, warmup)}
+            if engine == "single":
+                baseline = row["tokens_per_s"]
+            row["tokens_per_s_per_rank"] = row["tokens_per_s"] / d
+            row["speedup"] = row["tokens_per_s"] / baseline
+            row["scaling_efficiency"] = row["speedup"] / d
+            row["algorithm"] = ALGORITHM.get(engine, "none (one rank)")
+            rows.append(row)
+    return {"rows": rows, "steps": steps, "warmup": warmup}
+
+
+def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
+    """Return the comparison as a text table (and the all-reduce micro-benchmark under it)."""
+    head = (f"{'engine':<8} {'d':>2} {'prec':<5} {'tok/s total':>11} {'tok/s/rank':>10} "
+            f"{'speedup':>7} {'effic.':>6} {'busy share per rank':<22} {'comm':>5} "
+            f"{'slowest':>7}")
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        busy = " ".join(f"{b:.2f}" for b in r["busy_share"])
+        lines.append(
+            f"{r['engine']:<8} {r['dp']:>2} {r['precision']:<5} {r['tokens_per_s']:>11.0f} "
+            f"{r['tokens_per_s_per_rank']:>10.0f} {r['speedup']:>7.2f} "
+            f"{r['scaling_efficiency']:>6.2f} {busy:<22} {r['comm_share']:>5.2f} "
+            f"{r['slowest_rank']:>7}")
+    lines.append("")
+    lines += [f"  {name}: {text}" for name, text in ALGORITHM.items()]
+    if allreduce:
+        lines += ["", render_allreduce(allreduce)]
+    return "\n".join(lines)
+
+
+def plot_dp(result: dict[str, Any], path: Path) -> None:
+    """Draw total throughput per engine, d and precision as a bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['engine']}\nd={r['dp']}" for r in rows if r["precision"] == rows[0]["precision"]]
+    precisions = list(dict.fromkeys(r["precision"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    width = 0.8 / len(precisions)
+    for i, precision in enumerate(precisions):
+        values = [r["tokens_per_s"] for r in rows if r["precision"] == precision]
+        ax.bar([x + i * width for x in range(len(values))], values, width, label=precision)
+    ax.set_xticks([x + width * (len(precisions) - 1) / 2 for x in range(len(labels))], labels)
+    ax.set_ylabel("tokens/s, all ranks")
+    ax.set_title("data-parallel engines (weak scaling)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The collective micro-benchmark (runs inside each rank of an mpirun job)
+
+
+def _time(fn: Any, iters: int, warmup: int, barrier: Any) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | None:
+    """All-reduce one float32 buffer of ``nbytes`` via MPI, torch and Horovod; rank 0 gets it."""
+    from hpcllm import topology
+
+    grid = topology.init()
+    comm = grid.world_comm
+    if comm is None:
+        raise UserError("hpcllm bench allreduce runs under mpirun with 2 or more ranks")
+    n = grid.world_size
+    count = nbytes // 4
+    results = {}
+    host = np.ones(count, dtype=np.float32)
+    recv = np.empty_like(host)
+    from mpi4py import MPI
+
+    results["mpi"] = _time(lambda: comm.Allreduce(host, recv, op=MPI.SUM), iters, warmup,
+                           comm.Barrier)
+    import torch.distributed as dist
+
+    tensor = torch.ones(count, device=grid.device)
+    results[f"torch-{grid.backend}"] = _time(lambda: dist.all_reduce(tensor), iters, warmup,
+                                             comm.Barrier)
+    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
+    import horovod.torch as hvd
+
+    hvd.init(comm=comm)
+    hv_tensor = torch.ones(count)
+    results["horovod"] = _time(lambda: hvd.allreduce(hv_tensor, op=hvd.Sum, name="bench"),
+                               iters, warmup, comm.Barrier)
+    # Every rank's median; the slowest rank sets the collective's time.
+    gathered = comm.gather(results, root=0)
+    if grid.rank != 0:
+        return None
+    rows = {}
+    for name in results:
+        seconds = max(g[name] for g in gathered)
+        algbw = nbytes / seconds / 1e9
+        rows[name] = {"seconds": seconds, "algbw_GBps": algbw,
+                      "busbw_GBps": algbw * 2 * (n - 1) / n}
+    mpi_bus = rows["mpi"]["busbw_GBps"]
+    for row in rows.values():
+        row["vs_mpi"] = row["busbw_GBps"] / mpi_bus
+    return {"ranks": n, "bytes": nbytes, "iters": iters, "results": rows}
+
+
+def render_allreduce(result: dict[str, Any]) -> str:
+    """Return the all-reduce micro-benchmark as a small table."""
+    lines = [f"all-reduce of {result['bytes'] / 1e6:.1f} MB float32 on {result['ranks']} ranks "
+             f"(median of {result['iters']}; busbw = algbw x 2(n-1)/n):",
+             f"  {'transport':<12} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+             f"{'vs MPI':>7}"]
+    for name, r in result["results"].items():
+        lines.append(f"  {name:<12} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
+                     f"{r['busbw_GBps']:>11.3f} {r['vs_mpi']:>7.2f}")
+    return "\n".join(lines)
+
+
+def gradient_bytes(config: Path | None, overrides: list[str]) -> int:
+    """Return the fp32 gradient size of the config's model, in bytes."""
+    from hpcllm.config import load_config
+    from hpcllm.datasets.shards import load_manifest
+    from hpcllm.model.gpt import GPT, count_parameters
+
+    cfg = load_config(config, overrides)
+    vocab = cfg.model.vocab_size or load_manifest(cfg.data.path).vocab_size
+    return 4 * count_parameters(GPT(cfg.model, vocab))
+
+
+def run(config: Path | None, overrides: list[str], dps: list[int], engines: list[str],
+        precisions: list[str], steps: int, warmup: int, out: Path) -> int:
+    """The ``bench dp`` verb: every run, then the all-reduce benchmark, table, JSON, PNG."""
+    result = bench_dp(config, overrides, dps, engines, precisions, steps, warmup, out)
+    nbytes = gradient_bytes(config, overrides)
+    allreduce_json = out / "allreduce.json"
+    _launch(max(dps), ["bench", "allreduce", "--bytes", str(nbytes), "--json-out",
+                       str(allreduce_json)], timeout=600)
+    result["allreduce"] = json.loads(allreduce_json.read_text())
+    result["gradient_bytes"] = nbytes
+    (out / "bench_dp.json").write_text(json.dumps(result, indent=2))
+    plot_dp(result, out / "bench_dp.png")
+    text = render_dp(result, result["allreduce"])
+    (out / "bench_dp.txt").write_text(text + "\n")
+    print(text)
+    print(f"\nsaved {out / 'bench_dp.json'}, {out / 'bench_dp.png'}, {out / 'bench_dp.txt'}")
+    return 0
