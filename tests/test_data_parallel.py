@@ -126,3 +126,15 @@ def test_allreduce_benchmark_reports_every_transport(tmp_path):
     for row in result["results"].values():
         assert row["seconds"] > 0
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])  # 2(n-1)/n = 1 at n = 2
+
+
+def test_missing_horovod_names_make_setup(monkeypatch):
+    from types import SimpleNamespace
+
+    from hpcllm.errors import UserError
+    from hpcllm.parallel.data import HorovodEngine
+
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # import now fails
+    grid = SimpleNamespace(dp_comm=object(), dp=2)
+    with pytest.raises(UserError, match="make setup"):
+        HorovodEngine(torch.nn.Linear(2, 2), grid)

@@ -65,7 +65,7 @@ def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
     tokens_per_step = records[-1]["tokens_per_s"] * records[-1]["step_time_s"]
     busy = np.mean([r["rank_busy_share"] for r in records], axis=0)
     wait = np.mean([r["rank_comm_wait_s"] for r in records], axis=0)
-    util = [r["gpu_util"] for r in records if r.get("gpu_util") is not None]
+    util = [u for r in records for u in r.get("rank_gpu_util", []) if u is not None]
     return {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
             "busy_share": busy.tolist(), "comm_share": float(wait.mean() / step_time),
             "gpu_util": statistics.mean(util) if util else None,

@@ -237,12 +237,14 @@ class Trainer:
 
         Synchronous updates wait for the slowest rank: it computes longest and waits least.
         """
-        mine = (record["compute_s"], record["comm_wait_s"])
+        mine = (record["compute_s"], record["comm_wait_s"],
+                observe.gpu_utilisation(self.device))
         rows: list[Any] = [None] * self.grid.world_size
         dist.all_gather_object(rows, mine)
         compute = [r[0] for r in rows]
         return {"rank_compute_s": compute, "rank_comm_wait_s": [r[1] for r in rows],
                 "rank_busy_share": [c / record["step_time_s"] for c in compute],
+                "rank_gpu_util": [r[2] for r in rows],
                 "slowest_rank": max(range(len(compute)), key=compute.__getitem__),
                 "dp_engine": self.engine.name}
 
