@@ -38,22 +38,28 @@ ALGORITHM = {  # what carries each engine's gradient reduction
 }
 
 
-def _mpi_env() -> dict[str, str]:
+def _mpi_env(threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ, HOROVOD_CPU_OPERATIONS=os.environ.get("HOROVOD_CPU_OPERATIONS",
                                                                    "MPI"))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
 
 
-def _launch(np_: int, args: list[str], timeout: float, force_mpirun: bool = False) -> None:
+def _launch(np_: int, args: list[str], timeout: float, force_mpirun: bool = False,
+            threads: int | None = None) -> None:
     cmd = [sys.executable, "-m", "hpcllm", *args]
     if np_ > 1 or force_mpirun:
         mpirun = shutil.which("mpirun")
         if mpirun is None:
             raise UserError("mpirun not found; `make setup` installs Open MPI")
         cmd = [mpirun, "-np", str(np_), "--oversubscribe", "--bind-to", "none", *cmd]
-    subprocess.run(cmd, check=True, env=_mpi_env(), timeout=timeout, stdout=subprocess.DEVNULL)
+    if np_ > 1 or force_mpirun:
+        cmd[1:1] = ["-x", "OMP_NUM_THREADS"] if threads is not None else []
+    subprocess.run(cmd, check=True, env=_mpi_env(threads), timeout=timeout,
+                   stdout=subprocess.DEVNULL)
 
 
 def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -82,6 +88,11 @@ def bench_dp(config: Path | None, overrides: list[str], dps: list[int], engines:
                  "train.eval_interval=0", "train.save_interval=0", "train.global_batch_size=null",
                  "run.resume=none", "run.tensorboard=false"]:
         common += ["--set", item]
+    # On CPU every rank gets the same number of threads, the largest d's share of the cores,
+    # so that the single rank is one "device" like each rank of the others and the speedup
+    # measures data parallelism, not a change in threads per process. GPUs need no such rule.
+    threads = None if torch.cuda.is_available() else \
+        max(1, len(os.sched_getaffinity(0)) // max(dps))
     rows = []
     for precision in precisions:
         runs = [("single", 1)] + [(e, d) for d in dps for e in engines]
@@ -93,7 +104,7 @@ def bench_dp(config: Path | None, overrides: list[str], dps: list[int], engines:
                     "--set", f"run.dir={run_dir}"]
             started = time.perf_counter()
             # Horovod needs an MPI launcher even for one rank.
-            _launch(d, args, timeout=1800, force_mpirun=engine == "horovod")
+            _launch(d, args, timeout=1800, force_mpirun=engine == "horovod", threads=threads)
             row = {"engine": engine, "dp": d, "precision": precision,
                    "wall_s": time.perf_counter() - started, **_summarise(run_dir, warmup)}
             if engine == "single":
@@ -103,7 +114,7 @@ def bench_dp(config: Path | None, overrides: list[str], dps: list[int], engines:
             row["scaling_efficiency"] = row["speedup"] / d
             row["algorithm"] = ALGORITHM.get(engine, "none (one rank)")
             rows.append(row)
-    return {"rows": rows, "steps": steps, "warmup": warmup}
+    return {"rows": rows, "steps": steps, "warmup": warmup, "threads_per_rank": threads}
 
 
 def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
@@ -111,7 +122,10 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
     head = (f"{'engine':<8} {'d':>2} {'prec':<5} {'tok/s total':>11} {'tok/s/rank':>10} "
             f"{'speedup':>7} {'effic.':>6} {'busy share per rank':<22} {'comm':>5} "
             f"{'slowest':>7}")
-    lines = [head, "-" * len(head)]
+    threads = result.get("threads_per_rank")
+    lines = [f"{result['steps']} steps per run, first {result['warmup']} left out; "
+             + (f"{threads} thread(s) per rank on CPU" if threads else "one GPU per rank"),
+             head, "-" * len(head)]
     for r in result["rows"]:
         busy = " ".join(f"{b:.2f}" for b in r["busy_share"])
         lines.append(
@@ -178,23 +192,25 @@ def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | No
     n = grid.world_size
     count = nbytes // 4
     results = {}
+    # In place everywhere, as the engines reduce gradients: no output buffer to allocate.
     host = np.ones(count, dtype=np.float32)
-    recv = np.empty_like(host)
     from mpi4py import MPI
 
-    results["mpi"] = _time(lambda: comm.Allreduce(host, recv, op=MPI.SUM), iters, warmup,
-                           comm.Barrier)
+    results["mpi"] = _time(lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM), iters,
+                           warmup, comm.Barrier)
     import torch.distributed as dist
 
     tensor = torch.ones(count, device=grid.device)
     results[f"torch-{grid.backend}"] = _time(lambda: dist.all_reduce(tensor), iters, warmup,
                                              comm.Barrier)
+    # Horovod last: its background thread keeps polling once started, and on a machine with
+    # as many ranks as cores it would slow the other two measurements.
     os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
     import horovod.torch as hvd
 
     hvd.init(comm=comm)
-    hv_tensor = torch.ones(count)
-    results["horovod"] = _time(lambda: hvd.allreduce(hv_tensor, op=hvd.Sum, name="bench"),
+    hv_tensor = torch.ones(count, device=grid.device)
+    results["horovod"] = _time(lambda: hvd.allreduce_(hv_tensor, op=hvd.Sum, name="bench"),
                                iters, warmup, comm.Barrier)
     # Every rank's median; the slowest rank sets the collective's time.
     gathered = comm.gather(results, root=0)
