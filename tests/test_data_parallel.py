@@ -138,3 +138,28 @@ def test_missing_horovod_names_make_setup(monkeypatch):
     grid = SimpleNamespace(dp_comm=object(), dp=2)
     with pytest.raises(UserError, match="make setup"):
         HorovodEngine(torch.nn.Linear(2, 2), grid)
+
+
+def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
+    import json
+    import subprocess
+
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    cmd = [sys.executable, "-m", "hpcllm", "bench", "dp", "--dp", "2", "--engines", "ps",
+           "--precisions", "fp32", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "b")]
+    for item in [*SMALL, f"data.path={data}"]:
+        cmd += ["--set", item]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads((tmp_path / "b" / "bench_dp.json").read_text())
+    assert [(r["engine"], r["dp"]) for r in result["rows"]] == [("single", 1), ("ps", 2)]
+    assert result["rows"][0]["speedup"] == 1.0
+    assert len(result["rows"][1]["busy_share"]) == 2
+    assert set(result["allreduce"]["results"]) == {"mpi", "torch-gloo", "horovod"}
+    assert (tmp_path / "b" / "bench_dp.png").stat().st_size > 0
+    assert "scaling" in run.stdout or "effic." in run.stdout
