@@ -22,6 +22,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are UserErrors: one line, rank 0, exit 2 on every rank."""
 
@@ -94,9 +100,7 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
         "  hpcllm train --config jobs/configs/tiny-cpu.yaml --set train.steps=20 "
         "--set train.precision=bf16",
     )
-    train.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
-    train.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    _add_config_args(train)
     train.add_argument("--profile-steps", metavar="A:B",
                        help="cudaProfilerStart before step A and Stop before step B, for "
                        "`nsys profile --capture-range=cudaProfilerApi` (no-op on CPU)")
@@ -250,9 +254,7 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
         description="Train the config's model in one process with hpcllm's step and with a "
         "plain PyTorch loop (same weights, batch, AdamW, precision), in alternating blocks, "
         "and print the ratio of median step times.")
-    over.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
-    over.add_argument("--set", dest="overrides", action="append", default=[],
-                      metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    _add_config_args(over)
     over.add_argument("--steps", type=_positive, default=5, help="steps per block [default: 5]")
     over.add_argument("--rounds", type=_positive, default=6,
                       help="alternating blocks of each [default: 6]")
@@ -266,9 +268,7 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
         "micro-batch per rank fixed; then all-reduce a gradient-sized buffer through MPI, "
         "torch.distributed and Horovod. Prints the comparison table and writes "
         "bench_dp.json, bench_dp.png and bench_dp.txt to --out.")
-    dpb.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
-    dpb.add_argument("--set", dest="overrides", action="append", default=[],
-                     metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    _add_config_args(dpb)
     dpb.add_argument("--dp", type=_positive, nargs="+", default=None,
                      help="data-parallel sizes [default: 2 up to the cores or GPUs here]")
     dpb.add_argument("--engines", nargs="+", default=["ddp", "horovod", "ps"],
