@@ -255,11 +255,13 @@ class ParameterServerEngine(Engine):
              clip: float) -> tuple[float, bool]:
         if self.grid.dp == 1:
             return _local_step(self.model, optimizer, scaler, clip)
-        result = torch.zeros(3)  # grad norm, skipped, new loss scale
+        device = self.params[0].device  # nccl moves CUDA tensors only
+        result = torch.zeros(3, device=device)  # grad norm, skipped, new loss scale
         if self.is_root:
             norm, skipped = _local_step(self.model, optimizer, scaler, clip)
             result = torch.tensor([norm, float(skipped),
-                                   scaler.get_scale() if scaler.is_enabled() else 1.0])
+                                   scaler.get_scale() if scaler.is_enabled() else 1.0],
+                                  device=device)
         started = time.perf_counter()
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
