@@ -22,6 +22,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -119,7 +129,7 @@ def _add_generate(verbs: argparse._SubParsersAction) -> None:
                      help="a run folder (with checkpoints/latest and tokenizer.json)")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--tokens", type=_positive, default=100, help="new tokens [default: 100]")
-    gen.add_argument("--temperature", type=float, default=0.8,
+    gen.add_argument("--temperature", type=_non_negative, default=0.8,
                      help="0 picks the most likely token [default: 0.8]")
     gen.add_argument("--top-k", type=_positive, default=50, help="[default: 50]")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
@@ -427,11 +437,15 @@ def _run_bench_overhead(args: argparse.Namespace) -> int:
 def _run_bench_dp(args: argparse.Namespace) -> int:
     import torch
 
+    from hpcllm.errors import UserError
     from hpcllm.parallel import bench_dp
 
     gpu = torch.cuda.is_available()
-    dps = args.dp or list(range(2, max(2, torch.cuda.device_count() if gpu
-                                       else len(os.sched_getaffinity(0))) + 1))
+    devices = torch.cuda.device_count() if gpu else len(os.sched_getaffinity(0))
+    dps = args.dp or list(range(2, devices + 1))
+    if not dps:
+        raise UserError("bench dp needs d >= 2 and this node has one GPU; give --dp for a "
+                        "multi-node job, or run it on a node with more GPUs")
     precisions = args.precisions or ["fp32", "fp16" if gpu else "bf16"]
     return bench_dp.run(args.config, args.overrides, dps, args.engines, precisions,
                         args.steps, args.warmup, args.out)

@@ -278,6 +278,21 @@ def check(cfg: Config) -> None:
                         f"min_lr={t.min_lr}")
     if t.grad_clip < 0 or t.weight_decay < 0:
         raise UserError("train.grad_clip and train.weight_decay must be >= 0")
+    if t.global_batch_size is not None and t.global_batch_size < 1:
+        raise UserError(f"train.global_batch_size must be positive, got {t.global_batch_size}")
+    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        raise UserError(f"train.beta1 and beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
+    if t.adam_eps <= 0:
+        raise UserError(f"train.adam_eps must be positive, got {t.adam_eps}")
+    if t.lr_decay_steps is not None and t.lr_decay_steps < 1:
+        raise UserError(f"train.lr_decay_steps must be positive, got {t.lr_decay_steps}")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        raise UserError(f"train.peak_tflops must be positive, got {t.peak_tflops}")
+    if p.ddp_bucket_mb <= 0:
+        raise UserError(f"parallel.ddp_bucket_mb must be positive, got {p.ddp_bucket_mb}")
+    for key in ("horovod_fusion_mb", "horovod_cycle_ms"):
+        if getattr(p, key) is not None and getattr(p, key) < 0:
+            raise UserError(f"parallel.{key} must be >= 0")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         raise UserError(f"train.global_batch_size {t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size {t.micro_batch_size}")

@@ -25,8 +25,11 @@ import torch
 
 # Dense peak TFLOP/s per GPU, from the vendors' data sheets (SXM parts, no sparsity). fp32
 # means TF32 tensor cores, which torch uses for fp32 matmuls when allowed.
+# More specific names first: an "H100 PCIe" must not match the SXM row.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 418.0},
     "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
     "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
@@ -76,7 +79,10 @@ def gpu_utilisation(device: torch.device) -> float | None:
 
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        # By UUID: under CUDA_VISIBLE_DEVICES (Slurm sets it) torch's index is not NVML's.
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None \
+            else pynvml.nvmlDeviceGetHandleByIndex(index)
         return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
     except Exception:  # NVML missing or not permitted: the metric is simply absent
         return None

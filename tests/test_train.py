@@ -74,13 +74,17 @@ def _train_cli(np, stdlib, run_dir, *extra, timeout=300):
     args = ["-m", "hpcllm", "train", "--no-progress"]
     for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
         args += ["--set", item]
-    return run_mpi(np, python(*args), timeout=timeout).check()
+    return run_mpi(np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+                   timeout=timeout).check()
 
 
 @pytest.mark.mpi
-def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path):
-    # Two ranks, two micro-batches each per step (global batch 16): DDP with no_sync.
-    common = ["train.global_batch_size=16", "train.lr_decay_steps=8", "train.eval_interval=0"]
+@pytest.mark.parametrize("engine", ["ddp", "horovod", "ps"])
+def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path, engine):
+    # Two ranks, two micro-batches each per step (global batch 16): accumulation, and the
+    # optimizer state must survive the engine's wrapping (Horovod builds a new optimizer).
+    common = ["train.global_batch_size=16", "train.lr_decay_steps=8", "train.eval_interval=0",
+              f"parallel.dp_engine={engine}"]
     _train_cli(2, stdlib, tmp_path / "whole", "train.steps=8", *common)
     _train_cli(2, stdlib, tmp_path / "split", "train.steps=4", *common)
     _train_cli(2, stdlib, tmp_path / "split", "train.steps=8", *common)
@@ -159,3 +163,32 @@ def test_convert_a_trained_run_to_hf_and_back(stdlib, tmp_path):
         if name == "wte.weight":  # the padding rows are not exported; they come back as 0
             got, value = got[:257], value[:257]
         assert torch.equal(got, value), name
+
+
+def test_resume_refuses_another_model_and_none_starts_over(stdlib, tmp_path):
+    from hpcllm.errors import UserError
+
+    run = tmp_path / "run"
+    Trainer(_cfg(stdlib, run, "train.steps=2", "train.eval_interval=0")).run(progress=False)
+    with pytest.raises(UserError, match="holds another model .*d_model 64 vs 32"):
+        Trainer(_cfg(stdlib, run, "train.steps=4", "model.d_model=32"))
+    assert checkpoint.latest(run).name == "step_00000002"  # nothing was touched
+    fresh = Trainer(_cfg(stdlib, run, "train.steps=1", "model.d_model=32", "run.resume=none",
+                         "train.eval_interval=0"))
+    assert fresh.step == 0 and checkpoint.latest(run) is None
+    fresh.run(progress=False)
+    assert checkpoint.latest(run).name == "step_00000001"
+
+
+def test_validation_split_too_small_stops_before_training(tmp_path):
+    from hpcllm.errors import UserError
+
+    data = tmp_path / "data"
+    (tmp_path / "src").mkdir()
+    for i in range(40):
+        (tmp_path / "src" / f"{i:02d}.txt").write_text(f"document {i} " * 200)
+    prepare(PrepareOptions(out=data, inputs=(str(tmp_path / "src"),), tokenizer="byte",
+                           val_fraction=0.05), progress=False)
+    with pytest.raises(UserError, match="fewer than one global micro-batch"):
+        Trainer(_cfg(data, tmp_path / "run", "train.micro_batch_size=100"))
+    assert not (tmp_path / "run" / "checkpoints").exists()

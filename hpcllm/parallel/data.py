@@ -50,6 +50,9 @@ class Engine:
         """Return the optimizer the trainer should use (Horovod wraps it)."""
         return optimizer
 
+    def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make every replica hold rank 0's weights and optimizer state (after a resume)."""
+
     def accumulate(self, last_micro_batch: bool) -> Any:
         """Return the context for one micro-batch's forward and backward."""
         return contextlib.nullcontext()
@@ -178,20 +181,23 @@ class HorovodEngine(Engine):
         if compression == "bf16":
             raise UserError("Horovod compresses to fp16 only; use parallel.dp_compression: "
                             "fp16 or none")
-        # Every replica starts from rank 0's weights (the trainer seeds them alike already;
-        # this makes it true for any init, as Horovod users expect).
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-
     def attach_optimizer(self, optimizer: torch.optim.Optimizer,
                          accumulation: int) -> torch.optim.Optimizer:
-        if optimizer.state:
-            # Broadcast only real state (a resumed run). On empty state Horovod initialises
-            # it by stepping with zero gradients, which applies AdamW's weight decay once.
-            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        # A new optimizer object of the same class and groups: load checkpointed state into
+        # the returned one, not into the one given.
         return self.hvd.DistributedOptimizer(
             optimizer, named_parameters=self.model.named_parameters(),
             backward_passes_per_step=accumulation, compression=self.compression,
             op=self.hvd.Average)
+
+    def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
+        # Every replica starts from rank 0's weights, whatever the init, as Horovod users
+        # expect.
+        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if optimizer.state:
+            # Only real state (a resumed run): on empty state Horovod initialises it by
+            # stepping with zero gradients, which would apply AdamW's weight decay once.
+            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         started = time.perf_counter()

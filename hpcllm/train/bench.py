@@ -3,7 +3,8 @@
 Both train the same GPT (same initial weights) on the same batch shapes with the same AdamW,
 precision, accumulation and clipping, one process. They run in alternating blocks of steps,
 so drifts of a noisy machine hit both alike; the ratio of median step times is the cost of
-everything hpcllm adds (data reader, schedule, AMP scaler, metrics, NVTX ranges).
+what hpcllm adds to every step (data reader, LR schedule, AMP scaler, engine, NVTX ranges,
+the stop-signal all-reduce). Logging every ``log_interval`` steps is not timed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def bench_overhead(cfg: Config, steps: int, rounds: int, warmup: int = 3) -> dic
                         trainer.accumulation)
 
     def ours() -> None:
+        # The loop's per-step work too: the stop-signal agreement (an all-reduce).
         trainer.train_step(batches)
+        trainer._stop_requested()
 
     times: dict[str, list[float]] = {"hpcllm": [], "plain": []}
     for _ in range(warmup):

@@ -71,20 +71,35 @@ def save(run_dir: Path, step: int, grid: Any, shard: dict[str, Any], meta: dict[
         tmp.mkdir()
     dist.barrier()
     if grid.dp_rank == 0:
-        torch.save(shard, tmp / shard_file(grid.tp_rank, grid.pp_rank))
+        path = tmp / shard_file(grid.tp_rank, grid.pp_rank)
+        torch.save(shard, path)
+        _fsync(path)
     dist.barrier()
     if grid.rank == 0:
         (tmp / "meta.json").write_text(json.dumps(
             {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}, indent=2))
         (tmp / "config.yaml").write_text(config_yaml)
+        for path in (tmp / "meta.json", tmp / "config.yaml", tmp):
+            _fsync(path)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer = root / f".{LATEST}.partial"
         pointer.write_text(_name(step) + "\n")
+        _fsync(pointer)
         os.replace(pointer, root / LATEST)
+        _fsync(root)
     dist.barrier()
     return final
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or folder to disk, so a renamed checkpoint survives a node crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest(run_dir: Path) -> Path | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm import observe, topology
-from hpcllm.config import Config, accumulation_steps, parse_profile_steps
+from hpcllm.config import Config, accumulation_steps, config_from_dict, parse_profile_steps
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
@@ -53,6 +54,10 @@ class Trainer:
         self.cfg = cfg
         self.grad_hooks = grad_hooks or []
         p, t = cfg.parallel, cfg.train
+        # A stop signal during set-up (minutes on a big model) is honoured at the first step.
+        self._stop_signal: int | None = None
+        self._previous_handlers = {s: signal.signal(s, self._on_signal)
+                                   for s in (signal.SIGTERM, signal.SIGUSR1)}
         self.grid = topology.init(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
         self.device = self.grid.device
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -65,12 +70,18 @@ class Trainer:
             raise UserError(f"model.vocab_size {vocab} is smaller than the data's tokenizer "
                             f"({self.manifest.vocab_size})")
         resolve_fused(cfg.model.fused_kernels, self.device)
+        if self.device.type == "cuda":
+            # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
+            # assumes it.
+            torch.set_float32_matmul_precision("high")
         self.run_dir = Path(cfg.run.dir)
+        self._check_run_dir(vocab)
         if self.grid.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
             # The run keeps its tokenizer, so generate and convert need not find the data.
             shutil.copy(self.manifest.tokenizer_path, self.run_dir / "tokenizer.json")
+        dist.barrier()
 
         self.accumulation = accumulation_steps(t, self.grid.dp)
         self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
@@ -79,19 +90,22 @@ class Trainer:
         torch.manual_seed(t.seed + 100 * self.grid.pp_rank)
         self.model = GPT(cfg.model, vocab, tp_group=self.grid.tp_group if p.tp > 1 else None,
                          seed=t.seed).to(self.device)
-        self.optimizer = build_optimizer(self.model, t, self.device)
         self.scaler = build_scaler(t.precision, self.device)
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
-        self._resume()
-        # After resuming: the engine broadcasts or wraps what every replica then holds.
+        # The engine wraps the optimizer (Horovod builds a new one) before any state is
+        # loaded into it, then makes every replica hold what rank 0 holds.
         self.engine = build_engine(p.dp_engine, self.model, self.grid, p)
-        self.optimizer = self.engine.attach_optimizer(self.optimizer, self.accumulation)
+        self.optimizer = self.engine.attach_optimizer(
+            build_optimizer(self.model, t, self.device), self.accumulation)
+        self._resume()
+        self.engine.broadcast_state(self.optimizer)
         self.reader = MicroBatchReader(
             self.manifest, seq_len=cfg.model.seq_len, micro_batch_size=t.micro_batch_size,
             dp_rank=self.grid.dp_rank, dp_size=self.grid.dp, seed=cfg.data.seed,
             consumed_samples=self.consumed_samples, prefetch=cfg.data.prefetch)
+        self.val_reader = self._val_reader()
         self.flops_per_step = observe.step_flops(
             self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
             self.model.padded_vocab, cfg.model.recompute)
@@ -100,7 +114,44 @@ class Trainer:
             self.model.padded_vocab, "none")
         self.peak = observe.peak_tflops(self.device, t.precision, t.peak_tflops)
         self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
-        self._stop_signal: int | None = None
+
+    def _val_reader(self) -> MicroBatchReader | None:
+        """Return the validation reader, None (with a warning) if the data has no val split."""
+        if self.manifest.n_tokens("val") == 0:
+            if self.grid.rank == 0:
+                print("hpcllm: warning: the data has no validation split; val_loss is not "
+                      "computed (prepare with --val-fraction > 0)", file=sys.stderr, flush=True)
+            return None
+        # Built now so that a validation split too small for one global micro-batch stops the
+        # run before training, not after it.
+        return MicroBatchReader(self.manifest, split="val", seq_len=self.cfg.model.seq_len,
+                                micro_batch_size=self.cfg.train.micro_batch_size,
+                                dp_rank=self.grid.dp_rank, dp_size=self.grid.dp,
+                                seed=self.cfg.data.seed, prefetch=2)
+
+    def _check_run_dir(self, vocab: int) -> None:
+        """Refuse a checkpoint of another model shape; clear old checkpoints on resume: none."""
+        if self.cfg.run.resume == "none":
+            if self.grid.rank == 0:
+                shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
+            return
+        folder = checkpoint.latest(self.run_dir)
+        if folder is None:
+            return
+        import yaml
+
+        saved = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text())).model
+        mine = self.cfg.model
+        keys = ("n_layer", "n_head", "d_model", "seq_len")
+        different = [f"{k} {getattr(saved, k)} vs {getattr(mine, k)}" for k in keys
+                     if getattr(saved, k) != getattr(mine, k)]
+        saved_vocab = checkpoint.read_meta(folder).get("vocab_size")
+        if saved_vocab not in (None, vocab):
+            different.append(f"vocabulary {saved_vocab} vs {vocab}")
+        if different:
+            raise UserError(f"{folder} holds another model ({', '.join(different)}); train "
+                            f"with --config {folder / 'config.yaml'} (and your data.path), or "
+                            "set run.resume=none to start over")
 
     # -- state ---------------------------------------------------------------------------
 
@@ -147,8 +198,12 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def train_step(self, batches: Any) -> dict[str, Any]:
-        """Run one optimizer step over ``accumulation`` micro-batches; return its metrics."""
+    def train_step(self, batches: Any, timed: bool = False) -> dict[str, Any]:
+        """Run one optimizer step over ``accumulation`` micro-batches; return its metrics.
+
+        ``timed`` (on logged steps) waits for the GPU after each backward, so that the
+        per-rank compute time measures the device's work, not kernel launches.
+        """
         t = self.cfg.train
         started = time.perf_counter()
         lr = self._set_lr()
@@ -172,6 +227,8 @@ class Trainer:
                     loss = self.engine.module(ids, labels)
                 with observe.nvtx_range(f"backward mb{micro}"):
                     self.scaler.scale(loss / self.accumulation).backward()
+            if timed and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             compute_time += time.perf_counter() - computed
             loss_sum += loss.detach()
         with observe.nvtx_range("gradient communication"):
@@ -203,9 +260,7 @@ class Trainer:
         """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
         t = self.cfg.train
         self.model.eval()
-        reader = MicroBatchReader(self.manifest, split="val", seq_len=self.cfg.model.seq_len,
-                                  micro_batch_size=t.micro_batch_size, dp_rank=self.grid.dp_rank,
-                                  dp_size=self.grid.dp, seed=self.cfg.data.seed, prefetch=2)
+        reader = self.val_reader
         batches = iter(reader)
         total = torch.zeros((), device=self.device)
         iters = min(t.eval_iters, reader.steps_per_epoch)
@@ -271,8 +326,6 @@ class Trainer:
         is_root = self.grid.rank == 0
         log = observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard, self.step) \
             if is_root else None
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM,
-                                                                   signal.SIGUSR1)}
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=self.step, disable=not (progress and is_root),
@@ -285,21 +338,29 @@ class Trainer:
             while self.step < t.steps:
                 if self.profile and self.step == self.profile[0] and self.device.type == "cuda":
                     torch.cuda.profiler.start()
+                logged = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.steps
                 with observe.nvtx_range(f"step {self.step}"):
-                    record = self.train_step(batches)
+                    record = self.train_step(batches, timed=logged)
                 if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
                     torch.cuda.profiler.stop()
                 # The first step of a process pays one-off costs; keep it out of the rates.
                 if self.step > first_step + 1 or t.steps - first_step == 1:
                     step_times.append(record["step_time_s"])
                 summary["last_loss"] = record["loss"]
-                evaluate = t.eval_interval and self.step % t.eval_interval == 0 \
-                    or self.step == t.steps
+                # Save before evaluating: a stop signal or an error in evaluation must not
+                # cost the step's checkpoint.
+                stop = self._stop_requested()
+                if (t.save_interval and self.step % t.save_interval == 0) or stop \
+                        or self.step == t.steps:
+                    self.save()
+                evaluate = self.val_reader is not None and not stop and (
+                    t.eval_interval and self.step % t.eval_interval == 0
+                    or self.step == t.steps)
                 if evaluate:
                     record["val_loss"] = summary["val_loss"] = self.evaluate()
-                if self.step % t.log_interval == 0 or self.step == t.steps or evaluate:
+                if self.step % t.log_interval == 0 or self.step == t.steps or evaluate or stop:
                     record = self._metrics(record, step_times or [record["step_time_s"]])
-                    step_times = step_times[-t.log_interval:]
+                    step_times = []
                     if log:
                         log.write(record)
                     bar.set_postfix(loss=f"{record['loss']:.3f}",
@@ -307,10 +368,6 @@ class Trainer:
                     summary.update({k: record[k] for k in ("tokens_per_s", "tflops_per_gpu",
                                                            "mfu", "step_time_s")})
                 bar.update(1)
-                stop = self._stop_requested()
-                if (t.save_interval and self.step % t.save_interval == 0) or stop \
-                        or self.step == t.steps:
-                    self.save()
                 if stop:
                     summary["stopped_by"] = signal.Signals(self._stop_signal or
                                                            signal.SIGTERM).name
@@ -318,7 +375,7 @@ class Trainer:
         finally:
             bar.close()
             batches.close()
-            for sig, handler in previous.items():
+            for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
             if log:
                 log.close()
