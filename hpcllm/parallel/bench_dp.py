@@ -121,19 +121,28 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
     """Return the comparison as a text table (and the all-reduce micro-benchmark under it)."""
     head = (f"{'engine':<8} {'d':>2} {'prec':<5} {'tok/s total':>11} {'tok/s/rank':>10} "
             f"{'speedup':>7} {'effic.':>6} {'busy share per rank':<22} {'comm':>5} "
-            f"{'slowest':>7}")
+            f"{'slowest':>7} {'GPU util':>8} {'busbw GB/s':>10}")
+    # Each engine's gradient all-reduce rides one of the measured transports.
+    transports = (allreduce or {}).get("results", {})
+    busbw = {"ddp": next((v["busbw_GBps"] for k, v in transports.items()
+                          if k.startswith("torch-")), None),
+             "horovod": transports.get("horovod", {}).get("busbw_GBps")}
     threads = result.get("threads_per_rank")
     lines = [f"{result['steps']} steps per run, first {result['warmup']} left out; "
              + (f"{threads} thread(s) per rank on CPU" if threads else "one GPU per rank"),
              head, "-" * len(head)]
     for r in result["rows"]:
         busy = " ".join(f"{b:.2f}" for b in r["busy_share"])
+        util = f"{r['gpu_util']:.0f}%" if r.get("gpu_util") is not None else "-"
+        bw = busbw.get(r["engine"])
         lines.append(
             f"{r['engine']:<8} {r['dp']:>2} {r['precision']:<5} {r['tokens_per_s']:>11.0f} "
             f"{r['tokens_per_s_per_rank']:>10.0f} {r['speedup']:>7.2f} "
             f"{r['scaling_efficiency']:>6.2f} {busy:<22} {r['comm_share']:>5.2f} "
-            f"{r['slowest_rank']:>7}")
+            f"{r['slowest_rank']:>7} {util:>8} {f'{bw:.2f}' if bw else '-':>10}")
     lines.append("")
+    lines.append("busbw: the bus bandwidth of the transport each engine's all-reduce rides, "
+                 "from the micro-benchmark below (ps reduces and broadcasts instead)")
     lines += [f"  {name}: {text}" for name, text in ALGORITHM.items()]
     if allreduce:
         lines += ["", render_allreduce(allreduce)]
