@@ -36,3 +36,15 @@ def test_topo_help_explains_every_option():
     for option in ("--tp", "--pp", "--dp", "--vpp", "--json"):
         assert option in run.stdout
     assert "Megatron" in run.stdout
+
+
+def test_train_help_names_every_config_key():
+    import dataclasses
+
+    from hpcllm.config import Config
+
+    run = _hpcllm("train", "--help")
+    text = " ".join(run.stdout.split())
+    for section in dataclasses.fields(Config()):
+        for key in dataclasses.fields(getattr(Config(), section.name)):
+            assert key.name in text, f"{section.name}.{key.name}"
