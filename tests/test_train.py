@@ -192,3 +192,9 @@ def test_validation_split_too_small_stops_before_training(tmp_path):
     with pytest.raises(UserError, match="fewer than one global micro-batch"):
         Trainer(_cfg(data, tmp_path / "run", "train.micro_batch_size=100"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_every_evaluation_reads_the_same_validation_batches(stdlib, tmp_path):
+    trainer = Trainer(_cfg(stdlib, tmp_path / "run", "train.steps=1"))
+    first = trainer.evaluate()
+    assert trainer.evaluate() == first  # same weights, same batches

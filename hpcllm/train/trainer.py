@@ -261,6 +261,7 @@ class Trainer:
         t = self.cfg.train
         self.model.eval()
         reader = self.val_reader
+        reader.consumed_samples = 0  # the same validation batches every time
         batches = iter(reader)
         total = torch.zeros((), device=self.device)
         iters = min(t.eval_iters, reader.steps_per_epoch)
