@@ -23,7 +23,9 @@ from hpcllm.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp,
+    gather_from_tp,
     normal_init,
+    vocab_parallel_cross_entropy,
 )
 
 
@@ -127,7 +129,8 @@ class GPT(nn.Module):
         self.tp_group = tp_group
         gen = torch.Generator().manual_seed(seed)
         self.wte = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, group=tp_group,
-                                          gen=gen, init=normal_init(cfg.init_std))
+                                          gen=gen, init=normal_init(cfg.init_std),
+                                          real_rows=vocab_size)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         normal_init(cfg.init_std)(self.wpe.weight, gen)
         self.blocks = nn.ModuleList(Block(cfg, tp_group, gen) for _ in range(cfg.n_layer))
@@ -149,15 +152,25 @@ class GPT(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if full else block(x)
         return x
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Return logits over the real vocabulary (the output layer shares the embedding)."""
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the loss against ``labels``, or the logits over the real vocabulary.
+
+        The output layer shares the embedding. With t > 1 each rank holds a vocabulary slice
+        of the logits; the loss is computed on the slices and only logits asked for are
+        gathered.
+        """
         logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
-        return logits[..., :self.vocab_size]
+        if _tp_size(self.tp_group) > 1:
+            if labels is not None:
+                return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                                    self.wte.vocab_start, self.vocab_size)
+            logits = gather_from_tp(logits, self.tp_group)
+        logits = logits[..., :self.vocab_size]
+        return logits if labels is None else kernels.cross_entropy(logits, labels)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Return the mean cross-entropy against ``labels``, or the logits when none."""
-        logits = self.head(self.run_blocks(self.embed(ids)))
-        return logits if labels is None else kernels.cross_entropy(logits, labels)
+        return self.head(self.run_blocks(self.embed(ids)), labels)
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, new_tokens: int, temperature: float = 0.8,

@@ -116,19 +116,23 @@ def normal_init(std: float) -> InitFn:
     return init
 
 
-def _init_shard(shard: torch.Tensor, full_shape: tuple[int, ...], dim: int, stride: int,
-                init: InitFn, gen: torch.Generator, group: Any) -> None:
-    """Initialise the whole weight from ``gen`` and copy this rank's slice into ``shard``.
+def shard_of(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """Return tp rank ``rank``'s slice (of ``size``) of a whole tensor along ``dim``.
 
     ``stride`` > 1 splits each of ``stride`` equal blocks along ``dim`` separately (the fused
     q|k|v projection keeps its q, k and v heads together on each rank).
     """
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+def _init_shard(shard: torch.Tensor, full_shape: tuple[int, ...], dim: int, stride: int,
+                init: InitFn, gen: torch.Generator, group: Any) -> None:
+    """Initialise the whole weight from ``gen`` and copy this rank's slice into ``shard``."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init(full, gen)
-    blocks = full.chunk(stride, dim=dim)
-    mine = [b.chunk(_size(group), dim=dim)[_rank(group)] for b in blocks]
     with torch.no_grad():
-        shard.copy_(torch.cat(mine, dim=dim))
+        shard.copy_(shard_of(full, dim, stride, _rank(group), _size(group)))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -181,7 +185,7 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split over the tp group."""
 
     def __init__(self, num_embeddings: int, dim: int, *, group: Any, gen: torch.Generator,
-                 init: InitFn) -> None:
+                 init: InitFn, real_rows: int | None = None) -> None:
         super().__init__()
         t = _size(group)
         if num_embeddings % t:
@@ -191,7 +195,13 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = _rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, dim))
-        _init_shard(self.weight, (num_embeddings, dim), 0, 1, init, gen, group)
+        # Only the real rows are drawn (padding rows are zero), so the generator's stream, and
+        # with it every later weight, is the same whatever padding t asks for.
+        real = real_rows or num_embeddings
+        full = torch.zeros(num_embeddings, dim)
+        init(full[:real], gen)
+        with torch.no_grad():
+            self.weight.copy_(shard_of(full, 0, 1, _rank(group), t))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if _size(self.group) == 1:
@@ -200,3 +210,54 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits whose vocabulary is split across the tp group.
+
+    Three all-reduces of (b, s) tensors replace a gather of the (b, s, V) logits: the max (for
+    stability), the sum of exponentials, and the target's logit from whichever rank holds it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any,
+                vocab_start: int, vocab_size: int) -> torch.Tensor:
+        logits = logits.float()
+        local = logits.shape[-1]
+        # Columns past the real vocabulary (padding) take no part in the softmax.
+        padded = torch.arange(vocab_start, vocab_start + local, device=logits.device) \
+            >= vocab_size
+        logits = logits.masked_fill(padded, float("-inf"))
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        outside = (labels < vocab_start) | (labels >= vocab_start + local)
+        local_labels = (labels - vocab_start).masked_fill(outside, 0)
+        target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
+        target = target.masked_fill(outside, 0.0)
+        dist.all_reduce(target, group=group)
+        loss = total.log() - target
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local_labels, outside)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        softmax, local_labels, outside = ctx.saved_tensors
+        d_logits = softmax.clone()
+        hit = (~outside).to(d_logits.dtype)
+        d_logits.scatter_add_(-1, local_labels.unsqueeze(-1), -hit.unsqueeze(-1))
+        return d_logits * (grad / outside.numel()), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any,
+                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """Return the mean token cross-entropy of vocabulary-split logits, never gathering them.
+
+    ``logits`` is this rank's (..., V_padded / t) slice starting at ``vocab_start``; columns at
+    or past ``vocab_size`` (the real vocabulary) are padding and excluded, so the loss equals
+    the unpadded single-GPU loss.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
