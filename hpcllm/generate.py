@@ -24,8 +24,9 @@ def load_run_model(run_dir: Path, device: torch.device | None = None) -> tuple[G
     cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
     meta = checkpoint.read_meta(folder)
     if (meta["tp"], meta["pp"]) != (1, 1):
-        raise UserError(f"{folder} is sharded (tp={meta['tp']}, pp={meta['pp']}); "
-                        "convert it to tp=1, pp=1 first")
+        raise UserError(f"{folder} is sharded (tp={meta['tp']}, pp={meta['pp']}); generate "
+                        "reads tp=1, pp=1 checkpoints, and merging shards (hpcllm convert "
+                        "--tp 1) is not available yet")
     shard = checkpoint.load_shard(folder, 0, 0, 1, 1)
     model = GPT(cfg.model, meta["vocab_size"], seed=cfg.train.seed)
     model.load_state_dict(shard["model"])

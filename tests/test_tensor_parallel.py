@@ -20,3 +20,34 @@ def test_tensor_parallel_gpt_equals_the_serial_gpt(tp):
         assert out["grad"] <= 1e-5, out["grad_worst"]
         for serial, parallel in zip(out["serial_losses"], out["parallel_losses"], strict=True):
             assert parallel == pytest.approx(serial, rel=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "horovod", "ps"])
+def test_trainer_at_t2_d2_logs_the_losses_of_t1_d2(tmp_path, engine):
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+    from hpcllm.observe import read_metrics
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+
+    def train(np, run, *extra):
+        args = ["-m", "hpcllm", "train", "--no-progress"]
+        for item in [*SMALL, "model.n_head=4", f"data.path={data}", f"run.dir={run}",
+                     "train.steps=5", "train.global_batch_size=16", "train.eval_interval=0",
+                     f"parallel.dp_engine={engine}", *extra]:
+            args += ["--set", item]
+        run_mpi(np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+        return read_metrics(run)
+
+    serial = train(2, tmp_path / "t1")
+    parallel = train(4, tmp_path / "t2", "parallel.tp=2")
+    assert [r["step"] for r in parallel] == [1, 2, 3, 4, 5]
+    for a, b in zip(serial, parallel, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        # The global norm counts each tensor-parallel slice, and whole parameters once.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    step = tmp_path / "t2" / "checkpoints" / "step_00000005"
+    shards = sorted(p.name for p in step.glob("*.pt"))
+    assert shards == ["model_tp00_pp00.pt", "model_tp01_pp00.pt"]

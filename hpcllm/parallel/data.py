@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcllm.errors import UserError
+from hpcllm.parallel.tensor import clip_grad_norm
 
 ENGINES = ("ddp", "horovod", "ps")
 
@@ -44,6 +45,8 @@ class Engine:
         self.module: nn.Module = model
         self.grid = grid
         self.comm_wait_s = 0.0
+        # The global gradient norm spans the tensor-parallel slices of the model.
+        self.tp_group = grid.tp_group if getattr(grid, "tp", 1) > 1 else None
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer,
                          accumulation: int) -> torch.optim.Optimizer:
@@ -63,7 +66,7 @@ class Engine:
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              clip: float) -> tuple[float, bool]:
         """Unscale, clip, step and update the scaler; return (grad norm, step skipped)."""
-        return _local_step(self.model, optimizer, scaler, clip)
+        return _local_step(self.model, optimizer, scaler, clip, self.tp_group)
 
     def reset_timers(self) -> None:
         """Start a new step's communication timing."""
@@ -71,9 +74,10 @@ class Engine:
 
 
 def _local_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                scaler: torch.amp.GradScaler, clip: float) -> tuple[float, bool]:
+                scaler: torch.amp.GradScaler, clip: float,
+                tp_group: Any = None) -> tuple[float, bool]:
     scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    norm = clip_grad_norm(list(model.parameters()), clip, tp_group)
     scale = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
@@ -209,7 +213,7 @@ class HorovodEngine(Engine):
         # Gradients are already averaged (synchronize); unscale and clip those, then step
         # without Horovod synchronising a second time.
         with optimizer.skip_synchronize():
-            return _local_step(self.model, optimizer, scaler, clip)
+            return _local_step(self.model, optimizer, scaler, clip, self.tp_group)
 
 
 class ParameterServerEngine(Engine):
@@ -260,11 +264,11 @@ class ParameterServerEngine(Engine):
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              clip: float) -> tuple[float, bool]:
         if self.grid.dp == 1:
-            return _local_step(self.model, optimizer, scaler, clip)
+            return _local_step(self.model, optimizer, scaler, clip, self.tp_group)
         device = self.params[0].device  # nccl moves CUDA tensors only
         result = torch.zeros(3, device=device)  # grad norm, skipped, new loss scale
         if self.is_root:
-            norm, skipped = _local_step(self.model, optimizer, scaler, clip)
+            norm, skipped = _local_step(self.model, optimizer, scaler, clip, self.tp_group)
             result = torch.tensor([norm, float(skipped),
                                    scaler.get_scale() if scaler.is_enabled() else 1.0],
                                   device=device)

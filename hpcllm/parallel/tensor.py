@@ -116,6 +116,48 @@ def normal_init(std: float) -> InitFn:
     return init
 
 
+def mark_split(*params: nn.Parameter | None) -> None:
+    """Mark parameters that hold a tp rank's slice (the others are whole on every tp rank)."""
+    for param in params:
+        if param is not None:
+            param.tensor_parallel = True
+
+
+def is_split(param: torch.Tensor) -> bool:
+    """Return whether ``param`` is a tp rank's slice of a larger tensor."""
+    return getattr(param, "tensor_parallel", False)
+
+
+def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
+                   tp_group: Any = None) -> torch.Tensor:
+    """Clip gradients by the model's global norm across the tp group; return that norm.
+
+    Sliced parameters contribute their squares from every tp rank (an all-reduce); whole
+    ones (LayerNorm, row-parallel biases, positions) hold the same gradient on every tp rank
+    and are counted once.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    split = torch.zeros((), device=device)
+    whole = torch.zeros((), device=device)
+    for param in parameters:
+        if param.grad is not None:
+            square = param.grad.detach().float().pow(2).sum()
+            if is_split(param):
+                split += square
+            else:
+                whole += square
+    if _size(tp_group) > 1:
+        dist.all_reduce(split, group=tp_group)
+    norm = (split + whole).sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+    return norm
+
+
 def shard_of(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
     """Return tp rank ``rank``'s slice (of ``size``) of a whole tensor along ``dim``.
 
@@ -149,6 +191,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
         _init_shard(self.weight, (out_features, in_features), 0, stride, init, gen, group)
         self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None
+        mark_split(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight,
@@ -172,6 +215,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         _init_shard(self.weight, (out_features, in_features), 1, 1, init, gen, group)
+        mark_split(self.weight)  # the bias is whole on every rank
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
@@ -202,6 +246,7 @@ class VocabParallelEmbedding(nn.Module):
         init(full[:real], gen)
         with torch.no_grad():
             self.weight.copy_(shard_of(full, 0, 1, _rank(group), t))
+        mark_split(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if _size(self.group) == 1:

@@ -40,10 +40,14 @@ GradHook = Callable[[int, torch.nn.Module], None]
 
 def _check_supported(cfg: Config) -> None:
     p = cfg.parallel
-    if p.tp > 1 or p.pp > 1 or p.vpp > 1 or p.sequence_parallel:
-        raise UserError("tensor and pipeline parallelism (parallel.tp/pp/vpp > 1, "
-                        "sequence_parallel) are not available in this version yet; "
-                        "set parallel.tp=1 and parallel.pp=1")
+    if p.pp > 1 or p.vpp > 1 or p.sequence_parallel:
+        raise UserError("pipeline parallelism (parallel.pp/vpp > 1) and sequence_parallel "
+                        "are not available in this version yet; set parallel.pp=1 and "
+                        "parallel.sequence_parallel=false")
+    if p.tp > 1 and cfg.model.dropout > 0:
+        raise UserError("model.dropout > 0 with parallel.tp > 1 needs the tensor-parallel "
+                        "RNG tracker, which this version does not have yet; set "
+                        "model.dropout=0")
 
 
 class Trainer:
