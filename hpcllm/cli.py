@@ -148,9 +148,13 @@ def _add_convert(verbs: argparse._SubParsersAction) -> None:
     way = conv.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
     way.add_argument("--to-hf", type=Path, metavar="DIR", help="Hugging Face folder to write")
-    conv.add_argument("--out", type=Path, metavar="RUN_DIR", help="run folder (with --from-hf)")
+    way.add_argument("--tp", type=_positive, metavar="N",
+                     help="re-cut --checkpoint RUN_DIR's latest checkpoint (weights and "
+                     "optimizer state) for tensor-parallel size N, into --out RUN_DIR")
+    conv.add_argument("--out", type=Path, metavar="RUN_DIR",
+                      help="new run folder (with --from-hf or --tp)")
     conv.add_argument("--checkpoint", type=Path, metavar="RUN_DIR",
-                      help="run folder to export (with --to-hf)")
+                      help="run folder to read (with --to-hf or --tp)")
     conv.set_defaults(run=_run_convert)
 
 
@@ -403,7 +407,13 @@ def _run_convert(args: argparse.Namespace) -> int:
     from hpcllm import convert
     from hpcllm.errors import UserError
 
-    if args.from_hf is not None:
+    if args.tp is not None:
+        if args.checkpoint is None or args.out is None:
+            raise UserError("--tp needs --checkpoint RUN_DIR and --out RUN_DIR")
+        from hpcllm.train.reshard import convert_tp
+
+        print(f"wrote {convert_tp(args.checkpoint, args.out, args.tp)}")
+    elif args.from_hf is not None:
         if args.out is None:
             raise UserError("--from-hf needs --out RUN_DIR")
         print(f"wrote {convert.from_hf(args.from_hf, args.out)}")

@@ -51,3 +51,39 @@ def test_trainer_at_t2_d2_logs_the_losses_of_t1_d2(tmp_path, engine):
     step = tmp_path / "t2" / "checkpoints" / "step_00000005"
     shards = sorted(p.name for p in step.glob("*.pt"))
     assert shards == ["model_tp00_pp00.pt", "model_tp01_pp00.pt"]
+
+
+def test_convert_tp_resumes_where_the_original_run_would(tmp_path):
+    import subprocess
+    import sys
+
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+    from hpcllm.generate import load_run_model
+    from hpcllm.observe import read_metrics
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+
+    def train(np, run, steps, tp):
+        args = ["-m", "hpcllm", "train", "--no-progress"]
+        for item in [*SMALL, "model.n_head=4", f"data.path={data}", f"run.dir={run}",
+                     f"train.steps={steps}", "train.lr_decay_steps=6", "train.eval_interval=0",
+                     f"parallel.tp={tp}"]:
+            args += ["--set", item]
+        run_mpi(np, python(*args), timeout=300).check()
+        return {r["step"]: r["loss"] for r in read_metrics(run)}
+
+    train(2, tmp_path / "t2", 3, 2)
+    convert = subprocess.run([sys.executable, "-m", "hpcllm", "convert", "--tp", "1",
+                              "--checkpoint", str(tmp_path / "t2"), "--out",
+                              str(tmp_path / "t1")], capture_output=True, text=True, timeout=120)
+    assert convert.returncode == 0, convert.stderr
+    model, _ = load_run_model(tmp_path / "t1")  # a tp = 1 checkpoint again
+    assert model.wte.weight.shape[0] == 384  # 257 padded for t = 1, not for t = 2 (512)
+    original = train(2, tmp_path / "t2", 6, 2)
+    converted = train(1, tmp_path / "t1", 6, 1)
+    assert sorted(converted) == [4, 5, 6]  # resumed at step 3: weights and Adam state carried
+    for step in (4, 5, 6):
+        assert converted[step] == pytest.approx(original[step], rel=1e-5)

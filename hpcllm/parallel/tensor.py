@@ -116,11 +116,15 @@ def normal_init(std: float) -> InitFn:
     return init
 
 
-def mark_split(*params: nn.Parameter | None) -> None:
-    """Mark parameters that hold a tp rank's slice (the others are whole on every tp rank)."""
+def mark_split(*params: nn.Parameter | None, dim: int = 0, stride: int = 1) -> None:
+    """Mark parameters that hold a tp rank's slice along ``dim`` (see :func:`shard_of`).
+
+    Unmarked parameters are whole on every tp rank.
+    """
     for param in params:
         if param is not None:
             param.tensor_parallel = True
+            param.partition = (dim, stride)
 
 
 def is_split(param: torch.Tensor) -> bool:
@@ -158,6 +162,13 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     return norm
 
 
+def merge_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Return the whole tensor whose tp slices (:func:`shard_of`) are ``shards``, in rank order."""
+    blocks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(stride)],
+                     dim=dim)
+
+
 def shard_of(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
     """Return tp rank ``rank``'s slice (of ``size``) of a whole tensor along ``dim``.
 
@@ -191,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
         _init_shard(self.weight, (out_features, in_features), 0, stride, init, gen, group)
         self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None
-        mark_split(self.weight, self.bias)
+        mark_split(self.weight, self.bias, dim=0, stride=stride)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         y = F.linear(copy_to_tp(x, self.group), self.weight,
@@ -215,7 +226,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel = group, input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         _init_shard(self.weight, (out_features, in_features), 1, 1, init, gen, group)
-        mark_split(self.weight)  # the bias is whole on every rank
+        mark_split(self.weight, dim=1)  # the bias is whole on every rank
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:

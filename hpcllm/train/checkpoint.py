@@ -76,21 +76,45 @@ def save(run_dir: Path, step: int, grid: Any, shard: dict[str, Any], meta: dict[
         _fsync(path)
     dist.barrier()
     if grid.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps(
-            {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}, indent=2))
-        (tmp / "config.yaml").write_text(config_yaml)
-        for path in (tmp / "meta.json", tmp / "config.yaml", tmp):
-            _fsync(path)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / f".{LATEST}.partial"
-        pointer.write_text(_name(step) + "\n")
-        _fsync(pointer)
-        os.replace(pointer, root / LATEST)
-        _fsync(root)
+        _publish(root, step, {**meta, "step": step, "tp": grid.tp, "pp": grid.pp,
+                              "dp": grid.dp}, config_yaml)
     dist.barrier()
     return final
+
+
+def _publish(root: Path, step: int, meta: dict[str, Any], config_yaml: str) -> None:
+    """Complete the hidden folder of ``step``, rename it, then point `latest` at it."""
+    tmp = root / f".{_name(step)}.partial"
+    final = root / _name(step)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    (tmp / "config.yaml").write_text(config_yaml)
+    for path in (tmp / "meta.json", tmp / "config.yaml", tmp):
+        _fsync(path)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.partial"
+    pointer.write_text(_name(step) + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync(root)
+
+
+def write_offline(run_dir: Path, step: int, shards: dict[tuple[int, int], dict[str, Any]],
+                  meta: dict[str, Any], config_yaml: str, *, tp: int, pp: int,
+                  dp: int | None) -> Path:
+    """Write a whole checkpoint from one process (conversion tools); return its folder."""
+    root = run_dir / "checkpoints"
+    tmp = root / f".{_name(step)}.partial"
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for (tp_rank, pp_rank), shard in shards.items():
+        path = tmp / shard_file(tp_rank, pp_rank)
+        torch.save(shard, path)
+        _fsync(path)
+    _publish(root, step, {**meta, "step": step, "tp": tp, "pp": pp, "dp": dp}, config_yaml)
+    return root / _name(step)
 
 
 def _fsync(path: Path) -> None:
