@@ -267,6 +267,9 @@ def check(cfg: Config) -> None:
                         f"{m.n_head}")
     if m.n_head % p.tp:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {p.tp}")
+    if p.sequence_parallel and p.tp > 1 and m.seq_len % p.tp:
+        raise UserError(f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
+                        f"parallel.tp {p.tp} ranks; use a seq_len divisible by {p.tp}")
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.vocab_size is not None and m.vocab_size < 2:

@@ -6,12 +6,13 @@ from mpirun import python, run_mpi
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_gpt_equals_the_serial_gpt(tp):
-    result = run_mpi(tp, python("tests/mpi_scripts/tp_equivalence.py"), timeout=300).check()
-    for rank in range(tp):
+def _check_equivalence(result, ranks: int, tp: int, sp: bool) -> None:
+    for rank in range(ranks):
         out = json.loads(result.rank_stdout[rank].splitlines()[-1])
-        assert out["tp"] == tp
+        assert out["tp"] == tp and out["dp"] == ranks // tp and out["sp"] == sp
+        # Sequence parallelism trades every activation all-reduce for a gather and a scatter.
+        expected = {"all_gather", "reduce_scatter"} if sp else set()
+        assert expected <= set(out["comm"]) and ("reduce_scatter" in out["comm"]) == sp
         # A vocabulary of 250 divides by no t: padded to 128·t, split in equal shards.
         assert out["padded_vocab"] == 128 * tp and out["vocab_rows"] == 128
         assert out["init"] == 0.0, "shards are not slices of the t = 1 weights"
@@ -20,6 +21,24 @@ def test_tensor_parallel_gpt_equals_the_serial_gpt(tp):
         assert out["grad"] <= 1e-5, out["grad_worst"]
         for serial, parallel in zip(out["serial_losses"], out["parallel_losses"], strict=True):
             assert parallel == pytest.approx(serial, rel=1e-5)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_gpt_equals_the_serial_gpt(tp, sp):
+    args = ["sp"] if sp else []
+    result = run_mpi(tp, python("tests/mpi_scripts/tp_equivalence.py", *args),
+                     timeout=300).check()
+    _check_equivalence(result, tp, tp, sp)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("engine", ["ddp", "horovod"])
+def test_t2_d2_gradients_through_each_engine_equal_the_serial_gpt(engine, sp):
+    args = ["tp=2", f"engine={engine}"] + (["sp"] if sp else [])
+    result = run_mpi(4, python("tests/mpi_scripts/tp_equivalence.py", *args),
+                     env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    _check_equivalence(result, 4, 2, sp)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "horovod", "ps"])

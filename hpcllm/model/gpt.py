@@ -18,13 +18,16 @@ from torch.utils.checkpoint import checkpoint
 
 from hpcllm import kernels
 from hpcllm.config import ModelConfig, padded_vocab
+from hpcllm.parallel.random import recompute_context, tp_rng
 from hpcllm.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp,
     gather_from_tp,
+    mark_sequence_parallel,
     normal_init,
+    sequence_parallel_linear,
     vocab_parallel_cross_entropy,
 )
 
@@ -33,14 +36,21 @@ def _tp_size(group: Any) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
+def _dropout_rng(group: Any, p: float, training: bool) -> Any:
+    """The tensor-parallel stream for a dropout over split activations, when it drops."""
+    return tp_rng(group if p > 0 and training else None)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm through the fused-op dispatch point."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        if sequence_parallel:
+            mark_sequence_parallel(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.layer_norm(x, self.weight, self.bias, self.eps)
@@ -49,30 +59,38 @@ class LayerNorm(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention, heads split over the tp group; returns output without bias."""
 
-    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator) -> None:
+    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         h, t = cfg.d_model, _tp_size(group)
+        self.group = group
         self.local_heads = cfg.n_head // t
         self.head_dim = h // cfg.n_head
         self.dropout = cfg.dropout
         self.selective = cfg.recompute == "selective"
         self.qkv = ColumnParallelLinear(h, 3 * h, group=group, gen=gen,
-                                        init=normal_init(cfg.init_std), stride=3)
+                                        init=normal_init(cfg.init_std), stride=3,
+                                        sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(h, h, group=group, gen=gen,
-                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)))
+                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+                                      sequence_parallel=sequence_parallel)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # Heads are split over the tp group: each rank draws its own attention dropout.
+        with _dropout_rng(self.group, self.dropout, self.training):
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, s, _ = x.shape
+        qkv = self.qkv(x)  # (b, s, 3h/t): the whole sequence, even under sequence parallelism
+        b, s, _ = qkv.shape
         q, k, v = (part.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-                   for part in self.qkv(x).chunk(3, dim=-1))
+                   for part in qkv.chunk(3, dim=-1))
         if self.selective and self.training:
             # Korthikanti et al.: the attention core holds the s² activations and is cheap to
             # recompute; keeping everything else stored costs little memory.
-            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, use_reentrant=False,
+                           context_fn=recompute_context)
         else:
             y = self._core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
@@ -82,13 +100,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """h → 4h (column-parallel) → GeLU → h (row-parallel); returns output without bias."""
 
-    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator) -> None:
+    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         h = cfg.d_model
         self.fc = ColumnParallelLinear(h, 4 * h, group=group, gen=gen,
-                                       init=normal_init(cfg.init_std))
+                                       init=normal_init(cfg.init_std),
+                                       sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(4 * h, h, group=group, gen=gen,
-                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)))
+                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+                                      sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = kernels.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
@@ -96,60 +117,94 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then + mlp(ln(x)).
 
-    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator) -> None:
+    With sequence parallelism x is this rank's part of the sequence, and so are the
+    LayerNorms and the dropout-residual adds; their dropout then comes from the tensor-parallel
+    stream, since each rank holds different positions.
+    """
+
+    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.attn = Attention(cfg, group, gen)
-        self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.mlp = MLP(cfg, group, gen)
+        sp = sequence_parallel and _tp_size(group) > 1
+        self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
+        self.attn = Attention(cfg, group, gen, sp)
+        self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
+        self.mlp = MLP(cfg, group, gen, sp)
         self.dropout = cfg.dropout
+        self.rng_group = group if sp else None
+        if sp:
+            mark_sequence_parallel(self.attn.proj.bias, self.mlp.proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, bias = self.attn(self.ln1(x))
-        x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
+        with _dropout_rng(self.rng_group, self.dropout, self.training):
+            x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
         out, bias = self.mlp(self.ln2(x))
-        return kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
+        with _dropout_rng(self.rng_group, self.dropout, self.training):
+            return kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
 
 
 class GPT(nn.Module):
     """The whole GPT (or, with ``tp_group``, this rank's tensor-parallel shard of it).
 
     ``vocab_size`` is the tokenizer's; the embedding is padded to a multiple of 128·t and the
-    padded rows never reach the loss or the returned logits.
+    padded rows never reach the loss or the returned logits. ``sequence_parallel`` (with a tp
+    group of more than one rank) splits the activations between tensor-parallel layers along
+    the sequence, which must then divide by t.
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, tp_group: Any = None,
-                 seed: int = 1234) -> None:
+                 seed: int = 1234, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.padded_vocab = padded_vocab(vocab_size, _tp_size(tp_group))
+        t = _tp_size(tp_group)
+        self.padded_vocab = padded_vocab(vocab_size, t)
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and t > 1
         gen = torch.Generator().manual_seed(seed)
         self.wte = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, group=tp_group,
                                           gen=gen, init=normal_init(cfg.init_std),
-                                          real_rows=vocab_size)
+                                          real_rows=vocab_size,
+                                          sequence_parallel=self.sequence_parallel)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         normal_init(cfg.init_std)(self.wpe.weight, gen)
-        self.blocks = nn.ModuleList(Block(cfg, tp_group, gen) for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.blocks = nn.ModuleList(Block(cfg, tp_group, gen, self.sequence_parallel)
+                                    for _ in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, self.sequence_parallel)
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.wpe.weight)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s)."""
+        """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s).
+
+        Under sequence parallelism, those of this rank's part of the sequence.
+        """
         s = ids.shape[1]
         if s > self.cfg.seq_len:
             raise ValueError(f"sequence of {s} tokens is longer than model.seq_len "
                              f"{self.cfg.seq_len}")
         pos = torch.arange(s, device=ids.device)
-        return F.dropout(self.wte(ids) + self.wpe(pos), self.cfg.dropout, self.training)
+        if self.sequence_parallel:
+            t = _tp_size(self.tp_group)
+            if s % t:
+                raise ValueError(f"sequence parallelism splits the {s} tokens of a sequence "
+                                 f"over {t} tensor-parallel ranks; use a length divisible "
+                                 f"by {t}")
+            pos = pos.chunk(t)[torch.distributed.get_rank(self.tp_group)]
+        x = self.wte(ids) + self.wpe(pos)
+        with _dropout_rng(self.tp_group if self.sequence_parallel else None,
+                          self.cfg.dropout, self.training):
+            return F.dropout(x, self.cfg.dropout, self.training)
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Return x after every block, recomputing each in backward under ``recompute: full``."""
         full = self.cfg.recompute == "full" and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if full else block(x)
+            x = checkpoint(block, x, use_reentrant=False,
+                           context_fn=recompute_context) if full else block(x)
         return x
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +214,11 @@ class GPT(nn.Module):
         of the logits; the loss is computed on the slices and only logits asked for are
         gathered.
         """
-        logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
+        if self.sequence_parallel:
+            logits = sequence_parallel_linear(self.ln_f(x), self.wte.weight, None,
+                                              self.tp_group)
+        else:
+            logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
         if _tp_size(self.tp_group) > 1:
             if labels is not None:
                 return vocab_parallel_cross_entropy(logits, labels, self.tp_group,

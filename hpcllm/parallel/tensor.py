@@ -5,6 +5,15 @@ into the tensor-parallel region all-reduces gradients on the way back, reducing 
 passes gradients through, gathering splits and splitting gathers. With a tp group of one rank
 every function is the identity and each layer an ordinary Linear or Embedding.
 
+Sequence parallelism (Korthikanti et al., 2022) splits the regions between tensor-parallel
+layers (LayerNorm, dropout, residual adds) along the sequence instead of replicating them: an
+all-gather along the sequence replaces the copy before a column-parallel layer, and a
+reduce-scatter replaces the all-reduce after a row-parallel one. Activations are (b, s, h)
+throughout, so the sequence is dimension 1.
+
+Every collective here is reported to :func:`count_comm`, so tests and docs can check the
+bytes against the analytic count.
+
 Weights are initialised whole, from the same generator on every rank, and each rank keeps its
 slice, so a model built with t > 1 holds exactly the shards of the t = 1 model from the same
 seed.
@@ -12,7 +21,9 @@ seed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +42,54 @@ def _rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+@dataclass
+class CommLog:
+    """Tensor-parallel collectives seen inside :func:`count_comm`, in call order.
+
+    Each entry is ``(op, direction, nbytes)``: op is ``all_reduce``, ``all_gather`` or
+    ``reduce_scatter``; direction ``forward`` or ``backward``; nbytes the size of the whole
+    tensor (an all-reduce's tensor, an all-gather's output, a reduce-scatter's input).
+    """
+
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def total(self, op: str | None = None, direction: str | None = None) -> int:
+        """Return the bytes of the calls matching ``op`` and ``direction`` (None: any)."""
+        return sum(n for o, d, n in self.calls
+                   if (op is None or o == op) and (direction is None or d == direction))
+
+    def count(self, op: str | None = None, direction: str | None = None) -> int:
+        """Return how many calls match ``op`` and ``direction``."""
+        return sum(1 for o, d, _ in self.calls
+                   if (op is None or o == op) and (direction is None or d == direction))
+
+
+_LOGS: list[CommLog] = []
+
+
+@contextlib.contextmanager
+def count_comm() -> Iterator[CommLog]:
+    """Record every tensor-parallel collective run (forward and backward) inside the block."""
+    log = CommLog()
+    _LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _LOGS.remove(log)
+
+
+def _record(op: str, nbytes: int, backward: bool) -> None:
+    for log in _LOGS:
+        log.calls.append((op, "backward" if backward else "forward", nbytes))
+
+
+def _all_reduce(x: torch.Tensor, group: Any, backward: bool) -> torch.Tensor:
+    x = x.contiguous()
+    _record("all_reduce", x.numel() * x.element_size(), backward)
+    dist.all_reduce(x, group=group)
+    return x
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -39,31 +98,48 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _all_reduce(grad, ctx.group, backward=True), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
+        return _all_reduce(x, group, backward=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
-def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
+def _split(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+    return x.chunk(_size(group), dim=dim)[_rank(group)].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather(x: torch.Tensor, group: Any, backward: bool, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_size(group))]
+    _record("all_gather", x.numel() * x.element_size() * len(parts), backward)
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Any, backward: bool, dim: int) -> torch.Tensor:
+    size = _size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over the "
+                         f"{size} tensor-parallel ranks")
+    _record("reduce_scatter", x.numel() * x.element_size(), backward)
+    parts = [c.contiguous() for c in x.chunk(size, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _split(x, group, dim=-1)
+
+
+def _gather_last(x: torch.Tensor, group: Any, backward: bool = False) -> torch.Tensor:
+    return _gather(x, group, backward, dim=-1)
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -85,7 +161,74 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.group), None
+        return _gather_last(grad, ctx.group, backward=True), None
+
+
+# Sequence parallelism: the sequence is dimension 1 of (b, s, h) activations.
+SEQ_DIM = 1
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _split(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather(grad, ctx.group, True, SEQ_DIM), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather(x, group, False, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The gathered tensor feeds a tensor-parallel layer, so each rank's gradient is a
+        # partial sum: reduce, and keep this rank's part of the sequence.
+        return _reduce_scatter(grad, ctx.group, True, SEQ_DIM), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group, False, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather(grad, ctx.group, True, SEQ_DIM), None
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """All-gather the sequence, then a linear layer, storing only this rank's sequence part.
+
+    Backward gathers the input again for the weight gradient instead of keeping the whole
+    (b, s, h) input alive between forward and backward, as Megatron-LM does: that input is
+    exactly the activation sequence parallelism exists to split.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Any) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, group, False, SEQ_DIM), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        full = _gather(x, ctx.group, True, SEQ_DIM).to(grad.dtype)
+        grad_input = grad.matmul(weight.to(grad.dtype))
+        grad_input = _reduce_scatter(grad_input, ctx.group, True, SEQ_DIM)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
+        return (grad_input.to(x.dtype), grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(weight.dtype), None)
 
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -106,6 +249,29 @@ def gather_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
 def scatter_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Return this rank's slice of x's last dimension; backward gathers."""
     return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return this rank's part of x's sequence (dimension 1); backward all-gathers."""
+    return x if _size(group) == 1 else _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return the whole sequence gathered from the tp ranks; backward reduce-scatters."""
+    return x if _size(group) == 1 else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return this rank's sequence part of the sum of x over the tp group; backward gathers."""
+    return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: Any) -> torch.Tensor:
+    """Return ``linear(all_gather_sequence(x), weight, bias)``, storing only x's part."""
+    if _size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 def normal_init(std: float) -> InitFn:
@@ -132,13 +298,42 @@ def is_split(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_parallel", False)
 
 
+def mark_sequence_parallel(*params: nn.Parameter | None) -> None:
+    """Mark whole parameters that see only a sequence part (their grads are partial)."""
+    for param in params:
+        if param is not None:
+            param.sequence_parallel = True
+
+
+def reduce_sequence_parallel_grads(model: nn.Module, group: Any) -> None:
+    """Sum over the tp group the gradients of whole parameters used in sequence-parallel regions.
+
+    LayerNorms, row-parallel biases and positions are whole on every tp rank, but under
+    sequence parallelism each rank sees only its part of the sequence, so each holds a partial
+    gradient. One all-reduce of the flattened gradients completes them (Megatron does the same).
+    """
+    if _size(group) == 1:
+        return
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
+                             strict=True):
+        grad.copy_(reduced)
+
+
 def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
-                   tp_group: Any = None) -> torch.Tensor:
-    """Clip gradients by the model's global norm across the tp group; return that norm.
+                   tp_group: Any = None, pp_group: Any = None) -> torch.Tensor:
+    """Clip gradients by the model's global norm across tp and pp; return that norm.
 
     Sliced parameters contribute their squares from every tp rank (an all-reduce); whole
     ones (LayerNorm, row-parallel biases, positions) hold the same gradient on every tp rank
-    and are counted once.
+    and are counted once. Each pipeline stage holds different parameters, so the stages' sums
+    are added; a parameter marked ``pipeline_duplicate`` (the last stage's copy of the tied
+    embedding) is not counted, since the first stage counts it.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -147,7 +342,7 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     split = torch.zeros((), device=device)
     whole = torch.zeros((), device=device)
     for param in parameters:
-        if param.grad is not None:
+        if param.grad is not None and not getattr(param, "pipeline_duplicate", False):
             square = param.grad.detach().float().pow(2).sum()
             if is_split(param):
                 split += square
@@ -155,7 +350,10 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
                 whole += square
     if _size(tp_group) > 1:
         dist.all_reduce(split, group=tp_group)
-    norm = (split + whole).sqrt()
+    total = split + whole
+    if _size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)
@@ -193,20 +391,29 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Any, gen: torch.Generator,
                  init: InitFn, bias: bool = True, gather_output: bool = False,
-                 stride: int = 1) -> None:
+                 stride: int = 1, sequence_parallel: bool = False) -> None:
         super().__init__()
         t = _size(group)
         if out_features % (t * stride):
             raise ValueError(f"out_features {out_features} not divisible by tp {t} x {stride}")
+        if sequence_parallel and gather_output:
+            raise ValueError("a sequence-parallel input with gather_output is not supported")
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel and t > 1
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features))
         _init_shard(self.weight, (out_features, in_features), 0, stride, init, gen, group)
         self.bias = nn.Parameter(torch.zeros(out_features // t)) if bias else None
         mark_split(self.weight, self.bias, dim=0, stride=stride)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight,
-                     self.bias if add_bias else None)
+        """Return this rank's output columns (all of them with ``gather_output``).
+
+        With sequence parallelism x is this rank's part of the sequence, gathered here.
+        """
+        bias = self.bias if add_bias else None
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.weight, bias, self.group)
+        y = F.linear(copy_to_tp(x, self.group), self.weight, bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -218,21 +425,28 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, group: Any, gen: torch.Generator,
-                 init: InitFn, bias: bool = True, input_is_parallel: bool = True) -> None:
+                 init: InitFn, bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         t = _size(group)
         if in_features % t:
             raise ValueError(f"in_features {in_features} not divisible by tp {t}")
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel and t > 1
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t))
         _init_shard(self.weight, (out_features, in_features), 1, 1, init, gen, group)
         mark_split(self.weight, dim=1)  # the bias is whole on every rank
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """Return the whole output; with sequence parallelism, this rank's sequence part."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = reduce_from_tp(y, self.group)
         return y + self.bias if (add_bias and self.bias is not None) else y
 
 
@@ -240,12 +454,14 @@ class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split over the tp group."""
 
     def __init__(self, num_embeddings: int, dim: int, *, group: Any, gen: torch.Generator,
-                 init: InitFn, real_rows: int | None = None) -> None:
+                 init: InitFn, real_rows: int | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         t = _size(group)
         if num_embeddings % t:
             raise ValueError(f"vocabulary {num_embeddings} not divisible by tp {t}")
         self.group = group
+        self.sequence_parallel = sequence_parallel and t > 1
         per_rank = num_embeddings // t
         self.vocab_start = _rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
@@ -260,11 +476,15 @@ class VocabParallelEmbedding(nn.Module):
         mark_split(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return the embeddings of ``ids`` (b, s); with sequence parallelism, of this rank's
+        part of the sequence."""
         if _size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)
         return reduce_from_tp(out, self.group)
 
 
@@ -285,16 +505,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             >= vocab_size
         logits = logits.masked_fill(padded, float("-inf"))
         top = logits.max(dim=-1).values
+        _record("all_reduce", top.numel() * top.element_size(), False)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - top.unsqueeze(-1)
         exp = shifted.exp()
-        total = exp.sum(dim=-1)
-        dist.all_reduce(total, group=group)
+        total = _all_reduce(exp.sum(dim=-1), group, backward=False)
         outside = (labels < vocab_start) | (labels >= vocab_start + local)
         local_labels = (labels - vocab_start).masked_fill(outside, 0)
         target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
-        target = target.masked_fill(outside, 0.0)
-        dist.all_reduce(target, group=group)
+        target = _all_reduce(target.masked_fill(outside, 0.0), group, backward=False)
         loss = total.log() - target
         ctx.save_for_backward(exp / total.unsqueeze(-1), local_labels, outside)
         return loss.mean()

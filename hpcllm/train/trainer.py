@@ -40,14 +40,9 @@ GradHook = Callable[[int, torch.nn.Module], None]
 
 def _check_supported(cfg: Config) -> None:
     p = cfg.parallel
-    if p.pp > 1 or p.vpp > 1 or p.sequence_parallel:
-        raise UserError("pipeline parallelism (parallel.pp/vpp > 1) and sequence_parallel "
-                        "are not available in this version yet; set parallel.pp=1 and "
-                        "parallel.sequence_parallel=false")
-    if p.tp > 1 and cfg.model.dropout > 0:
-        raise UserError("model.dropout > 0 with parallel.tp > 1 needs the tensor-parallel "
-                        "RNG tracker, which this version does not have yet; set "
-                        "model.dropout=0")
+    if p.pp > 1 or p.vpp > 1:
+        raise UserError("pipeline parallelism (parallel.pp/vpp > 1) is not available in this "
+                        "version yet; set parallel.pp=1")
 
 
 class Trainer:
@@ -90,10 +85,11 @@ class Trainer:
         self.accumulation = accumulation_steps(t, self.grid.dp)
         self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
-        # Same weights on every rank from the seed; dropout streams differ per pipeline stage.
-        torch.manual_seed(t.seed + 100 * self.grid.pp_rank)
+        # Same weights on every rank from the seed. Dropout streams differ per pipeline stage,
+        # and per tp rank in regions whose activations are split over the tp group.
+        seed_streams(t.seed, self.grid.tp_rank, self.grid.pp_rank, self.device)
         self.model = GPT(cfg.model, vocab, tp_group=self.grid.tp_group if p.tp > 1 else None,
-                         seed=t.seed).to(self.device)
+                         seed=t.seed, sequence_parallel=p.sequence_parallel).to(self.device)
         self.scaler = build_scaler(t.precision, self.device)
         self.step = 0
         self.consumed_samples = 0
@@ -237,6 +233,7 @@ class Trainer:
             loss_sum += loss.detach()
         with observe.nvtx_range("gradient communication"):
             self.engine.finish_gradients(self.optimizer)
+            reduce_sequence_parallel_grads(self.model, self.grid.tp_group)
         if self.engine.waits_in_backward:
             compute_time -= self.engine.comm_wait_s
         for hook in self.grad_hooks:
