@@ -41,8 +41,46 @@ def test_t2_d2_gradients_through_each_engine_equal_the_serial_gpt(engine, sp):
     _check_equivalence(result, 4, 2, sp)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "horovod", "ps"])
-def test_trainer_at_t2_d2_logs_the_losses_of_t1_d2(tmp_path, engine):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dropout_streams_communication_and_memory_at_t(tp):
+    result = run_mpi(tp, python("tests/mpi_scripts/tp_internals.py"), timeout=300).check()
+    b, s, h = 2, 32, 64  # the script's shape
+    sbh = b * s * h * 4  # one fp32 activation of the residual stream
+    for rank in range(tp):
+        out = json.loads(result.rank_stdout[rank].splitlines()[-1])
+        # Dropout outside tp regions is identical on every tp rank, inside it differs, and
+        # the tp stream leaves the default one where it was.
+        assert out["rng"] == {"outside_equal": True, "inside_differ": True,
+                              "default_undisturbed": True}
+        assert out["replicated_equal"] and out["replicated_dropped"]
+        assert out["sp_masks_differ"]
+        # Recomputation replays both streams: the same masks, so the same loss and grads.
+        for variant in ("tp", "tp+sp"):
+            assert out["recompute"][variant] == {"full": 0.0, "selective": 0.0}
+        # Per block and micro-batch: two all-reduces of b·s·h forward and two backward.
+        # Sequence parallelism makes each a reduce-scatter plus an all-gather, and gathers
+        # each column-parallel layer's input once more in backward instead of storing it.
+        assert out["comm"]["tp"] == {
+            "all_reduce_forward": 2 * sbh, "all_reduce_backward": 2 * sbh,
+            "all_gather_forward": 0, "all_gather_backward": 0,
+            "reduce_scatter_forward": 0, "reduce_scatter_backward": 0}
+        assert out["comm"]["tp+sp"] == {
+            "all_reduce_forward": 0, "all_reduce_backward": 0,
+            "all_gather_forward": 2 * sbh, "all_gather_backward": 4 * sbh,
+            "reduce_scatter_forward": 2 * sbh, "reduce_scatter_backward": 2 * sbh}
+        # Weights: each rank holds 1/t of the block, plus the small whole LayerNorms/biases.
+        share = out["params"]["rank"] / out["params"]["serial"]
+        assert 1 / tp <= share <= 1 / tp + 0.01, share
+        # Sequence parallelism keeps 1/t of the LayerNorm/dropout regions' activations.
+        saved = out["saved"]
+        assert saved["tp+sp"]["region"] * tp == saved["tp"]["region"] > 0
+        assert saved["tp+sp"]["total"] < saved["tp"]["total"]
+
+
+@pytest.mark.parametrize("engine, tp, sp", [("ddp", 2, False), ("ddp", 2, True),
+                                            ("horovod", 2, False), ("horovod", 2, True),
+                                            ("ps", 2, False), ("ddp", 4, True)])
+def test_trainer_with_tp_logs_the_losses_of_t1(tmp_path, engine, tp, sp):
     from test_train import SMALL
 
     from hpcllm.datasets.prepare import PrepareOptions, prepare
@@ -60,8 +98,10 @@ def test_trainer_at_t2_d2_logs_the_losses_of_t1_d2(tmp_path, engine):
         run_mpi(np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
         return read_metrics(run)
 
-    serial = train(2, tmp_path / "t1")
-    parallel = train(4, tmp_path / "t2", "parallel.tp=2")
+    dp = 4 // tp
+    serial = train(dp, tmp_path / "t1")
+    parallel = train(4, tmp_path / "t2", f"parallel.tp={tp}",
+                     f"parallel.sequence_parallel={str(sp).lower()}")
     assert [r["step"] for r in parallel] == [1, 2, 3, 4, 5]
     for a, b in zip(serial, parallel, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -69,7 +109,7 @@ def test_trainer_at_t2_d2_logs_the_losses_of_t1_d2(tmp_path, engine):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     step = tmp_path / "t2" / "checkpoints" / "step_00000005"
     shards = sorted(p.name for p in step.glob("*.pt"))
-    assert shards == ["model_tp00_pp00.pt", "model_tp01_pp00.pt"]
+    assert shards == [f"model_tp{r:02d}_pp00.pt" for r in range(tp)]
 
 
 def test_convert_tp_resumes_where_the_original_run_would(tmp_path):
@@ -95,14 +135,19 @@ def test_convert_tp_resumes_where_the_original_run_would(tmp_path):
         return {r["step"]: r["loss"] for r in read_metrics(run)}
 
     train(2, tmp_path / "t2", 3, 2)
-    convert = subprocess.run([sys.executable, "-m", "hpcllm", "convert", "--tp", "1",
-                              "--checkpoint", str(tmp_path / "t2"), "--out",
-                              str(tmp_path / "t1")], capture_output=True, text=True, timeout=120)
-    assert convert.returncode == 0, convert.stderr
+    for tp in (1, 4):
+        convert = subprocess.run([sys.executable, "-m", "hpcllm", "convert", "--tp", str(tp),
+                                  "--checkpoint", str(tmp_path / "t2"), "--out",
+                                  str(tmp_path / f"t{tp}")], capture_output=True, text=True,
+                                 timeout=120)
+        assert convert.returncode == 0, convert.stderr
     model, _ = load_run_model(tmp_path / "t1")  # a tp = 1 checkpoint again
     assert model.wte.weight.shape[0] == 384  # 257 padded for t = 1, not for t = 2 (512)
+    step = tmp_path / "t4" / "checkpoints" / "step_00000003"
+    assert len(list(step.glob("model_tp*_pp00.pt"))) == 4
     original = train(2, tmp_path / "t2", 6, 2)
-    converted = train(1, tmp_path / "t1", 6, 1)
-    assert sorted(converted) == [4, 5, 6]  # resumed at step 3: weights and Adam state carried
-    for step in (4, 5, 6):
-        assert converted[step] == pytest.approx(original[step], rel=1e-5)
+    for tp in (1, 4):
+        converted = train(tp, tmp_path / f"t{tp}", 6, tp)
+        assert sorted(converted) == [4, 5, 6]  # resumed at step 3: weights and Adam state
+        for step in (4, 5, 6):
+            assert converted[step] == pytest.approx(original[step], rel=1e-5), tp

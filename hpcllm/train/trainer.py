@@ -27,6 +27,8 @@ from hpcllm.errors import UserError
 from hpcllm.kernels import resolve_fused
 from hpcllm.model.gpt import GPT, count_parameters
 from hpcllm.parallel.data import build_engine
+from hpcllm.parallel.random import seed_streams
+from hpcllm.parallel.tensor import reduce_sequence_parallel_grads
 from hpcllm.train import checkpoint
 from hpcllm.train.optim import (
     autocast,
