@@ -153,7 +153,7 @@ def test_hf_conversion_matches_transformers(tmp_path):
 
 def test_init_is_gpt2_style():
     model = GPT(small(n_layer=8, d_model=64, seq_len=16), 1000, seed=0)
-    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert model.blocks["0"].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
     scaled = 0.02 / math.sqrt(2 * 8)
-    assert model.blocks[0].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
+    assert model.blocks["0"].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
     assert torch.equal(GPT(small(), 100, seed=5).wte.weight, GPT(small(), 100, seed=5).wte.weight)

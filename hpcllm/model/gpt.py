@@ -153,10 +153,16 @@ class GPT(nn.Module):
     padded rows never reach the loss or the returned logits. ``sequence_parallel`` (with a tp
     group of more than one rank) splits the activations between tensor-parallel layers along
     the sequence, which must then divide by t.
+
+    A pipeline stage is a GPT with ``layers`` (global block indices), the embedding if
+    ``pre`` and the final LayerNorm and output layer if ``post``. Blocks it does not hold are
+    still drawn from the generator, and dropped, so every weight it holds equals the whole
+    model's; its state-dict keys are the whole model's too (``blocks.7.…``).
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, tp_group: Any = None,
-                 seed: int = 1234, sequence_parallel: bool = False) -> None:
+                 seed: int = 1234, sequence_parallel: bool = False,
+                 layers: range | None = None, pre: bool = True, post: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -164,18 +170,30 @@ class GPT(nn.Module):
         self.padded_vocab = padded_vocab(vocab_size, t)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and t > 1
+        self.pre, self.post = pre, post
+        layers = range(cfg.n_layer) if layers is None else layers
         gen = torch.Generator().manual_seed(seed)
-        self.wte = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, group=tp_group,
-                                          gen=gen, init=normal_init(cfg.init_std),
-                                          real_rows=vocab_size,
-                                          sequence_parallel=self.sequence_parallel)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        normal_init(cfg.init_std)(self.wpe.weight, gen)
-        self.blocks = nn.ModuleList(Block(cfg, tp_group, gen, self.sequence_parallel)
-                                    for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, self.sequence_parallel)
-        if self.sequence_parallel:
-            mark_sequence_parallel(self.wpe.weight)
+        # The output layer is tied to the token embedding: a last stage keeps its own copy.
+        wte = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, group=tp_group,
+                                     gen=gen, init=normal_init(cfg.init_std),
+                                     real_rows=vocab_size,
+                                     sequence_parallel=self.sequence_parallel)
+        wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        normal_init(cfg.init_std)(wpe.weight, gen)
+        if pre or post:
+            self.wte = wte
+        if pre:
+            self.wpe = wpe
+            if self.sequence_parallel:
+                mark_sequence_parallel(self.wpe.weight)
+        blocks = {}
+        for index in range(cfg.n_layer):
+            block = Block(cfg, tp_group, gen, self.sequence_parallel)
+            if index in layers:
+                blocks[str(index)] = block
+        self.blocks = nn.ModuleDict(blocks)
+        if post:
+            self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, self.sequence_parallel)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s).
@@ -202,7 +220,7 @@ class GPT(nn.Module):
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Return x after every block, recomputing each in backward under ``recompute: full``."""
         full = self.cfg.recompute == "full" and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = checkpoint(block, x, use_reentrant=False,
                            context_fn=recompute_context) if full else block(x)
         return x

@@ -45,8 +45,25 @@ class Engine:
         self.module: nn.Module = model
         self.grid = grid
         self.comm_wait_s = 0.0
-        # The global gradient norm spans the tensor-parallel slices of the model.
+        # The global gradient norm spans the tensor-parallel slices and pipeline stages.
         self.tp_group = grid.tp_group if getattr(grid, "tp", 1) > 1 else None
+        self.pp_group = grid.pp_group if getattr(grid, "pp", 1) > 1 else None
+        # A pipeline rank's model is a ModuleList of chunks, each run as one module.
+        self.pipelined = isinstance(model, nn.ModuleList)
+        self.pipeline_modules: list[nn.Module] = []
+        if self.pipelined:
+            from hpcllm.parallel.pipeline.stages import StageForward
+
+            self.pipeline_modules = [StageForward(chunk) for chunk in model]
+
+    def pipeline_forward(self, chunk: int) -> Any:
+        """Return the context for a pipeline forward of ``chunk``."""
+        return contextlib.nullcontext()
+
+    def pipeline_backward(self, chunk: int, out: torch.Tensor, grad: torch.Tensor | None,
+                          last: bool, inputs: list[torch.Tensor] | None = None) -> None:
+        """Backward from ``chunk``'s output; ``last`` marks the chunk's last of the step."""
+        torch.autograd.backward(out, grad, inputs=inputs)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer,
                          accumulation: int) -> torch.optim.Optimizer:
@@ -66,7 +83,7 @@ class Engine:
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              clip: float) -> tuple[float, bool]:
         """Unscale, clip, step and update the scaler; return (grad norm, step skipped)."""
-        return _local_step(self.model, optimizer, scaler, clip, self.tp_group)
+        return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
 
     def reset_timers(self) -> None:
         """Start a new step's communication timing."""
@@ -75,9 +92,9 @@ class Engine:
 
 def _local_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler, clip: float,
-                tp_group: Any = None) -> tuple[float, bool]:
+                tp_group: Any = None, pp_group: Any = None) -> tuple[float, bool]:
     scaler.unscale_(optimizer)
-    norm = clip_grad_norm(list(model.parameters()), clip, tp_group)
+    norm = clip_grad_norm(list(model.parameters()), clip, tp_group, pp_group)
     scale = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
@@ -127,14 +144,37 @@ class DDPEngine(Engine):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             from torch.nn.parallel import DistributedDataParallel
 
-            self.module = DistributedDataParallel(
-                model, device_ids=[grid.device] if grid.device.type == "cuda" else None,
-                process_group=grid.dp_group, bucket_cap_mb=bucket_mb,
-                gradient_as_bucket_view=gradient_as_bucket_view)
             inner = {"none": default_hooks.allreduce_hook,
                      "fp16": default_hooks.fp16_compress_hook,
                      "bf16": default_hooks.bf16_compress_hook}[compression]
-            self.module.register_comm_hook(self.timer, _timed_hook(inner))
+
+            def wrap(module: nn.Module) -> DistributedDataParallel:
+                ddp = DistributedDataParallel(
+                    module, device_ids=[grid.device] if grid.device.type == "cuda" else None,
+                    process_group=grid.dp_group, bucket_cap_mb=bucket_mb,
+                    gradient_as_bucket_view=gradient_as_bucket_view)
+                ddp.register_comm_hook(self.timer, _timed_hook(inner))
+                return ddp
+
+            if self.pipelined:
+                # One DDP per chunk: each reduces after its own last backward of the step.
+                self.pipeline_modules = [wrap(m) for m in self.pipeline_modules]
+            else:
+                self.module = wrap(model)
+
+    def pipeline_forward(self, chunk: int) -> Any:
+        # Forwards never arm DDP's reducer: other micro-batches' backwards run between a
+        # forward and its own backward. pipeline_backward arms it for the last one.
+        module = self.pipeline_modules[chunk]
+        return module.no_sync() if self.grid.dp > 1 else contextlib.nullcontext()
+
+    def pipeline_backward(self, chunk: int, out: torch.Tensor, grad: torch.Tensor | None,
+                          last: bool, inputs: list[torch.Tensor] | None = None) -> None:
+        if last and self.grid.dp > 1:
+            # What DDP's forward does when it will sync, done for the backward that ends the
+            # chunk's step (torch.distributed.pipelining does the same).
+            self.pipeline_modules[chunk].reducer.prepare_for_backward([out])
+        torch.autograd.backward(out, grad, inputs=inputs)
 
     def accumulate(self, last_micro_batch: bool) -> Any:
         if last_micro_batch or self.module is self.model:
@@ -213,7 +253,8 @@ class HorovodEngine(Engine):
         # Gradients are already averaged (synchronize); unscale and clip those, then step
         # without Horovod synchronising a second time.
         with optimizer.skip_synchronize():
-            return _local_step(self.model, optimizer, scaler, clip, self.tp_group)
+            return _local_step(self.model, optimizer, scaler, clip, self.tp_group,
+                               self.pp_group)
 
 
 class ParameterServerEngine(Engine):
@@ -264,11 +305,13 @@ class ParameterServerEngine(Engine):
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              clip: float) -> tuple[float, bool]:
         if self.grid.dp == 1:
-            return _local_step(self.model, optimizer, scaler, clip, self.tp_group)
+            return _local_step(self.model, optimizer, scaler, clip, self.tp_group,
+                               self.pp_group)
         device = self.params[0].device  # nccl moves CUDA tensors only
         result = torch.zeros(3, device=device)  # grad norm, skipped, new loss scale
         if self.is_root:
-            norm, skipped = _local_step(self.model, optimizer, scaler, clip, self.tp_group)
+            norm, skipped = _local_step(self.model, optimizer, scaler, clip, self.tp_group,
+                                        self.pp_group)
             result = torch.tensor([norm, float(skipped),
                                    scaler.get_scale() if scaler.is_enabled() else 1.0],
                                   device=device)
