@@ -86,6 +86,17 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(verbs)
     _add_convert(verbs)
     _add_bench(verbs)
+    tl = verbs.add_parser(
+        "timeline", help="draw a pipelined run's measured per-rank timeline",
+        description="Read RUN_DIR/timeline/rank*.json (the last pipeline step each rank "
+        "recorded) and draw one pipeline's stages as a PNG, like the Megatron paper's "
+        "figures, plus a Chrome-trace JSON (chrome://tracing, Perfetto).")
+    tl.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    tl.add_argument("--out", type=Path, default=None,
+                    help="PNG to write [default: RUN_DIR/timeline.png; the trace beside it]")
+    tl.add_argument("--dp-rank", type=int, default=0, help="which replica's pipeline")
+    tl.add_argument("--tp-rank", type=int, default=0, help="which tp rank's pipeline")
+    tl.set_defaults(run=_run_timeline)
     return parser
 
 
@@ -307,6 +318,29 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
     allr.add_argument("--warmup", type=int, default=5, help="[default: 5]")
     allr.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
     allr.set_defaults(run=_run_bench_allreduce)
+    pipe = targets.add_parser(
+        "pipeline", help="pipeline schedules: measured bubble against theory",
+        description="Under mpirun with p ranks (one pipeline): run each schedule through the "
+        "real runtime with fixed-cost (sleeping) stages, or the tiny GPT, and print the "
+        "measured bubble next to (p-1)/m and (p-1)/(v*m), step-time ratios against 1f1b and "
+        "the peak number of live activations per rank.")
+    pipe.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved",
+                                                         "zb-h1"],
+                      choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    pipe.add_argument("--microbatches", type=_positive, nargs="+", default=[4, 8, 16],
+                      help="micro-batches per step, m [default: 4 8 16]")
+    pipe.add_argument("--vpp", type=_positive, default=2,
+                      help="virtual stages per rank for interleaved [default: 2]")
+    pipe.add_argument("--forward-ms", type=float, default=40.0,
+                      help="synthetic forward time per stage; backward is twice it "
+                      "[default: 40]")
+    pipe.add_argument("--model", choices=["synthetic", "gpt"], default="synthetic")
+    pipe.add_argument("--steps", type=_positive, default=3, help="[default: 3]")
+    pipe.add_argument("--warmup", type=int, default=1, help="[default: 1]")
+    pipe.add_argument("--timeline-dir", type=Path, default=None,
+                      help="draw each run's measured timeline (PNG + Chrome trace) here")
+    pipe.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
+    pipe.set_defaults(run=_run_bench_pipeline)
 
 
 def _run_topo(args: argparse.Namespace) -> int:
@@ -395,6 +429,33 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_timeline(args: argparse.Namespace) -> int:
+    from hpcllm.errors import UserError
+    from hpcllm.parallel.pipeline.timeline import chrome_trace, draw
+
+    records = []
+    for path in sorted((args.run_dir / "timeline").glob("rank*.json")):
+        record = json.loads(path.read_text())
+        if (record["dp_rank"], record["tp_rank"]) == (args.dp_rank, args.tp_rank):
+            records.append(record)
+    if not records:
+        raise UserError(f"{args.run_dir / 'timeline'} holds no timeline of dp rank "
+                        f"{args.dp_rank}, tp rank {args.tp_rank}; a run with parallel.pp > 1 "
+                        "writes one when it ends")
+    records.sort(key=lambda r: r["pp_rank"])
+    ranks = [[dict(zip(("kind", "microbatch", "chunk", "start", "end"), i, strict=True))
+              for i in r["intervals"]] for r in records]
+    first = records[0]
+    title = (f"{first['schedule']}: p={first['pp']}, m={first['microbatches']}"
+             + (f", v={first['vpp']}" if first["vpp"] > 1 else "")
+             + f" (measured, step {first['step']})")
+    png = args.out or args.run_dir / "timeline.png"
+    draw(ranks, png, title)
+    trace = chrome_trace(ranks, png.with_suffix(".json"))
+    print(f"wrote {png} and {trace}")
+    return 0
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from hpcllm.generate import generate
 
@@ -461,6 +522,14 @@ def _run_bench_dp(args: argparse.Namespace) -> int:
     precisions = args.precisions or ["fp32", "fp16" if gpu else "bf16"]
     return bench_dp.run(args.config, args.overrides, dps, args.engines, precisions,
                         args.steps, args.warmup, args.out)
+
+
+def _run_bench_pipeline(args: argparse.Namespace) -> int:
+    from hpcllm.parallel.pipeline import bench
+
+    bench.run(args.schedules, args.microbatches, args.vpp, args.forward_ms / 1000.0,
+              args.steps, args.warmup, args.model, args.timeline_dir, args.json_out)
+    return 0
 
 
 def _run_bench_allreduce(args: argparse.Namespace) -> int:

@@ -57,6 +57,7 @@ class ParallelConfig:
     dp_engine: str = "ddp"
     sequence_parallel: bool = False
     scatter_gather: bool = True
+    pipeline_layers: list[int] | None = None  # blocks per stage (p x vpp); None: even split
     ddp_bucket_mb: float = 25.0
     ddp_bucket_view: bool = True  # gradient_as_bucket_view: grads live in DDP's buckets
     dp_compression: str = "none"  # none | fp16 | bf16: gradients cast for the all-reduce
@@ -168,9 +169,14 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
                 pass
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
+        if typing.get_origin(kind) is list and isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
         if kind is str and isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
-    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
+    names = " or ".join("null" if k is type(None) else
+                        "a list of integers" if typing.get_origin(k) is list else k.__name__
+                        for k in allowed)
     raise UserError(f"{section}.{key} must be {names}, got {value!r}")
 
 

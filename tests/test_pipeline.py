@@ -62,3 +62,87 @@ def test_sequence_parallel_pipeline_equals_one_process():
     assert len(cases) == 4 * 3
     for case in cases:
         _check(case)
+
+
+@pytest.mark.parametrize("schedule, vpp, engine", [
+    ("1f1b", 1, "ddp"), ("interleaved", 2, "horovod"), ("zb-h1", 1, "ps"), ("gpipe", 1, "ddp")])
+def test_trainer_with_a_pipeline_logs_the_losses_of_p1(tmp_path, schedule, vpp, engine):
+    import subprocess
+    import sys
+
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+    from hpcllm.observe import read_metrics
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+
+    def train(run, *extra):
+        args = ["-m", "hpcllm", "train", "--no-progress"]
+        for item in [*SMALL, "model.n_layer=4", f"data.path={data}", f"run.dir={run}",
+                     "train.steps=4", "train.global_batch_size=32", "train.eval_interval=2",
+                     f"parallel.dp_engine={engine}", *extra]:
+            args += ["--set", item]
+        run_mpi(4 if extra else 2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+                timeout=300).check()
+        return read_metrics(run)
+
+    serial = train(tmp_path / "p1")
+    piped = train(tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}",
+                  f"parallel.schedule={schedule}")
+    assert [r["step"] for r in piped] == [1, 2, 3, 4]
+    for a, b in zip(serial, piped, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+    # Every rank recorded its last step; `hpcllm timeline` draws one pipeline of them.
+    assert len(list((tmp_path / "p2" / "timeline").glob("rank*.json"))) == 4
+    drawn = subprocess.run([sys.executable, "-m", "hpcllm", "timeline", str(tmp_path / "p2")],
+                           capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr
+    assert (tmp_path / "p2" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "p2" / "timeline.json").read_text())
+    compute = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"][0] in "FBW"]
+    per_stage = 4 * vpp * (3 if schedule == "zb-h1" else 2)  # m = 32 / (4 x d = 2) = 4
+    assert len(compute) == 2 * per_stage
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.schedule=interleaved", "parallel.vpp=4"], "fewer than the 8 pipeline stages"),
+    (["parallel.vpp=2"], "parallel.schedule: interleaved"),
+    (["parallel.pipeline_layers=[1,2]"], "pipeline_layers"),
+])
+def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(tmp_path, extra, message):
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in [*SMALL, "model.n_layer=4", f"data.path={data}", f"run.dir={tmp_path / 'r'}",
+                 "parallel.pp=2", *extra]:
+        args += ["--set", item]
+    result = run_mpi(2, python(*args), timeout=120)
+    assert result.returncode == 2
+    printed = result.stdout + result.stderr + "".join(result.rank_stderr.values())
+    assert message in printed
+
+
+def test_bench_pipeline_reports_every_schedule(tmp_path):
+    result = run_mpi(2, python("-m", "hpcllm", "bench", "pipeline", "--forward-ms", "2",
+                               "--microbatches", "4", "--steps", "1", "--warmup", "0",
+                               "--json-out", str(tmp_path / "b.json"),
+                               "--timeline-dir", str(tmp_path / "tl")), timeout=120).check()
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert [r["schedule"] for r in rows] == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    for row in rows:
+        assert row["p"] == 2 and row["m"] == 4 and row["bubble"] > 0
+        # gpipe keeps every micro-batch's activations; 1f1b at most p on the first stage.
+        expected = {"gpipe": [4, 4], "1f1b": [2, 1]}.get(row["schedule"])
+        if expected:
+            assert row["peak_activations"] == expected
+    assert "| interleaved | 2 | 4 | 2 |" in result.rank_stdout[0]
+    assert len(list((tmp_path / "tl").glob("*.png"))) == 4

@@ -7,6 +7,7 @@ SIGTERM or SIGUSR1 finishes the step in flight, saves a checkpoint and ends the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,13 +21,28 @@ import torch
 import torch.distributed as dist
 
 from hpcllm import observe, topology
-from hpcllm.config import Config, accumulation_steps, config_from_dict, parse_profile_steps
+from hpcllm.config import (
+    Config,
+    accumulation_steps,
+    config_from_dict,
+    padded_vocab,
+    parse_profile_steps,
+)
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
 from hpcllm.kernels import resolve_fused
 from hpcllm.model.gpt import GPT, count_parameters
 from hpcllm.parallel.data import build_engine
+from hpcllm.parallel.pipeline.runtime import Channel, Runtime, forward_only
+from hpcllm.parallel.pipeline.schedule import Interval, check_sizes, rank_actions
+from hpcllm.parallel.pipeline.stages import (
+    GPTStageWork,
+    build_chunks,
+    embedding_group,
+    split_layers,
+    sync_tied_embedding,
+)
 from hpcllm.parallel.random import seed_streams
 from hpcllm.parallel.tensor import reduce_sequence_parallel_grads
 from hpcllm.train import checkpoint
@@ -40,18 +56,31 @@ from hpcllm.train.optim import (
 GradHook = Callable[[int, torch.nn.Module], None]
 
 
-def _check_supported(cfg: Config) -> None:
+def _check_pipeline(cfg: Config, accumulation: int) -> None:
+    """Refuse, in one line, a pipeline the schedule cannot run."""
     p = cfg.parallel
-    if p.pp > 1 or p.vpp > 1:
-        raise UserError("pipeline parallelism (parallel.pp/vpp > 1) is not available in this "
-                        "version yet; set parallel.pp=1")
+    if p.pp == 1:
+        if p.vpp > 1:
+            raise UserError("parallel.vpp > 1 needs a pipeline (parallel.pp > 1)")
+        return
+    if p.schedule == "interleaved" and p.vpp < 2:
+        raise UserError("parallel.schedule: interleaved needs parallel.vpp >= 2 virtual "
+                        "stages per rank")
+    if p.schedule != "interleaved" and p.vpp > 1:
+        raise UserError(f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved "
+                        f"(not {p.schedule})")
+    try:
+        check_sizes(p.schedule, p.pp, accumulation, p.vpp)
+        split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
+    except ValueError as err:
+        raise UserError(f"{err} (the micro-batches per step are train.global_batch_size / "
+                        f"(micro_batch_size x d) = {accumulation})") from None
 
 
 class Trainer:
     """Sets up a run from its config on this rank's grid position, then trains it."""
 
     def __init__(self, cfg: Config, grad_hooks: list[GradHook] | None = None) -> None:
-        _check_supported(cfg)
         self.cfg = cfg
         self.grad_hooks = grad_hooks or []
         p, t = cfg.parallel, cfg.train
@@ -66,7 +95,7 @@ class Trainer:
             cores = len(os.sched_getaffinity(0))
             torch.set_num_threads(max(1, cores // self.grid.launch.local_size))
         self.manifest = load_manifest(cfg.data.path)
-        vocab = cfg.model.vocab_size or self.manifest.vocab_size
+        vocab = self.vocab_size = cfg.model.vocab_size or self.manifest.vocab_size
         if vocab < self.manifest.vocab_size:
             raise UserError(f"model.vocab_size {vocab} is smaller than the data's tokenizer "
                             f"({self.manifest.vocab_size})")
@@ -85,13 +114,25 @@ class Trainer:
         dist.barrier()
 
         self.accumulation = accumulation_steps(t, self.grid.dp)
+        _check_pipeline(cfg, self.accumulation)
         self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
         # Same weights on every rank from the seed. Dropout streams differ per pipeline stage,
         # and per tp rank in regions whose activations are split over the tp group.
         seed_streams(t.seed, self.grid.tp_rank, self.grid.pp_rank, self.device)
-        self.model = GPT(cfg.model, vocab, tp_group=self.grid.tp_group if p.tp > 1 else None,
-                         seed=t.seed, sequence_parallel=p.sequence_parallel).to(self.device)
+        tp_group = self.grid.tp_group if p.tp > 1 else None
+        self.pipelined = p.pp > 1
+        if self.pipelined:
+            self.model = build_chunks(cfg.model, vocab, p=p.pp, rank=self.grid.pp_rank,
+                                      v=p.vpp, tp_group=tp_group, seed=t.seed,
+                                      sequence_parallel=p.sequence_parallel,
+                                      layers=p.pipeline_layers).to(self.device)
+            self._setup_pipeline()
+        else:
+            self.model = GPT(cfg.model, vocab, tp_group=tp_group, seed=t.seed,
+                             sequence_parallel=p.sequence_parallel).to(self.device)
+        self.padded_vocab = padded_vocab(vocab, p.tp)
+        self.timeline: list[Interval] = []
         self.scaler = build_scaler(t.precision, self.device)
         self.step = 0
         self.consumed_samples = 0
@@ -110,12 +151,26 @@ class Trainer:
         self.val_reader = self._val_reader()
         self.flops_per_step = observe.step_flops(
             self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
-            self.model.padded_vocab, cfg.model.recompute)
+            self.padded_vocab, cfg.model.recompute)
         self.model_flops_per_step = observe.step_flops(
             self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
-            self.model.padded_vocab, "none")
+            self.padded_vocab, "none")
         self.peak = observe.peak_tflops(self.device, t.precision, t.peak_tflops)
         self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
+
+    def _setup_pipeline(self) -> None:
+        """The schedule, the channel to the neighbouring stages and the embedding group."""
+        p, m = self.cfg.parallel, self.cfg.model
+        self.actions = rank_actions(p.schedule, p.pp, self.grid.pp_rank, self.accumulation,
+                                    p.vpp)
+        sp = p.sequence_parallel and p.tp > 1
+        shape = (self.cfg.train.micro_batch_size, m.seq_len // p.tp if sp else m.seq_len,
+                 m.d_model)
+        self.channel = Channel(prev=self.grid.pp_prev, next=self.grid.pp_next, shape=shape,
+                               dtype=torch.float32, device=self.device,
+                               tp_group=self.grid.tp_group if p.tp > 1 else None,
+                               scatter_gather=p.scatter_gather, sequence_parallel=sp)
+        self.embedding_group = embedding_group(self.grid)
 
     def _val_reader(self) -> MicroBatchReader | None:
         """Return the validation reader, None (with a warning) if the data has no val split."""
@@ -188,7 +243,7 @@ class Trainer:
         shard = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict(), "rng": checkpoint.rng_state(self.device)}
         meta = {"consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
-                "global_batch": self.global_batch, "vocab_size": self.model.vocab_size}
+                "global_batch": self.global_batch, "vocab_size": self.vocab_size}
         return checkpoint.save(self.run_dir, self.step, self.grid, shard, meta,
                                yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
@@ -214,7 +269,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         data_time = 0.0
         compute_time = 0.0
-        for micro in range(self.accumulation):
+        if self.pipelined:
+            loss_sum, data_time, compute_time = self._pipeline_step(batches)
+        for micro in range(0 if self.pipelined else self.accumulation):
             with observe.nvtx_range(f"data mb{micro}"):
                 fetched = time.perf_counter()
                 batch = next(batches)
@@ -236,6 +293,8 @@ class Trainer:
         with observe.nvtx_range("gradient communication"):
             self.engine.finish_gradients(self.optimizer)
             reduce_sequence_parallel_grads(self.model, self.grid.tp_group)
+            if self.pipelined:
+                sync_tied_embedding(self.model, self.embedding_group)
         if self.engine.waits_in_backward:
             compute_time -= self.engine.comm_wait_s
         for hook in self.grad_hooks:
@@ -258,6 +317,53 @@ class Trainer:
                 "data_time_s": data_time, "compute_s": compute_time,
                 "comm_wait_s": self.engine.comm_wait_s, "skipped": bool(skipped)}
 
+    def _pipeline_step(self, batches: Any) -> tuple[torch.Tensor, float, float]:
+        """Run the step's micro-batches through the pipeline schedule.
+
+        Returns the sum of the micro-batch losses (on every stage), the data time and this
+        rank's compute time; keeps the step's intervals in ``self.timeline``.
+        """
+        t = self.cfg.train
+        fetched = time.perf_counter()
+        micro = []
+        for _ in range(self.accumulation):
+            batch = next(batches)
+            micro.append((batch.input_ids.to(self.device, non_blocking=True),
+                          batch.labels.to(self.device, non_blocking=True)))
+        data_time = time.perf_counter() - fetched
+        work = GPTStageWork(self.model, self.engine, micro,
+                            autocast=lambda: autocast(t.precision, self.device),
+                            scale=self.scaler.scale)
+        # Stages start together, so that the recorded timelines share one origin.
+        dist.barrier(group=self.grid.pp_group)
+        with observe.nvtx_range(f"pipeline {self.cfg.parallel.schedule}"):
+            self.timeline = Runtime(self.channel).run(
+                self.actions, work, split_backward=self.cfg.parallel.schedule == "zb-h1")
+        compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
+        loss_sum = torch.zeros((), device=self.device)
+        for loss in work.losses.values():
+            loss_sum += loss.float()
+        dist.all_reduce(loss_sum, group=self.grid.pp_group)  # only the last stage has it
+        return loss_sum, data_time, compute
+
+    def write_timeline(self) -> Path | None:
+        """Write this rank's last recorded pipeline step to RUN_DIR/timeline/ (atomically)."""
+        if not self.timeline:
+            return None
+        folder = self.run_dir / "timeline"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{self.grid.rank:05d}.json"
+        record = {"rank": self.grid.rank, "pp_rank": self.grid.pp_rank,
+                  "tp_rank": self.grid.tp_rank, "dp_rank": self.grid.dp_rank,
+                  "step": self.step, "schedule": self.cfg.parallel.schedule,
+                  "pp": self.grid.pp, "vpp": self.grid.vpp, "microbatches": self.accumulation,
+                  "intervals": [[i.kind.value, i.microbatch, i.chunk, i.start, i.end]
+                                for i in self.timeline]}
+        partial = folder / f".{path.name}.partial"
+        partial.write_text(json.dumps(record))
+        os.replace(partial, path)
+        return path
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
@@ -268,7 +374,20 @@ class Trainer:
         batches = iter(reader)
         total = torch.zeros((), device=self.device)
         iters = min(t.eval_iters, reader.steps_per_epoch)
-        for _ in range(iters):
+        if self.pipelined:
+            micro = []
+            for _ in range(iters):
+                batch = next(batches)
+                micro.append((batch.input_ids.to(self.device), batch.labels.to(self.device)))
+            work = GPTStageWork(self.model, self.engine, micro,
+                                autocast=lambda: autocast(t.precision, self.device))
+            p = self.cfg.parallel
+            Runtime(self.channel).run(forward_only(p.pp, self.grid.pp_rank, iters, p.vpp),
+                                      work)
+            for loss in work.losses.values():
+                total += loss.float()
+            dist.all_reduce(total, group=self.grid.pp_group)
+        for _ in range(0 if self.pipelined else iters):
             batch = next(batches)
             with autocast(t.precision, self.device):
                 total += self.model(batch.input_ids.to(self.device),
@@ -379,6 +498,7 @@ class Trainer:
         finally:
             bar.close()
             batches.close()
+            self.write_timeline()
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
             if log:

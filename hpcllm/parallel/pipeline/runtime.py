@@ -3,7 +3,11 @@
 The runtime owns the communication and the bookkeeping; what a forward, a backward and a
 weight-gradient step compute is a :class:`StageWork` (the GPT's stages, or the fixed-cost
 synthetic stage of ``hpcllm bench pipeline``). Each run of consecutive communication actions
-is posted as one ``batch_isend_irecv`` and waited for before the next compute action.
+is posted as one ``batch_isend_irecv``; a receive is waited for just before the compute that
+uses it, and sends when they complete or the step ends. Waiting for a whole batch at once
+would hold a rank on a receive posted early for a later compute (the schedules post some
+receives a few computes ahead) and, with a backward twice the forward, would grow the
+interleaved schedule's bubble well past (p-1)/(v·m); the simulator shows it (``wait``).
 
 Scatter/gather (Narayanan et al., SC21 §4.1): with t > 1 the activation crossing a stage
 boundary is the same on every tp rank, so each tp rank sends only its 1/t of it and the
@@ -69,8 +73,12 @@ class Channel:
         for size in self.shape:
             numel *= size
         self.numel = numel
-        self.split = (self.scatter_gather and not self.sequence_parallel and self.tp > 1
-                      and numel % self.tp == 0)
+        self.split = (
+            self.scatter_gather
+            and not self.sequence_parallel
+            and self.tp > 1
+            and numel % self.tp == 0
+        )
 
     def outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return what this rank sends of ``tensor``: all of it, or its 1/t part."""
@@ -99,22 +107,19 @@ class Runtime:
 
     def __init__(self, channel: Channel | None) -> None:
         self.channel = channel
+        self._sending: list[tuple[Any, torch.Tensor]] = []
 
-    def run(
-        self,
-        actions: Sequence[Action],
-        work: StageWork,
-        split_backward: bool = False,
-        origin: float | None = None,
-    ) -> list[Interval]:
+    def run(self, actions: Sequence[Action], work: StageWork, split_backward: bool = False,
+            origin: float | None = None) -> list[Interval]:
         """Execute ``actions``; return the intervals of its compute and communication.
 
         ``split_backward`` (zb-h1) makes B compute only input gradients, W the weights'.
-        Times are seconds since ``origin`` (default: now).
+        Times are seconds since ``origin`` (default: now). A compute's interval starts once
+        its input has arrived, so time spent waiting shows as idle.
         """
         origin = time.perf_counter() if origin is None else origin
-        received_f: dict[tuple[int, int], torch.Tensor] = {}
-        received_b: dict[tuple[int, int], torch.Tensor] = {}
+        received_f: dict[tuple[int, int], Any] = {}
+        received_b: dict[tuple[int, int], Any] = {}
         outbox_f: dict[tuple[int, int], torch.Tensor] = {}
         outbox_b: dict[tuple[int, int], torch.Tensor] = {}
         intervals: list[Interval] = []
@@ -122,9 +127,9 @@ class Runtime:
         while i < len(actions):
             action = actions[i]
             key = (action.microbatch, action.chunk)
-            started = time.perf_counter()
             if action.kind == Kind.F:
-                x = received_f.pop(key, None)
+                x = self._arrived(received_f, key)
+                started = time.perf_counter()
                 if x is not None:
                     x.requires_grad_()
                 out = work.forward(action.chunk, action.microbatch, x)
@@ -132,82 +137,78 @@ class Runtime:
                     outbox_f[key] = out
                 i += 1
             elif action.kind == Kind.B:
-                grad = work.backward(
-                    action.chunk,
-                    action.microbatch,
-                    received_b.pop(key, None),
-                    weights=not split_backward,
-                )
+                grad = self._arrived(received_b, key)
+                started = time.perf_counter()
+                grad = work.backward(action.chunk, action.microbatch, grad,
+                                     weights=not split_backward)
                 if grad is not None:
                     outbox_b[key] = grad
                 i += 1
             elif action.kind == Kind.W:
+                started = time.perf_counter()
                 work.backward_weight(action.chunk, action.microbatch)
                 i += 1
             else:
+                started = time.perf_counter()
                 end = i
                 while end < len(actions) and not actions[end].kind.is_compute:
                     end += 1
-                self._exchange(actions[i:end], received_f, received_b, outbox_f, outbox_b)
+                self._post(actions[i:end], received_f, received_b, outbox_f, outbox_b)
                 i = end
             finished = time.perf_counter()
-            intervals.append(
-                Interval(
-                    action.kind,
-                    action.microbatch,
-                    action.chunk,
-                    started - origin,
-                    finished - origin,
-                )
-            )
+            intervals.append(Interval(action.kind, action.microbatch, action.chunk,
+                                      started - origin, finished - origin))
+            # Forget the sends that have completed, and their buffers with them.
+            self._sending = [(r, t) for r, t in self._sending if not r.is_completed()]
+        for request, _ in self._sending:
+            request.wait()
+        self._sending = []
         if outbox_f or outbox_b or received_f or received_b:
-            raise RuntimeError(
-                "pipeline schedule left messages unsent or unused: "
-                f"{sorted(outbox_f) + sorted(outbox_b)}"
-            )
+            raise RuntimeError("pipeline schedule left messages unsent or unused: "
+                               f"{sorted(outbox_f) + sorted(outbox_b)}")
         return intervals
 
-    def _exchange(
-        self,
-        batch: Sequence[Action],
-        received_f: dict,
-        received_b: dict,
-        outbox_f: dict,
-        outbox_b: dict,
-    ) -> None:
+    def _post(self, batch: Sequence[Action], received_f: dict, received_b: dict,
+              outbox_f: dict, outbox_b: dict) -> None:
+        """Post a batch of sends and receives; receives are waited for where they are used."""
         channel = self.channel
         if channel is None:
             raise RuntimeError("a pipeline of one stage has no communication")
-        ops, landing = [], []
+        ops, targets = [], []
         for action in batch:
             key = (action.microbatch, action.chunk)
-            if action.kind == Kind.SEND_F:
-                ops.append(
-                    dist.P2POp(
-                        dist.isend,
-                        channel.outgoing(outbox_f.pop(key)),
-                        channel.next,
-                        tag=_ACTIVATION,
-                    )
-                )
-            elif action.kind == Kind.SEND_B:
-                ops.append(
-                    dist.P2POp(
-                        dist.isend, channel.outgoing(outbox_b.pop(key)), channel.prev, tag=_GRADIENT
-                    )
-                )
-            elif action.kind == Kind.RECV_F:
+            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                forward = action.kind == Kind.SEND_F
+                tensor = channel.outgoing((outbox_f if forward else outbox_b).pop(key))
+                ops.append(dist.P2POp(dist.isend, tensor,
+                                      channel.next if forward else channel.prev,
+                                      tag=_ACTIVATION if forward else _GRADIENT))
+                targets.append(tensor)
+            else:
+                forward = action.kind == Kind.RECV_F
                 buffer = channel.buffer()
-                ops.append(dist.P2POp(dist.irecv, buffer, channel.prev, tag=_ACTIVATION))
-                landing.append((received_f, key, buffer))
-            else:  # RECV_B
-                buffer = channel.buffer()
-                ops.append(dist.P2POp(dist.irecv, buffer, channel.next, tag=_GRADIENT))
-                landing.append((received_b, key, buffer))
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        for store, key, buffer in landing:
-            store[key] = channel.incoming(buffer)
+                ops.append(dist.P2POp(dist.irecv, buffer,
+                                      channel.prev if forward else channel.next,
+                                      tag=_ACTIVATION if forward else _GRADIENT))
+                targets.append((received_f if forward else received_b, key, buffer))
+        requests = dist.batch_isend_irecv(ops)
+        if len(requests) != len(ops):  # a backend that returns one request for the batch
+            requests = [requests[0]] * len(ops)
+        for request, target in zip(requests, targets, strict=True):
+            if isinstance(target, tuple):
+                store, key, buffer = target
+                store[key] = (request, buffer)
+            else:
+                self._sending.append((request, target))
+
+    def _arrived(self, store: dict[tuple[int, int], Any],
+                 key: tuple[int, int]) -> torch.Tensor | None:
+        """Return the tensor received for ``key`` (waiting for it), or None if none is due."""
+        if key not in store:
+            return None
+        request, buffer = store.pop(key)
+        request.wait()
+        return self.channel.incoming(buffer)
 
 
 def forward_only(p: int, rank: int, m: int, v: int) -> list[Action]:
