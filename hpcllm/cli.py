@@ -341,6 +341,14 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
                       help="draw each run's measured timeline (PNG + Chrome trace) here")
     pipe.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
     pipe.set_defaults(run=_run_bench_pipeline)
+    kern = targets.add_parser(
+        "kernels", help="fused Triton kernels against eager PyTorch and torch.compile (GPU)",
+        description="Time each fused op against eager PyTorch and torch.compile, then a "
+        "gpt2-124m training step with fused kernels on and off; arguments after 'kernels' go "
+        "to the benchmark (--help there). --cpu-smoke runs it tiny under Triton's "
+        "interpreter.", add_help=False)
+    kern.add_argument("kernel_args", nargs=argparse.REMAINDER)
+    kern.set_defaults(run=_run_bench_kernels)
 
 
 def _run_topo(args: argparse.Namespace) -> int:
@@ -530,6 +538,12 @@ def _run_bench_pipeline(args: argparse.Namespace) -> int:
     bench.run(args.schedules, args.microbatches, args.vpp, args.forward_ms / 1000.0,
               args.steps, args.warmup, args.model, args.timeline_dir, args.json_out)
     return 0
+
+
+def _run_bench_kernels(args: argparse.Namespace) -> int:
+    from hpcllm.kernels import bench
+
+    return bench.main(list(args.kernel_args))
 
 
 def _run_bench_allreduce(args: argparse.Namespace) -> int:

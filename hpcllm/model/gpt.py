@@ -242,8 +242,9 @@ class GPT(nn.Module):
                 return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
                                                     self.wte.vocab_start, self.vocab_size)
             logits = gather_from_tp(logits, self.tp_group)
-        logits = logits[..., :self.vocab_size]
-        return logits if labels is None else kernels.cross_entropy(logits, labels)
+        if labels is not None:  # padding columns are masked, not sliced off (no copy)
+            return kernels.cross_entropy(logits, labels, vocab_size=self.vocab_size)
+        return logits[..., :self.vocab_size]
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Return the mean cross-entropy against ``labels``, or the logits when none."""

@@ -491,40 +491,40 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits whose vocabulary is split across the tp group.
 
-    Three all-reduces of (b, s) tensors replace a gather of the (b, s, V) logits: the max (for
-    stability), the sum of exponentials, and the target's logit from whichever rank holds it.
+    Two all-reduces of (b, s) values replace a gather of the (b, s, V) logits: the maximum,
+    then each rank's sum of exponentials (rescaled to that maximum) stacked with the target's
+    logit from whichever rank holds it. The per-slice pass and the gradient are
+    :mod:`hpcllm.kernels` ops (one fused Triton kernel each on CUDA), and backward recomputes
+    the softmax from the saved log-sum-exp rather than keeping it in fp32.
     """
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any,
                 vocab_start: int, vocab_size: int) -> torch.Tensor:
-        logits = logits.float()
-        local = logits.shape[-1]
-        # Columns past the real vocabulary (padding) take no part in the softmax.
-        padded = torch.arange(vocab_start, vocab_start + local, device=logits.device) \
-            >= vocab_size
-        logits = logits.masked_fill(padded, float("-inf"))
-        top = logits.max(dim=-1).values
-        _record("all_reduce", top.numel() * top.element_size(), False)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - top.unsqueeze(-1)
-        exp = shifted.exp()
-        total = _all_reduce(exp.sum(dim=-1), group, backward=False)
-        outside = (labels < vocab_start) | (labels >= vocab_start + local)
-        local_labels = (labels - vocab_start).masked_fill(outside, 0)
-        target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
-        target = _all_reduce(target.masked_fill(outside, 0.0), group, backward=False)
-        loss = total.log() - target
-        ctx.save_for_backward(exp / total.unsqueeze(-1), local_labels, outside)
-        return loss.mean()
+        from hpcllm import kernels
+
+        rows, flat = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        top, sumexp, target = kernels.vocab_ce_partials(rows, flat, vocab_start, vocab_size)
+        global_top = top.clone()
+        _record("all_reduce", global_top.numel() * global_top.element_size(), False)
+        dist.all_reduce(global_top, op=dist.ReduceOp.MAX, group=group)
+        # A slice that holds only padding has max -inf and sum 0: it adds nothing.
+        scaled = torch.where(sumexp > 0, sumexp * torch.exp(top - global_top),
+                             torch.zeros_like(sumexp))
+        sums = _all_reduce(torch.stack([scaled, target]), group, backward=False)
+        lse = global_top + sums[0].log()
+        ctx.save_for_backward(rows, flat, lse)
+        ctx.shape, ctx.vocab_start, ctx.vocab_size = logits.shape, vocab_start, vocab_size
+        return (lse - sums[1]).mean()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        softmax, local_labels, outside = ctx.saved_tensors
-        d_logits = softmax.clone()
-        hit = (~outside).to(d_logits.dtype)
-        d_logits.scatter_add_(-1, local_labels.unsqueeze(-1), -hit.unsqueeze(-1))
-        return d_logits * (grad / outside.numel()), None, None, None, None
+        from hpcllm import kernels
+
+        rows, flat, lse = ctx.saved_tensors
+        d_logits = kernels.vocab_ce_backward(rows, flat, lse, grad / flat.numel(),
+                                             ctx.vocab_start, ctx.vocab_size)
+        return d_logits.view(ctx.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any,

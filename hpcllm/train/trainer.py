@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcllm import observe, topology
+from hpcllm import kernels, observe, topology
 from hpcllm.config import (
     Config,
     accumulation_steps,
@@ -31,7 +31,6 @@ from hpcllm.config import (
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
-from hpcllm.kernels import resolve_fused
 from hpcllm.model.gpt import GPT, count_parameters
 from hpcllm.parallel.data import build_engine
 from hpcllm.parallel.pipeline.runtime import Channel, Runtime, forward_only
@@ -99,7 +98,7 @@ class Trainer:
         if vocab < self.manifest.vocab_size:
             raise UserError(f"model.vocab_size {vocab} is smaller than the data's tokenizer "
                             f"({self.manifest.vocab_size})")
-        resolve_fused(cfg.model.fused_kernels, self.device)
+        kernels.set_enabled(kernels.resolve_fused(cfg.model.fused_kernels, self.device))
         if self.device.type == "cuda":
             # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
             # assumes it.
