@@ -75,11 +75,12 @@ class SleepWork:
 
 def _gpt_work(grid: Any, v: int, m: int, seed: int = 1) -> tuple[Any, tuple[int, ...]]:
     """Return (factory of GPT stage work for one step, activation shape) for the tiny GPT."""
-    from hpcllm.config import ModelConfig
+    from hpcllm.config import load_config
     from hpcllm.parallel.data import Engine
     from hpcllm.parallel.pipeline.stages import GPTStageWork, build_chunks
 
-    cfg = replace(ModelConfig(preset="tiny"), n_layer=max(4, grid.pp * v), dropout=0.0)
+    tiny = load_config(None, ["model.preset=tiny"]).model
+    cfg = replace(tiny, n_layer=max(tiny.n_layer, grid.pp * v), dropout=0.0)
     vocab, micro = 257, 4
     chunks = build_chunks(
         cfg,
