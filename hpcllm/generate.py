@@ -25,8 +25,8 @@ def load_run_model(run_dir: Path, device: torch.device | None = None) -> tuple[G
     meta = checkpoint.read_meta(folder)
     if (meta["tp"], meta["pp"]) != (1, 1):
         raise UserError(f"{folder} is sharded (tp={meta['tp']}, pp={meta['pp']}); generate "
-                        "reads tp=1, pp=1 checkpoints, and merging shards (hpcllm convert "
-                        "--tp 1) is not available yet")
+                        "reads tp=1, pp=1 checkpoints: merge tensor-parallel shards with "
+                        "hpcllm convert --tp 1 (pipeline stages cannot be merged yet)")
     shard = checkpoint.load_shard(folder, 0, 0, 1, 1)
     model = GPT(cfg.model, meta["vocab_size"], seed=cfg.train.seed)
     model.load_state_dict(shard["model"])

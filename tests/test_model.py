@@ -157,3 +157,20 @@ def test_init_is_gpt2_style():
     scaled = 0.02 / math.sqrt(2 * 8)
     assert model.blocks["0"].mlp.proj.weight.std().item() == pytest.approx(scaled, rel=0.1)
     assert torch.equal(GPT(small(), 100, seed=5).wte.weight, GPT(small(), 100, seed=5).wte.weight)
+
+
+def test_recompute_replays_in_each_backward_pass_zero_bubble_runs():
+    # zb-h1 runs two backward passes over one graph (input gradients, then weights); each
+    # recomputes the checkpointed block, entering the recompute context again.
+    from torch.utils.checkpoint import checkpoint
+
+    from hpcllm.parallel.random import recompute_context
+
+    x = torch.randn(5, requires_grad=True)
+    w = torch.randn(5, requires_grad=True)
+    y = checkpoint(lambda a: (a * w).sin(), x, use_reentrant=False,
+                   context_fn=recompute_context).sum()
+    (gx,) = torch.autograd.grad(y, x, retain_graph=True)
+    y.backward(inputs=[w])
+    assert torch.allclose(gx, w.detach() * torch.cos(x * w).detach())
+    assert torch.allclose(w.grad, x.detach() * torch.cos(x * w).detach())

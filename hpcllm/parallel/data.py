@@ -95,6 +95,14 @@ def _local_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                 tp_group: Any = None, pp_group: Any = None) -> tuple[float, bool]:
     scaler.unscale_(optimizer)
     norm = clip_grad_norm(list(model.parameters()), clip, tp_group, pp_group)
+    if scaler.is_enabled() and not torch.isfinite(norm):
+        # The norm spans every tp and pp rank, so an overflow anywhere makes it inf or NaN
+        # everywhere: every rank then skips the step and backs off its scale together, as
+        # Megatron-LM does by all-reducing found-inf. Each rank's own check sees only its
+        # gradients (GradScaler keeps that flag per optimizer; it has no public setter).
+        for found in scaler._per_optimizer_states[id(optimizer)][
+                "found_inf_per_device"].values():
+            found.fill_(1.0)
     scale = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()

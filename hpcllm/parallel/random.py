@@ -91,23 +91,31 @@ def tp_rng(group: Any) -> Iterator[None]:
             torch.cuda.set_rng_state(cuda)
 
 
+class _Replay:
+    """Puts the tensor-parallel stream back to ``saved`` for a recomputation, then restores it.
+
+    A class, not a generator: a checkpointed block is recomputed once per backward pass that
+    reaches it, and zb-h1 runs two (input gradients, then weight gradients).
+    """
+
+    def __init__(self, saved: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        self.saved = saved
+        self.now: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+
+    def __enter__(self) -> None:
+        self.now.append(_TRACKER.states())
+        _TRACKER.restore(self.saved)
+
+    def __exit__(self, *_: object) -> None:
+        _TRACKER.restore(self.now.pop())
+
+
 def recompute_context() -> tuple[contextlib.AbstractContextManager[None],
                                  contextlib.AbstractContextManager[None]]:
     """``context_fn`` for ``torch.utils.checkpoint``: recompute with the tp stream's state then.
 
-    Called when the checkpointed forward starts; the recomputation in backward draws the
+    Called when the checkpointed forward starts; every recomputation in backward draws the
     same tensor-parallel masks as that forward did, and the stream continues afterwards from
     where it stood before the recomputation.
     """
-    saved = _TRACKER.states()
-
-    @contextlib.contextmanager
-    def replay() -> Iterator[None]:
-        now = _TRACKER.states()
-        _TRACKER.restore(saved)
-        try:
-            yield
-        finally:
-            _TRACKER.restore(now)
-
-    return contextlib.nullcontext(), replay()
+    return contextlib.nullcontext(), _Replay(_TRACKER.states())

@@ -336,9 +336,9 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     embedding) is not counted, since the first stage counts it.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and _size(tp_group) == 1 and _size(pp_group) == 1:
         return torch.zeros(())
-    device = grads[0].device
+    device = grads[0].device if grads else parameters[0].device
     split = torch.zeros((), device=device)
     whole = torch.zeros((), device=device)
     for param in parameters:
@@ -354,7 +354,7 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
     if _size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
-    if max_norm > 0:
+    if max_norm > 0 and grads:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)
     return norm

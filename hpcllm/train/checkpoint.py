@@ -147,7 +147,8 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
     meta = read_meta(folder)
     if (meta["tp"], meta["pp"]) != (tp, pp):
         raise UserError(f"{folder} was saved with tp={meta['tp']}, pp={meta['pp']} and this "
-                        f"run has tp={tp}, pp={pp}; convert it first (hpcllm convert)")
+                        f"run has tp={tp}, pp={pp}; hpcllm convert --tp N re-cuts tensor-"
+                        "parallel shards (pipeline stages must match)")
     path = folder / shard_file(tp_rank, pp_rank)
     if not path.is_file():
         raise UserError(f"checkpoint shard {path} is missing")

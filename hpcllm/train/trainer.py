@@ -187,6 +187,8 @@ class Trainer:
 
     def _check_run_dir(self, vocab: int) -> None:
         """Refuse a checkpoint of another model shape; clear old checkpoints on resume: none."""
+        if self.grid.rank == 0:  # timelines of an earlier run would mix with this one's
+            shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
         if self.cfg.run.resume == "none":
             if self.grid.rank == 0:
                 shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
@@ -196,11 +198,17 @@ class Trainer:
             return
         import yaml
 
-        saved = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text())).model
-        mine = self.cfg.model
+        saved_cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
+        saved, mine = saved_cfg.model, self.cfg.model
         keys = ("n_layer", "n_head", "d_model", "seq_len")
         different = [f"{k} {getattr(saved, k)} vs {getattr(mine, k)}" for k in keys
                      if getattr(saved, k) != getattr(mine, k)]
+        if self.cfg.parallel.pp > 1 and saved_cfg.parallel.pp == self.cfg.parallel.pp:
+            # Same p but another cut of the blocks: each rank's shard holds other layers.
+            for key in ("vpp", "pipeline_layers"):
+                was, now = getattr(saved_cfg.parallel, key), getattr(self.cfg.parallel, key)
+                if was != now:
+                    different.append(f"parallel.{key} {was} vs {now}")
         saved_vocab = checkpoint.read_meta(folder).get("vocab_size")
         if saved_vocab not in (None, vocab):
             different.append(f"vocabulary {saved_vocab} vs {vocab}")
@@ -330,6 +338,9 @@ class Trainer:
             micro.append((batch.input_ids.to(self.device, non_blocking=True),
                           batch.labels.to(self.device, non_blocking=True)))
         data_time = time.perf_counter() - fetched
+        # Only the last stage scales a loss; every stage's scaler must hold the scale, since
+        # each unscales its own gradients and all of them update it together.
+        self.scaler.scale(torch.zeros((), device=self.device))
         work = GPTStageWork(self.model, self.engine, micro,
                             autocast=lambda: autocast(t.precision, self.device),
                             scale=self.scaler.scale)

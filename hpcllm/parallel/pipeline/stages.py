@@ -31,11 +31,10 @@ def split_layers(n_layer: int, stages: int, given: Sequence[int] | None = None) 
     """
     if given:
         counts = list(given)
-        if len(counts) != stages or sum(counts) != n_layer or min(counts) < 0:
+        if len(counts) != stages or sum(counts) != n_layer or min(counts) < 1:
             raise ValueError(
-                f"parallel.pipeline_layers {counts} must give {stages} stages "
-                f"(p x vpp) non-negative block counts adding up to model.n_layer "
-                f"{n_layer}"
+                f"parallel.pipeline_layers {counts} must give each of the {stages} stages "
+                f"(p x vpp) at least one block, adding up to model.n_layer {n_layer}"
             )
     else:
         if n_layer < stages:
@@ -150,11 +149,14 @@ class GPTStageWork:
         with self.engine.pipeline_forward(chunk), self.autocast():
             module = self.engine.pipeline_modules[chunk]
             hidden = module(inputs, labels) if part.post else module(inputs)
+        keep = torch.is_grad_enabled()  # evaluation keeps nothing for a backward
         if part.post:
             self.losses[microbatch] = hidden.detach()
-            self._saved[(microbatch, chunk)] = (x, self.scale(hidden / self.m))
+            if keep:
+                self._saved[(microbatch, chunk)] = (x, self.scale(hidden / self.m))
             return None
-        self._saved[(microbatch, chunk)] = (x, hidden)
+        if keep:
+            self._saved[(microbatch, chunk)] = (x, hidden)
         return hidden.detach()
 
     def backward(
