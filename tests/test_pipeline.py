@@ -153,3 +153,19 @@ def test_bench_pipeline_reports_every_schedule(tmp_path):
             assert row["peak_activations"] == expected
     assert "| interleaved | 2 | 4 | 2 |" in result.rank_stdout[0]
     assert len(list((tmp_path / "tl").glob("*.png"))) == 4
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
+    from test_train import SMALL
+
+    from hpcllm.datasets.prepare import PrepareOptions, prepare
+
+    data = tmp_path / "data"
+    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    result = run_mpi(2, python("tests/mpi_scripts/pp_fp16_overflow.py", str(data),
+                               str(tmp_path / "run"), json.dumps(SMALL)), timeout=300).check()
+    outs = [json.loads(result.rank_stdout[r].splitlines()[-1]) for r in range(2)]
+    for out in outs:
+        # The first stage's gradients were finite, but the global norm was not: it skips too.
+        assert out["skipped_steps"] == 1 and out["step2_unchanged"] and out["moved_after"]
+    assert outs[0]["scale"] == outs[1]["scale"], "the stages' loss scales drifted apart"
