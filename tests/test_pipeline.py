@@ -90,13 +90,15 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(tmp_path, schedule, vpp, 
                      "train.steps=4", "train.global_batch_size=32", "train.eval_interval=2",
                      f"parallel.dp_engine={engine}", *common, *extra]:
             args += ["--set", item]
-        run_mpi(4 if extra else 2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
-                timeout=300).check()
-        return read_metrics(run)
+        result = run_mpi(4 if extra else 2, python(*args),
+                         env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+        summary = [line for line in result.rank_stdout[0].splitlines() if "parameters" in line]
+        return read_metrics(run), summary[0].split(", ")[1]
 
-    serial = train(tmp_path / "p1")
-    piped = train(tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}",
-                  f"parallel.schedule={schedule}")
+    serial, serial_size = train(tmp_path / "p1")
+    piped, piped_size = train(tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}",
+                              f"parallel.schedule={schedule}")
+    assert piped_size == serial_size  # the whole model's count, not one stage's
     assert [r["step"] for r in piped] == [1, 2, 3, 4]
     for a, b in zip(serial, piped, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=rel)

@@ -31,7 +31,7 @@ from hpcllm.config import (
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
-from hpcllm.model.gpt import GPT, count_parameters
+from hpcllm.model.gpt import GPT
 from hpcllm.parallel.data import build_engine
 from hpcllm.parallel.pipeline.runtime import Channel, Runtime, forward_only
 from hpcllm.parallel.pipeline.schedule import Interval, check_sizes, rank_actions
@@ -356,6 +356,23 @@ class Trainer:
         dist.all_reduce(loss_sum, group=self.grid.pp_group)  # only the last stage has it
         return loss_sum, data_time, compute
 
+    def _model_parameters(self) -> int:
+        """Return the whole model's parameter count (padded vocabulary), summed over the grid.
+
+        Tensor-parallel slices count t times, whole parameters once, and pipeline stages add
+        up, leaving out the last stage's copy of the tied embedding.
+        """
+        from hpcllm.parallel.tensor import is_split
+
+        count = sum(p.numel() * (self.grid.tp if is_split(p) else 1)
+                    for p in self.model.parameters()
+                    if not getattr(p, "pipeline_duplicate", False))
+        if self.grid.pp > 1:
+            total = torch.tensor([count], dtype=torch.int64, device=self.device)
+            dist.all_reduce(total, group=self.grid.pp_group)
+            count = int(total.item())
+        return count
+
     def write_timeline(self) -> Path | None:
         """Write this rank's last recorded pipeline step to RUN_DIR/timeline/ (atomically)."""
         if not self.timeline:
@@ -514,6 +531,6 @@ class Trainer:
             if log:
                 log.close()
         summary.update(step=self.step, skipped_steps=self.skipped_steps,
-                       parameters=count_parameters(self.model), world_size=self.grid.world_size,
+                       parameters=self._model_parameters(), world_size=self.grid.world_size,
                        global_batch=self.global_batch, run_dir=str(self.run_dir))
         return summary
