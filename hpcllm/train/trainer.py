@@ -277,7 +277,7 @@ class Trainer:
         data_time = 0.0
         compute_time = 0.0
         if self.pipelined:
-            loss_sum, data_time, compute_time = self._pipeline_step(batches)
+            loss_sum, data_time, compute_time = self._pipeline_step(batches, timed)
         for micro in range(0 if self.pipelined else self.accumulation):
             with observe.nvtx_range(f"data mb{micro}"):
                 fetched = time.perf_counter()
@@ -324,11 +324,12 @@ class Trainer:
                 "data_time_s": data_time, "compute_s": compute_time,
                 "comm_wait_s": self.engine.comm_wait_s, "skipped": bool(skipped)}
 
-    def _pipeline_step(self, batches: Any) -> tuple[torch.Tensor, float, float]:
+    def _pipeline_step(self, batches: Any, timed: bool) -> tuple[torch.Tensor, float, float]:
         """Run the step's micro-batches through the pipeline schedule.
 
         Returns the sum of the micro-batch losses (on every stage), the data time and this
-        rank's compute time; keeps the step's intervals in ``self.timeline``.
+        rank's compute time; keeps the step's intervals in ``self.timeline``. On a GPU,
+        ``timed`` steps wait for each action's kernels, so their intervals time the device.
         """
         t = self.cfg.train
         fetched = time.perf_counter()
@@ -347,8 +348,10 @@ class Trainer:
         # Stages start together, so that the recorded timelines share one origin.
         dist.barrier(group=self.grid.pp_group)
         with observe.nvtx_range(f"pipeline {self.cfg.parallel.schedule}"):
+            sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else None
             self.timeline = Runtime(self.channel).run(
-                self.actions, work, split_backward=self.cfg.parallel.schedule == "zb-h1")
+                self.actions, work, split_backward=self.cfg.parallel.schedule == "zb-h1",
+                synchronize=sync)
         compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
         loss_sum = torch.zeros((), device=self.device)
         for loss in work.losses.values():

@@ -161,13 +161,15 @@ def run(
                 device=grid.device,
             )
             runtime = Runtime(channel)
+            sync = torch.cuda.synchronize if grid.device.type == "cuda" else None
             times, intervals, peak = [], [], 0
             for step in range(warmup + steps):
                 work = make()
                 dist.barrier()
                 origin = time.perf_counter()
                 intervals = runtime.run(
-                    actions, work, split_backward=schedule == "zb-h1", origin=origin
+                    actions, work, split_backward=schedule == "zb-h1", origin=origin,
+                    synchronize=sync,
                 )
                 elapsed = torch.tensor([time.perf_counter() - origin])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

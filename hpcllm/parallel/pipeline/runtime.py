@@ -19,7 +19,7 @@ a different 1/t (its part of the sequence) and sends just that.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -110,12 +110,15 @@ class Runtime:
         self._sending: list[tuple[Any, torch.Tensor]] = []
 
     def run(self, actions: Sequence[Action], work: StageWork, split_backward: bool = False,
-            origin: float | None = None) -> list[Interval]:
+            origin: float | None = None,
+            synchronize: Callable[[], None] | None = None) -> list[Interval]:
         """Execute ``actions``; return the intervals of its compute and communication.
 
         ``split_backward`` (zb-h1) makes B compute only input gradients, W the weights'.
         Times are seconds since ``origin`` (default: now). A compute's interval starts once
-        its input has arrived, so time spent waiting shows as idle.
+        its input has arrived, so time spent waiting shows as idle. On a GPU, pass
+        ``synchronize`` (``torch.cuda.synchronize``) for intervals that time the kernels
+        rather than their launches; it costs the overlap of launches with running kernels.
         """
         origin = time.perf_counter() if origin is None else origin
         received_f: dict[tuple[int, int], Any] = {}
@@ -155,6 +158,8 @@ class Runtime:
                     end += 1
                 self._post(actions[i:end], received_f, received_b, outbox_f, outbox_b)
                 i = end
+            if synchronize is not None and action.kind.is_compute:
+                synchronize()
             finished = time.perf_counter()
             intervals.append(Interval(action.kind, action.microbatch, action.chunk,
                                       started - origin, finished - origin))
