@@ -171,3 +171,17 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
         # The first stage's gradients were finite, but the global norm was not: it skips too.
         assert out["skipped_steps"] == 1 and out["step2_unchanged"] and out["moved_after"]
     assert outs[0]["scale"] == outs[1]["scale"], "the stages' loss scales drifted apart"
+
+
+@pytest.mark.parametrize("ranks, engines", [(1, "none"), (2, "ddp,horovod")])
+def test_with_one_stage_the_runtime_is_gradient_accumulation(ranks, engines):
+    # p = 1: no communication, the schedule's m micro-batches accumulate into one step; with
+    # d = 2 the engines reduce after the last backward.
+    result = run_mpi(ranks, python("tests/mpi_scripts/pp_equivalence.py", "pp=1",
+                                   f"engines={engines}", "schedules=gpipe,1f1b,zb-h1"),
+                     env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    cases = _cases(result, ranks)
+    assert len(cases) == ranks * 3 * 2 * len(engines.split(","))
+    for case in cases:
+        _check(case)
+        assert case["sent"] == 0
