@@ -25,6 +25,7 @@ from hpcllm.parallel.tensor import (
     VocabParallelEmbedding,
     copy_to_tp,
     gather_from_tp,
+    linear,
     mark_sequence_parallel,
     normal_init,
     sequence_parallel_linear,
@@ -236,7 +237,7 @@ class GPT(nn.Module):
             logits = sequence_parallel_linear(self.ln_f(x), self.wte.weight, None,
                                               self.tp_group)
         else:
-            logits = F.linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
+            logits = linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
         if _tp_size(self.tp_group) > 1:
             if labels is not None:
                 return vocab_parallel_cross_entropy(logits, labels, self.tp_group,

@@ -60,10 +60,10 @@ class Engine:
         """Return the context for a pipeline forward of ``chunk``."""
         return contextlib.nullcontext()
 
-    def pipeline_backward(self, chunk: int, out: torch.Tensor, grad: torch.Tensor | None,
-                          last: bool, inputs: list[torch.Tensor] | None = None) -> None:
-        """Backward from ``chunk``'s output; ``last`` marks the chunk's last of the step."""
-        torch.autograd.backward(out, grad, inputs=inputs)
+    def pipeline_backward(self, chunk: int, outs: list[torch.Tensor],
+                          grads: list[torch.Tensor | None], last: bool) -> None:
+        """Backward from ``chunk``'s outputs; ``last`` marks the chunk's last of the step."""
+        torch.autograd.backward(outs, grads)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer,
                          accumulation: int) -> torch.optim.Optimizer:
@@ -176,13 +176,13 @@ class DDPEngine(Engine):
         module = self.pipeline_modules[chunk]
         return module.no_sync() if self.grid.dp > 1 else contextlib.nullcontext()
 
-    def pipeline_backward(self, chunk: int, out: torch.Tensor, grad: torch.Tensor | None,
-                          last: bool, inputs: list[torch.Tensor] | None = None) -> None:
+    def pipeline_backward(self, chunk: int, outs: list[torch.Tensor],
+                          grads: list[torch.Tensor | None], last: bool) -> None:
         if last and self.grid.dp > 1:
             # What DDP's forward does when it will sync, done for the backward that ends the
             # chunk's step (torch.distributed.pipelining does the same).
-            self.pipeline_modules[chunk].reducer.prepare_for_backward([out])
-        torch.autograd.backward(out, grad, inputs=inputs)
+            self.pipeline_modules[chunk].reducer.prepare_for_backward(list(outs))
+        torch.autograd.backward(outs, grads)
 
     def accumulate(self, last_micro_batch: bool) -> Any:
         if last_micro_batch or self.module is self.model:

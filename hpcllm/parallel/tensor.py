@@ -203,6 +203,91 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(grad, ctx.group, True, SEQ_DIM), None
 
 
+class _WeightGradients:
+    """Where zero-bubble pipelines park linear layers' weight gradients between B and W."""
+
+    def __init__(self) -> None:
+        self.deferrable = False  # forwards record what a deferred weight gradient needs
+        self.queue: list[tuple[Any, ...]] | None = None  # backwards defer into it when set
+
+
+_WGRAD = _WeightGradients()
+
+
+@contextlib.contextmanager
+def deferrable_weight_grads(enabled: bool = True) -> Iterator[None]:
+    """Run linear layers inside as autograd functions whose weight gradient can be deferred."""
+    previous, _WGRAD.deferrable = _WGRAD.deferrable, enabled
+    try:
+        yield
+    finally:
+        _WGRAD.deferrable = previous
+
+
+@contextlib.contextmanager
+def defer_weight_grads() -> Iterator[list[tuple[Any, ...]]]:
+    """Backward passes inside compute linear layers' input gradients only (zero-bubble B).
+
+    The weight gradients' inputs collect in the yielded list; :func:`weight_grads` computes
+    them later (W). Only layers run under :func:`deferrable_weight_grads` defer.
+    """
+    queue: list[tuple[Any, ...]] = []
+    previous, _WGRAD.queue = _WGRAD.queue, queue
+    try:
+        yield queue
+    finally:
+        _WGRAD.queue = previous
+
+
+def weight_grads(deferred: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Return (parameter, gradient) pairs for weight gradients parked by a deferred backward."""
+    out = []
+    for weight, bias, x, grad in deferred:
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        flat_x = x.reshape(-1, x.shape[-1]).to(grad.dtype)
+        out.append((weight, flat_grad.t().matmul(flat_x).to(weight.dtype)))
+        if bias is not None:
+            out.append((bias, flat_grad.sum(dim=0).to(bias.dtype)))
+    return out
+
+
+def _weight_grad_or_defer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                          grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if _WGRAD.queue is not None:
+        _WGRAD.queue.append((weight, bias, x, grad))
+        return None, None
+    grads = [g for _, g in weight_grads([(weight, bias, x, grad)])]
+    return grads[0], grads[1] if bias is not None else None
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear whose weight gradient a zero-bubble backward can defer to its W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        # The parameters themselves, for W: under activation recomputation the saved weight
+        # comes back as a recomputed alias, not the parameter its gradient belongs to.
+        ctx.weight, ctx.bias = weight, bias
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight.to(grad.dtype)).to(x.dtype)
+        grad_weight, grad_bias = _weight_grad_or_defer(ctx.weight, ctx.bias, x, grad)
+        return grad_input, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or under :func:`deferrable_weight_grads` one whose weight grad can wait."""
+    if _WGRAD.deferrable and torch.is_grad_enabled():
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class _SequenceParallelLinear(torch.autograd.Function):
     """All-gather the sequence, then a linear layer, storing only this rank's sequence part.
 
@@ -214,7 +299,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 group: Any) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.weight, ctx.bias = group, weight, bias
         ctx.save_for_backward(x, weight)
         return F.linear(_gather(x, group, False, SEQ_DIM), weight, bias)
 
@@ -224,11 +309,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
         full = _gather(x, ctx.group, True, SEQ_DIM).to(grad.dtype)
         grad_input = grad.matmul(weight.to(grad.dtype))
         grad_input = _reduce_scatter(grad_input, ctx.group, True, SEQ_DIM)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
-        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
-        return (grad_input.to(x.dtype), grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(weight.dtype), None)
+        grad_weight, grad_bias = _weight_grad_or_defer(ctx.weight, ctx.bias, full, grad)
+        return grad_input.to(x.dtype), grad_weight, grad_bias, None
 
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -270,7 +352,7 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              group: Any) -> torch.Tensor:
     """Return ``linear(all_gather_sequence(x), weight, bias)``, storing only x's part."""
     if _size(group) == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
@@ -413,7 +495,7 @@ class ColumnParallelLinear(nn.Module):
         bias = self.bias if add_bias else None
         if self.sequence_parallel:
             return sequence_parallel_linear(x, self.weight, bias, self.group)
-        y = F.linear(copy_to_tp(x, self.group), self.weight, bias)
+        y = linear(copy_to_tp(x, self.group), self.weight, bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -442,7 +524,7 @@ class RowParallelLinear(nn.Module):
         """Return the whole output; with sequence parallelism, this rank's sequence part."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
         else:

@@ -344,7 +344,8 @@ class Trainer:
         self.scaler.scale(torch.zeros((), device=self.device))
         work = GPTStageWork(self.model, self.engine, micro,
                             autocast=lambda: autocast(t.precision, self.device),
-                            scale=self.scaler.scale)
+                            scale=self.scaler.scale,
+                            split_backward=self.cfg.parallel.schedule == "zb-h1")
         # Stages start together, so that the recorded timelines share one origin.
         dist.barrier(group=self.grid.pp_group)
         with observe.nvtx_range(f"pipeline {self.cfg.parallel.schedule}"):

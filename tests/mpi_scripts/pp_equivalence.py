@@ -95,7 +95,8 @@ def main() -> None:
                               else build_engine(engine_name, chunks, grid, parallel_cfg))
                     optimizer = engine.attach_optimizer(
                         build_optimizer(chunks, train_cfg, torch.device("cpu")), m)
-                    work = GPTStageWork(chunks, engine, batches)
+                    work = GPTStageWork(chunks, engine, batches,
+                                        split_backward=schedule == "zb-h1")
                     shape = (MICRO, SEQ // tp if sp and tp > 1 else SEQ, cfg.d_model)
                     channel = Channel(prev=grid.pp_prev, next=grid.pp_next, shape=shape,
                                       dtype=torch.float32, device=torch.device("cpu"),

@@ -73,7 +73,8 @@ class SleepWork:
         self.alive -= 1
 
 
-def _gpt_work(grid: Any, v: int, m: int, seed: int = 1) -> tuple[Any, tuple[int, ...]]:
+def _gpt_work(grid: Any, v: int, m: int, split: bool,
+              seed: int = 1) -> tuple[Any, tuple[int, ...]]:
     """Return (factory of GPT stage work for one step, activation shape) for the tiny GPT."""
     from hpcllm.config import load_config
     from hpcllm.parallel.data import Engine
@@ -104,7 +105,7 @@ def _gpt_work(grid: Any, v: int, m: int, seed: int = 1) -> tuple[Any, tuple[int,
 
     def make() -> GPTStageWork:
         chunks.zero_grad(set_to_none=True)
-        return GPTStageWork(chunks, engine, batches)
+        return GPTStageWork(chunks, engine, batches, split_backward=split)
 
     return make, (micro, cfg.seq_len, cfg.d_model)
 
@@ -152,7 +153,7 @@ def run(
                 make = lambda sleeper=sleeper: (sleeper.reset(), sleeper)[1]  # noqa: E731
                 shape: tuple[int, ...] = _MESSAGE
             else:
-                make, shape = _gpt_work(grid, chunks, m)
+                make, shape = _gpt_work(grid, chunks, m, schedule == "zb-h1")
             channel = Channel(
                 prev=grid.pp_prev,
                 next=grid.pp_next,

@@ -20,6 +20,7 @@ from torch import nn
 
 from hpcllm.config import ModelConfig
 from hpcllm.model.gpt import GPT
+from hpcllm.parallel.tensor import defer_weight_grads, deferrable_weight_grads, weight_grads
 
 
 def split_layers(n_layer: int, stages: int, given: Sequence[int] | None = None) -> list[range]:
@@ -121,22 +122,25 @@ class GPTStageWork:
     by m, so the gradients of a step are those of the mean loss over its micro-batches.
     ``engine`` (a data-parallel engine) supplies the chunks' forward modules and backward,
     so that its gradient reduction starts with each chunk's last backward.
+
+    With ``split_backward`` (zb-h1) B computes the input gradient and every parameter's
+    gradient except the linear layers' weights, whose GEMMs it parks
+    (:func:`~hpcllm.parallel.tensor.defer_weight_grads`), and frees the graph; W computes those
+    GEMMs and hands all the micro-batch's parameter gradients to autograd at once, so each
+    parameter's gradient hook (DDP, Horovod) fires once per micro-batch, in W.
     """
 
-    def __init__(
-        self,
-        chunks: nn.ModuleList,
-        engine: Any,
-        batches: Sequence[tuple],
-        autocast: Callable[[], Any] = contextlib.nullcontext,
-        scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
-    ) -> None:
+    def __init__(self, chunks: nn.ModuleList, engine: Any, batches: Sequence[tuple],
+                 autocast: Callable[[], Any] = contextlib.nullcontext,
+                 scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+                 split_backward: bool = False) -> None:
         self.chunks, self.engine, self.batches = chunks, engine, batches
         self.m = len(batches)
         self.autocast, self.scale = autocast, scale
+        self.split_backward = split_backward
         self.losses: dict[int, torch.Tensor] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._deferred: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._deferred: dict[tuple[int, int], tuple[list, list]] = {}
         # Backward passes still to come per chunk: the last one starts the dp reduction.
         self._left = [self.m] * len(chunks)
 
@@ -146,7 +150,8 @@ class GPTStageWork:
         inputs = ids if part.pre else x
         if inputs is None:
             raise RuntimeError(f"stage {part.stage} got no input for micro-batch {microbatch}")
-        with self.engine.pipeline_forward(chunk), self.autocast():
+        with self.engine.pipeline_forward(chunk), self.autocast(), \
+                deferrable_weight_grads(self.split_backward):
             module = self.engine.pipeline_modules[chunk]
             hidden = module(inputs, labels) if part.post else module(inputs)
         keep = torch.is_grad_enabled()  # evaluation keeps nothing for a backward
@@ -159,34 +164,43 @@ class GPTStageWork:
             self._saved[(microbatch, chunk)] = (x, hidden)
         return hidden.detach()
 
-    def backward(
-        self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
-    ) -> torch.Tensor | None:
+    def backward(self, chunk: int, microbatch: int, grad: torch.Tensor | None,
+                 weights: bool) -> torch.Tensor | None:
         x, out = self._saved.pop((microbatch, chunk))
-        if not weights:
-            # Input gradient only (zb-h1): keep the graph for the W that follows.
-            self._deferred[(microbatch, chunk)] = (out, grad)
-            if x is None:
-                return None
-            (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-            return gx
-        self._backward(chunk, out, grad, None)
-        return None if x is None else x.grad
+        if weights:
+            self._backward(chunk, [out], [grad])
+            return None if x is None else x.grad
+        params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+        inputs = ([x] if x is not None else []) + params
+        # Recomputed blocks (model.recompute) must rebuild the forward's deferrable layers.
+        with defer_weight_grads() as parked, deferrable_weight_grads():
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        if x is not None:
+            gx, grads = grads[0], grads[1:]
+        else:
+            gx = None
+        ready = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        self._deferred[(microbatch, chunk)] = (parked, ready)
+        return gx
 
     def backward_weight(self, chunk: int, microbatch: int) -> None:
-        out, grad = self._deferred.pop((microbatch, chunk))
-        params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
-        self._backward(chunk, out, grad, params)
+        parked, ready = self._deferred.pop((microbatch, chunk))
+        summed: dict[int, list] = {}
+        for param, grad in ready + weight_grads(parked):
+            if id(param) in summed:
+                summed[id(param)][1] = summed[id(param)][1] + grad
+            else:
+                summed[id(param)] = [param, grad]
+        # Through autograd (expand_as feeds each parameter's AccumulateGrad), so the engines'
+        # gradient hooks see every parameter once.
+        params = [p for p, _ in summed.values()]
+        self._backward(chunk, [p.expand_as(p) for p in params],
+                       [g for _, g in summed.values()])
 
-    def _backward(
-        self,
-        chunk: int,
-        out: torch.Tensor,
-        grad: torch.Tensor | None,
-        inputs: list[torch.Tensor] | None,
-    ) -> None:
+    def _backward(self, chunk: int, outs: list[torch.Tensor],
+                  grads: list[torch.Tensor | None]) -> None:
         self._left[chunk] -= 1
-        self.engine.pipeline_backward(chunk, out, grad, last=self._left[chunk] == 0, inputs=inputs)
+        self.engine.pipeline_backward(chunk, outs, grads, last=self._left[chunk] == 0)
 
 
 class StageForward(nn.Module):
