@@ -9,9 +9,11 @@ setup:
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
 # The tests that start no mpirun and no Slurm: seconds, for the edit-test loop.

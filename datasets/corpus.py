@@ -39,9 +39,9 @@ def python_stdlib_sources() -> list[Source]:
     """Return the ``.py`` files of the running Python's standard library, minus its tests."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        p for p in root.rglob("*.py")
-        if not _STDLIB_SKIP & set(p.relative_to(root).parts[:-1])
-        and not p.name.startswith("test_")
+        p
+        for p in root.rglob("*.py")
+        if not _STDLIB_SKIP & set(p.relative_to(root).parts[:-1]) and not p.name.startswith("test_")
     )
     return [Source(p, jsonl=False) for p in files]
 
@@ -60,8 +60,11 @@ def find_sources(inputs: list[str], corpus: str | None = None) -> list[Source]:
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and p.suffix in TEXT_SUFFIXES | JSONL_SUFFIXES)
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and p.suffix in TEXT_SUFFIXES | JSONL_SUFFIXES
+            )
         elif path.is_file():
             found = [path]
         else:
@@ -78,8 +81,9 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})",
-                        same_on_all_ranks=False) from None
+        raise UserError(
+            f"{path} is not UTF-8 text ({err.reason} at byte {err.start})", same_on_all_ranks=False
+        ) from None
     except OSError as err:
         raise UserError(f"cannot read {path}: {err.strerror}", same_on_all_ranks=False) from None
 
@@ -95,19 +99,24 @@ def _jsonl_text(path: Path, number: int, line: bytes, field: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{number + 1}: not JSON ({err.msg})",
-                        same_on_all_ranks=False) from None
+        raise UserError(
+            f"{path}:{number + 1}: not JSON ({err.msg})", same_on_all_ranks=False
+        ) from None
     except UnicodeDecodeError as err:
-        raise UserError(f"{path}:{number + 1}: not UTF-8 ({err.reason})",
-                        same_on_all_ranks=False) from None
+        raise UserError(
+            f"{path}:{number + 1}: not UTF-8 ({err.reason})", same_on_all_ranks=False
+        ) from None
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise UserError(f"{path}:{number + 1}: no string field {field!r} "
-                        "(choose it with --jsonl-field)", same_on_all_ranks=False)
+        raise UserError(
+            f"{path}:{number + 1}: no string field {field!r} (choose it with --jsonl-field)",
+            same_on_all_ranks=False,
+        )
     return record[field]
 
 
-def iter_documents(sources: list[Source], wanted: Callable[[int], bool],
-                   jsonl_field: str = "text") -> Iterator[tuple[int, int, str]]:
+def iter_documents(
+    sources: list[Source], wanted: Callable[[int], bool], jsonl_field: str = "text"
+) -> Iterator[tuple[int, int, str]]:
     """Yield ``(doc_id, source_index, text)`` for the documents whose id ``wanted`` accepts.
 
     Text files that are not wanted are never opened, so ranks that split a corpus by document

@@ -19,16 +19,22 @@ def summary(manifest: Manifest) -> dict[str, Any]:
     return {
         "path": str(manifest.root),
         "format_version": manifest.raw["format_version"],
-        "tokenizer": {"kind": tok["kind"], "vocab_size": tok["vocab_size"],
-                      "eos_id": tok["eos_id"], "sha256": tok["sha256"]},
+        "tokenizer": {
+            "kind": tok["kind"],
+            "vocab_size": tok["vocab_size"],
+            "eos_id": tok["eos_id"],
+            "sha256": tok["sha256"],
+        },
         "token_dtype": manifest.raw["token_dtype"],
         "text_bytes": manifest.raw["text_bytes"],
         "splits": {
-            split: {"shards": len(manifest.shards[split]),
-                    "documents": manifest.n_documents(split),
-                    "tokens": manifest.n_tokens(split),
-                    "text_bytes": sum(x.text_bytes for x in manifest.shards[split]),
-                    "files": [s.path.name for s in manifest.shards[split]]}
+            split: {
+                "shards": len(manifest.shards[split]),
+                "documents": manifest.n_documents(split),
+                "tokens": manifest.n_tokens(split),
+                "text_bytes": sum(x.text_bytes for x in manifest.shards[split]),
+                "files": [s.path.name for s in manifest.shards[split]],
+            }
             for split in SPLITS
         },
         "prepare": manifest.raw.get("prepare", {}),
@@ -46,14 +52,18 @@ def render_summary(info: dict[str, Any]) -> str:
     ]
     for split, s in info["splits"].items():
         ratio = f", {s['text_bytes'] / max(1, s['tokens']):.2f} B/token"
-        lines.append(f"{split:<10} {s['shards']} shards, {s['documents']} documents, "
-                     f"{s['tokens']} tokens{ratio}")
+        lines.append(
+            f"{split:<10} {s['shards']} shards, {s['documents']} documents, "
+            f"{s['tokens']} tokens{ratio}"
+        )
     prep = info["prepare"]
     if prep:
-        lines.append(f"prepared   on {prep['ranks']} ranks in {prep['seconds']:.1f} s "
-                     f"({prep['mb_per_s']:.2f} MB/s of text); setup and tokenizer "
-                     f"{prep['setup_seconds']:.1f} s, then tokenize + write "
-                     f"{prep['tokenize_seconds']:.1f} s ({prep['tokenize_mb_per_s']:.2f} MB/s)")
+        lines.append(
+            f"prepared   on {prep['ranks']} ranks in {prep['seconds']:.1f} s "
+            f"({prep['mb_per_s']:.2f} MB/s of text); setup and tokenizer "
+            f"{prep['setup_seconds']:.1f} s, then tokenize + write "
+            f"{prep['tokenize_seconds']:.1f} s ({prep['tokenize_mb_per_s']:.2f} MB/s)"
+        )
     return "\n".join(lines)
 
 
@@ -69,6 +79,7 @@ def verify(manifest: Manifest) -> int:
 
 def _documents(manifest: Manifest, split: str) -> Iterator[tuple[int, Any]]:
     """Yield ``(doc_id, token ids without EOS)`` of a split, in document order."""
+
     def one_shard(shard: Any) -> Iterator[tuple[int, Any]]:
         handle = open_shard(manifest, shard)
         try:
@@ -79,13 +90,14 @@ def _documents(manifest: Manifest, split: str) -> Iterator[tuple[int, Any]]:
             except OSError as err:
                 raise corrupt(shard.path, "shard data", err) from None
             for i, doc_id in enumerate(doc_ids):
-                yield int(doc_id), tokens[offsets[i]:offsets[i + 1] - 1]
+                yield int(doc_id), tokens[offsets[i] : offsets[i + 1] - 1]
         finally:
             handle.close()
 
     # Each shard holds its documents in increasing id; merging restores corpus order.
-    yield from heapq.merge(*(one_shard(s) for s in manifest.shards[split]),
-                           key=lambda item: item[0])
+    yield from heapq.merge(
+        *(one_shard(s) for s in manifest.shards[split]), key=lambda item: item[0]
+    )
 
 
 def dump(manifest: Manifest, split: str, out: BinaryIO) -> int:

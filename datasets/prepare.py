@@ -59,8 +59,9 @@ class PrepareOptions:
             if self.tokenizer != "bpe":
                 raise UserError("--vocab-size applies to --tokenizer bpe only")
             if self.vocab_size < 257:
-                raise UserError(f"--vocab-size must be at least 257 (256 bytes + EOS), "
-                                f"got {self.vocab_size}")
+                raise UserError(
+                    f"--vocab-size must be at least 257 (256 bytes + EOS), got {self.vocab_size}"
+                )
         if not 0 <= self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.shards is not None and self.shards < 1:
@@ -89,8 +90,11 @@ class _World:
         """
         if rank0_trains and self.rank == 0:
             return
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            (os.cpu_count() or 1)
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
         os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, cores // self.local_size)))
 
     def _idle_until_all_arrive(self) -> None:
@@ -142,8 +146,12 @@ def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) 
     # error, if any, travels with the result so that every rank stops with it.
     spec, error = None, None
     if world.rank == 0:
-        texts = (text for _, _, text in iter_documents(
-            sources, lambda i: split_of(i, opts.val_fraction)[0] == "train", opts.jsonl_field))
+        texts = (
+            text
+            for _, _, text in iter_documents(
+                sources, lambda i: split_of(i, opts.val_fraction)[0] == "train", opts.jsonl_field
+            )
+        )
         try:
             spec = train_bpe(texts, opts.vocab_size or 8192).spec
         except UserError as err:
@@ -156,8 +164,7 @@ def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) 
 
 def _shard_plan(opts: PrepareOptions, world: _World) -> tuple[int, Callable[[int], bool]]:
     n_train = opts.shards or world.size
-    owner = {"train": lambda s: s % world.size,
-             "val": lambda s: (n_train + s) % world.size}
+    owner = {"train": lambda s: s % world.size, "val": lambda s: (n_train + s) % world.size}
     n_shards = {"train": n_train, "val": opts.val_shards}
 
     def mine(doc_id: int) -> bool:
@@ -205,8 +212,10 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
 
     manifest, error = None, None
     if world.rank == 0:
-        timing = {"setup_s": tokenizer_ready - started,
-                  "tokenize_s": time.perf_counter() - tokenizer_ready}
+        timing = {
+            "setup_s": tokenizer_ready - started,
+            "tokenize_s": time.perf_counter() - tokenizer_ready,
+        }
         manifest, error = _manifest(opts, sources, tokenizer, gathered, started, timing)
         if manifest is not None:
             write_manifest(out, manifest)
@@ -216,13 +225,25 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def _tokenize_into(writers: dict[tuple[str, int], ShardWriter], opts: PrepareOptions,
-                   sources: list[Source], tokenizer: Tokenizer, mine: Callable[[int], bool],
-                   n_shards: dict[str, int], world: _World, progress: bool) -> None:
+def _tokenize_into(
+    writers: dict[tuple[str, int], ShardWriter],
+    opts: PrepareOptions,
+    sources: list[Source],
+    tokenizer: Tokenizer,
+    mine: Callable[[int], bool],
+    n_shards: dict[str, int],
+    world: _World,
+    progress: bool,
+) -> None:
     from tqdm import tqdm
 
-    bar = tqdm(desc=f"tokenizing ({world.size} ranks)", unit="B", unit_scale=True,
-               disable=not progress or world.rank != 0 or None, leave=False)
+    bar = tqdm(
+        desc=f"tokenizing ({world.size} ranks)",
+        unit="B",
+        unit_scale=True,
+        disable=not progress or world.rank != 0 or None,
+        leave=False,
+    )
     batch: list[tuple[int, int, str]] = []
     checked = []
 
@@ -232,16 +253,25 @@ def _tokenize_into(writers: dict[tuple[str, int], ShardWriter], opts: PrepareOpt
             checked.append(True)
             if tokenizer.decode(encoded[0]) != batch[0][2]:
                 # A tokenizer.json with a normaliser (lower-casing, say) loses text.
-                print(f"hpcllm: warning (rank {world.rank}): the tokenizer does not give "
-                      f"back document {batch[0][0]} exactly; decoded shards will differ from "
-                      "the input text", file=sys.stderr, flush=True)
+                print(
+                    f"hpcllm: warning (rank {world.rank}): the tokenizer does not give "
+                    f"back document {batch[0][0]} exactly; decoded shards will differ from "
+                    "the input text",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for (doc_id, source_index, text), ids in zip(batch, encoded, strict=True):
             split, index = split_of(doc_id, opts.val_fraction)
             key = (split, index % n_shards[split])
             if key not in writers:
                 writers[key] = ShardWriter(
-                    opts.out, split, key[1], vocab_size=tokenizer.vocab_size,
-                    eos_id=tokenizer.eos_id, tokenizer_sha256=tokenizer.sha256)
+                    opts.out,
+                    split,
+                    key[1],
+                    vocab_size=tokenizer.vocab_size,
+                    eos_id=tokenizer.eos_id,
+                    tokenizer_sha256=tokenizer.sha256,
+                )
             size = len(text.encode("utf-8"))
             writers[key].append(doc_id, ids, sources[source_index].label, size)
             bar.update(size)
@@ -255,12 +285,18 @@ def _tokenize_into(writers: dict[tuple[str, int], ShardWriter], opts: PrepareOpt
     bar.close()
 
 
-def _manifest(opts: PrepareOptions, sources: list[Source], tokenizer: Tokenizer,
-              gathered: list[Any], started: float,
-              timing: dict[str, float]) -> tuple[dict | None, str | None]:
+def _manifest(
+    opts: PrepareOptions,
+    sources: list[Source],
+    tokenizer: Tokenizer,
+    gathered: list[Any],
+    started: float,
+    timing: dict[str, float],
+) -> tuple[dict | None, str | None]:
     splits: dict[str, list[dict[str, Any]]] = {split: [] for split in SPLITS}
-    for split, _, entry in sorted((e for rank_entries in gathered for e in rank_entries),
-                                  key=lambda e: (e[0], e[1])):
+    for split, _, entry in sorted(
+        (e for rank_entries in gathered for e in rank_entries), key=lambda e: (e[0], e[1])
+    ):
         splits[split].append(entry)
     text_bytes = sum(e["text_bytes"] for split in SPLITS for e in splits[split])
     if text_bytes == 0:
@@ -274,22 +310,29 @@ def _manifest(opts: PrepareOptions, sources: list[Source], tokenizer: Tokenizer,
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created_by": f"hpcllm {__version__}",
-        "tokenizer": {"file": TOKENIZER_FILE, "kind": kind, "sha256": tokenizer.sha256,
-                      "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "kind": kind,
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+        },
         "token_dtype": token_dtype(tokenizer.vocab_size).name,
         "val_fraction": opts.val_fraction,
-        "sources": {"corpus": opts.corpus, "inputs": list(opts.inputs),
-                    "files": len(sources)},
+        "sources": {"corpus": opts.corpus, "inputs": list(opts.inputs), "files": len(sources)},
         "splits": splits,
         "n_documents": {s: sum(e["n_documents"] for e in splits[s]) for s in SPLITS},
         "n_tokens": {s: sum(e["n_tokens"] for e in splits[s]) for s in SPLITS},
         "text_bytes": text_bytes,
         # Throughput of the whole prepare, and of tokenizing + writing alone (after the
         # tokenizer is trained or loaded), which is the part that scales with ranks.
-        "prepare": {"ranks": len(gathered), "seconds": round(seconds, 3),
-                    "mb_per_s": round(text_bytes / 1e6 / seconds, 3),
-                    "setup_seconds": round(timing["setup_s"], 3),
-                    "tokenize_seconds": round(timing["tokenize_s"], 3),
-                    "tokenize_mb_per_s": round(text_bytes / 1e6 / timing["tokenize_s"], 3)},
+        "prepare": {
+            "ranks": len(gathered),
+            "seconds": round(seconds, 3),
+            "mb_per_s": round(text_bytes / 1e6 / seconds, 3),
+            "setup_seconds": round(timing["setup_s"], 3),
+            "tokenize_seconds": round(timing["tokenize_s"], 3),
+            "tokenize_mb_per_s": round(text_bytes / 1e6 / timing["tokenize_s"], 3),
+        },
     }
     return manifest, None

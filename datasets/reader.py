@@ -90,10 +90,11 @@ class TokenStream:
             file_space = ids[shard].get_space()
             file_space.select_hyperslab((local,), (take,))
             try:
-                ids[shard].read(h5s.create_simple((take,)), file_space, out[done:done + take])
+                ids[shard].read(h5s.create_simple((take,)), file_space, out[done : done + take])
             except OSError as err:
-                raise corrupt(self.shards[shard].path, f"tokens[{local}:{local + take}]",
-                              err) from None
+                raise corrupt(
+                    self.shards[shard].path, f"tokens[{local}:{local + take}]", err
+                ) from None
             done += take
             shard += 1
 
@@ -108,8 +109,9 @@ class TokenStream:
 class ShardDataset:
     """Map-style dataset of (input_ids, labels) windows, usable with torch's DataLoader."""
 
-    def __init__(self, manifest: Manifest | str | Path, split: str, seq_len: int,
-                 cache_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, manifest: Manifest | str | Path, split: str, seq_len: int, cache_bytes: int = 64 << 20
+    ) -> None:
         manifest = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         if seq_len < 1:
             raise UserError(f"sequence length must be positive, got {seq_len}")
@@ -117,12 +119,15 @@ class ShardDataset:
         self.seq_len = seq_len
         self.n_samples = max(0, (self.stream.n_tokens - 1) // seq_len)
         if self.stream.n_tokens == 0:
-            raise UserError(f"the {split} split of {manifest.root} is empty"
-                            + ("; prepare with a larger --val-fraction" if split == "val"
-                               else ""))
+            raise UserError(
+                f"the {split} split of {manifest.root} is empty"
+                + ("; prepare with a larger --val-fraction" if split == "val" else "")
+            )
         if self.n_samples == 0:
-            raise UserError(f"sequence length {seq_len} is longer than the {split} data "
-                            f"({self.stream.n_tokens} tokens in {manifest.root})")
+            raise UserError(
+                f"sequence length {seq_len} is longer than the {split} data "
+                f"({self.stream.n_tokens} tokens in {manifest.root})"
+            )
         self.dtype = token_dtype(manifest.vocab_size)
 
     def __len__(self) -> int:
@@ -149,11 +154,12 @@ def epoch_permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_samples)
 
 
-def rank_samples(order: np.ndarray, step: int, dp_rank: int, dp_size: int,
-                 micro_batch_size: int) -> np.ndarray:
+def rank_samples(
+    order: np.ndarray, step: int, dp_rank: int, dp_size: int, micro_batch_size: int
+) -> np.ndarray:
     """Return the sample indices of ``dp_rank``'s micro-batch at global micro-step ``step``."""
     first = step * dp_size * micro_batch_size + dp_rank * micro_batch_size
-    return order[first:first + micro_batch_size]
+    return order[first : first + micro_batch_size]
 
 
 @dataclass
@@ -175,10 +181,20 @@ class MicroBatchReader:
     cached is not read and checksummed again.
     """
 
-    def __init__(self, data: Manifest | str | Path, *, seq_len: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, split: str = "train",
-                 consumed_samples: int = 0, prefetch: int = 4,
-                 cache_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        data: Manifest | str | Path,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        split: str = "train",
+        consumed_samples: int = 0,
+        prefetch: int = 4,
+        cache_bytes: int = 64 << 20,
+    ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise UserError(f"dp_rank {dp_rank} outside data-parallel size {dp_size}")
         if micro_batch_size < 1:
@@ -194,11 +210,14 @@ class MicroBatchReader:
             raise UserError(
                 f"the {split} split has {self.dataset.n_samples} samples of {seq_len} tokens, "
                 f"fewer than one global micro-batch ({dp_size} ranks x {micro_batch_size}); "
-                "use more data or a shorter sequence")
+                "use more data or a shorter sequence"
+            )
         self.samples_per_epoch = self.steps_per_epoch * per_step
         if consumed_samples < 0 or consumed_samples % per_step:
-            raise UserError(f"consumed_samples {consumed_samples} is not a multiple of the "
-                            f"global micro-batch {per_step} (d x micro-batch size)")
+            raise UserError(
+                f"consumed_samples {consumed_samples} is not a multiple of the "
+                f"global micro-batch {per_step} (d x micro-batch size)"
+            )
         self.consumed_samples = consumed_samples
 
     def _position(self, consumed: int) -> tuple[int, int]:
@@ -213,8 +232,9 @@ class MicroBatchReader:
         per_step = self.dp_size * self.micro_batch_size
         while True:
             out = np.empty((self.micro_batch_size, width), dtype=dtype)
-            for row, index in enumerate(rank_samples(order, step, self.dp_rank, self.dp_size,
-                                                     self.micro_batch_size)):
+            for row, index in enumerate(
+                rank_samples(order, step, self.dp_rank, self.dp_size, self.micro_batch_size)
+            ):
                 self.dataset.window(int(index), out[row])
             consumed += per_step
             yield out, epoch, consumed

@@ -61,8 +61,16 @@ class ShardWriter:
     the file is complete and closed, so a crash never leaves a shard that looks finished.
     """
 
-    def __init__(self, out_dir: Path, split: str, index: int, *, vocab_size: int, eos_id: int,
-                 tokenizer_sha256: str) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        split: str,
+        index: int,
+        *,
+        vocab_size: int,
+        eos_id: int,
+        tokenizer_sha256: str,
+    ) -> None:
         import h5py
 
         self.path = out_dir / shard_name(split, index)
@@ -70,12 +78,23 @@ class ShardWriter:
         self._dtype = token_dtype(vocab_size)
         self._eos = eos_id
         self._file = h5py.File(self._partial, "w")
-        self._file.attrs.update(format=FORMAT, format_version=FORMAT_VERSION, split=split,
-                                shard_index=index, tokenizer_sha256=tokenizer_sha256,
-                                vocab_size=vocab_size, eos_id=eos_id)
+        self._file.attrs.update(
+            format=FORMAT,
+            format_version=FORMAT_VERSION,
+            split=split,
+            shard_index=index,
+            tokenizer_sha256=tokenizer_sha256,
+            vocab_size=vocab_size,
+            eos_id=eos_id,
+        )
         self._tokens = self._file.create_dataset(
-            "tokens", shape=(0,), maxshape=(None,), dtype=self._dtype,
-            chunks=(CHUNK_TOKENS,), fletcher32=True)
+            "tokens",
+            shape=(0,),
+            maxshape=(None,),
+            dtype=self._dtype,
+            chunks=(CHUNK_TOKENS,),
+            fletcher32=True,
+        )
         self._buffer: list[np.ndarray] = []
         self._buffered = 0
         self._written = 0
@@ -108,7 +127,7 @@ class ShardWriter:
             return
         block = np.concatenate(self._buffer)
         self._tokens.resize((self._written + block.size,))
-        self._tokens[self._written:] = block
+        self._tokens[self._written :] = block
         self._written += block.size
         self._buffer, self._buffered = [], 0
 
@@ -117,15 +136,26 @@ class ShardWriter:
         self._flush()
         n_tokens = self._written
         for name, values in (("doc_offsets", self._offsets), ("doc_ids", self._doc_ids)):
-            self._file.create_dataset(name, data=np.asarray(values, dtype=np.int64),
-                                      fletcher32=True, chunks=True if values else None)
-        self._file.attrs.update(n_documents=self.n_documents, n_tokens=n_tokens,
-                                text_bytes=self.text_bytes,
-                                sources=json.dumps(list(self._sources)))
+            self._file.create_dataset(
+                name,
+                data=np.asarray(values, dtype=np.int64),
+                fletcher32=True,
+                chunks=True if values else None,
+            )
+        self._file.attrs.update(
+            n_documents=self.n_documents,
+            n_tokens=n_tokens,
+            text_bytes=self.text_bytes,
+            sources=json.dumps(list(self._sources)),
+        )
         self._file.close()
         durable_replace(self._partial, self.path)
-        return {"file": self.path.name, "n_documents": self.n_documents, "n_tokens": n_tokens,
-                "text_bytes": self.text_bytes}
+        return {
+            "file": self.path.name,
+            "n_documents": self.n_documents,
+            "n_tokens": n_tokens,
+            "text_bytes": self.text_bytes,
+        }
 
     def discard(self) -> None:
         """Drop the partial file (after an error)."""
@@ -201,21 +231,31 @@ def load_manifest(path: str | Path) -> Manifest:
     manifest_path = path / MANIFEST if path.is_dir() else path
     if not manifest_path.is_file():
         if path.is_dir():
-            raise UserError(f"{path} has no {MANIFEST}; run `hpcllm prepare --out {path}` "
-                            "(a prepare that did not finish writes no manifest)")
+            raise UserError(
+                f"{path} has no {MANIFEST}; run `hpcllm prepare --out {path}` "
+                "(a prepare that did not finish writes no manifest)"
+            )
         raise UserError(f"data path {path} does not exist")
     try:
         raw = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{manifest_path} is not valid JSON: {err}") from None
     if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{manifest_path}: format {raw.get('format')!r} version "
-                        f"{raw.get('format_version')!r} is not {FORMAT} v{FORMAT_VERSION}")
+        raise UserError(
+            f"{manifest_path}: format {raw.get('format')!r} version "
+            f"{raw.get('format_version')!r} is not {FORMAT} v{FORMAT_VERSION}"
+        )
     root = manifest_path.parent
     shards = {
-        split: [ShardInfo(root / s["file"], int(s["n_documents"]), int(s["n_tokens"]),
-                          int(s.get("text_bytes", 0)))
-                for s in raw["splits"].get(split, [])]
+        split: [
+            ShardInfo(
+                root / s["file"],
+                int(s["n_documents"]),
+                int(s["n_tokens"]),
+                int(s.get("text_bytes", 0)),
+            )
+            for s in raw["splits"].get(split, [])
+        ]
         for split in SPLITS
     }
     manifest = Manifest(root, raw, shards)
@@ -225,8 +265,10 @@ def load_manifest(path: str | Path) -> Manifest:
 
     digest = hashlib.sha256(manifest.tokenizer_path.read_bytes()).hexdigest()
     if digest != manifest.tokenizer_sha256:
-        raise UserError(f"{manifest.tokenizer_path} does not match {manifest_path} "
-                        f"(sha256 {digest[:12]}… vs {manifest.tokenizer_sha256[:12]}…)")
+        raise UserError(
+            f"{manifest.tokenizer_path} does not match {manifest_path} "
+            f"(sha256 {digest[:12]}… vs {manifest.tokenizer_sha256[:12]}…)"
+        )
     for shard in (s for split in SPLITS for s in shards[split]):
         if not shard.path.is_file():
             raise UserError(f"shard {shard.path} named by {manifest_path} is missing")
@@ -241,15 +283,17 @@ def check_shard_header(manifest: Manifest, shard: ShardInfo, handle: Any) -> Non
         problems.append(f"format {attrs.get('format')!r} v{attrs.get('format_version')!r}")
     if attrs.get("tokenizer_sha256") != manifest.tokenizer_sha256:
         problems.append("made with another tokenizer")
-    if int(attrs.get("n_tokens", -1)) != shard.n_tokens or handle["tokens"].shape[0] != \
-            shard.n_tokens:
+    if (
+        int(attrs.get("n_tokens", -1)) != shard.n_tokens
+        or handle["tokens"].shape[0] != shard.n_tokens
+    ):
         problems.append(f"{handle['tokens'].shape[0]} tokens, manifest says {shard.n_tokens}")
     if int(attrs.get("n_documents", -1)) != shard.n_documents:
-        problems.append(f"{attrs.get('n_documents')} documents, manifest says "
-                        f"{shard.n_documents}")
+        problems.append(f"{attrs.get('n_documents')} documents, manifest says {shard.n_documents}")
     if problems:
-        raise UserError(f"shard {shard.path} does not match {manifest.root / MANIFEST}: "
-                        + "; ".join(problems))
+        raise UserError(
+            f"shard {shard.path} does not match {manifest.root / MANIFEST}: " + "; ".join(problems)
+        )
 
 
 def open_shard(manifest: Manifest, shard: ShardInfo, cache_bytes: int = 64 << 20) -> Any:
@@ -259,8 +303,9 @@ def open_shard(manifest: Manifest, shard: ShardInfo, cache_bytes: int = 64 << 20
     try:
         handle = h5py.File(shard.path, "r", rdcc_nbytes=cache_bytes, rdcc_nslots=10007)
     except OSError as err:
-        raise UserError(f"shard {shard.path} is not a readable HDF5 file ({err})",
-                        same_on_all_ranks=False) from None
+        raise UserError(
+            f"shard {shard.path} is not a readable HDF5 file ({err})", same_on_all_ranks=False
+        ) from None
     try:
         check_shard_header(manifest, shard, handle)
     except (UserError, KeyError) as err:
@@ -273,8 +318,10 @@ def open_shard(manifest: Manifest, shard: ShardInfo, cache_bytes: int = 64 << 20
 
 def corrupt(shard_path: Path, what: str, err: Exception) -> UserError:
     """Return the error for a shard whose checksum (or structure) failed on read."""
-    return UserError(f"shard {shard_path} is corrupt: {what} failed its checksum ({err})",
-                     same_on_all_ranks=False)
+    return UserError(
+        f"shard {shard_path} is corrupt: {what} failed its checksum ({err})",
+        same_on_all_ranks=False,
+    )
 
 
 def verify_shard(manifest: Manifest, shard: ShardInfo) -> None:
@@ -284,23 +331,31 @@ def verify_shard(manifest: Manifest, shard: ShardInfo) -> None:
         tokens = handle["tokens"]
         for start in range(0, tokens.shape[0], CHUNK_TOKENS * 16):
             try:
-                block = tokens[start:start + CHUNK_TOKENS * 16]
+                block = tokens[start : start + CHUNK_TOKENS * 16]
             except OSError as err:
                 raise corrupt(shard.path, f"tokens[{start}:]", err) from None
             if block.size and int(block.max()) >= manifest.vocab_size:
-                raise UserError(f"shard {shard.path} is corrupt: token id {int(block.max())} "
-                                f">= vocab size {manifest.vocab_size}")
+                raise UserError(
+                    f"shard {shard.path} is corrupt: token id {int(block.max())} "
+                    f">= vocab size {manifest.vocab_size}"
+                )
         try:
             offsets = handle["doc_offsets"][:]
             doc_ids = handle["doc_ids"][:]
         except OSError as err:
             raise corrupt(shard.path, "document index", err) from None
-        ok = (offsets.size == shard.n_documents + 1 and doc_ids.size == shard.n_documents
-              and offsets[0] == 0 and offsets[-1] == shard.n_tokens
-              and bool(np.all(np.diff(offsets) >= 1)))
+        ok = (
+            offsets.size == shard.n_documents + 1
+            and doc_ids.size == shard.n_documents
+            and offsets[0] == 0
+            and offsets[-1] == shard.n_tokens
+            and bool(np.all(np.diff(offsets) >= 1))
+        )
         if not ok:
-            raise UserError(f"shard {shard.path} is corrupt: document offsets do not add up "
-                            f"to {shard.n_documents} documents of {shard.n_tokens} tokens")
+            raise UserError(
+                f"shard {shard.path} is corrupt: document offsets do not add up "
+                f"to {shard.n_documents} documents of {shard.n_tokens} tokens"
+            )
         if shard.n_documents and not np.all(tokens[offsets[1:] - 1] == manifest.eos_id):
             raise UserError(f"shard {shard.path} is corrupt: a document does not end with EOS")
     finally:

@@ -37,8 +37,10 @@ class Tokenizer:
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             eos = self._hf.token_to_id(EOS_TOKEN)
             if eos is None:
-                raise UserError(f"the tokenizer has no {EOS_TOKEN} token to end documents with; "
-                                f"add it as a special token")
+                raise UserError(
+                    f"the tokenizer has no {EOS_TOKEN} token to end documents with; "
+                    f"add it as a special token"
+                )
             self.eos_id = eos
 
     @property
@@ -94,7 +96,9 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     hf.train_from_iterator(texts, trainer=trainer)

@@ -34,8 +34,14 @@ def _non_negative(text: str) -> float:
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key (repeatable)",
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,19 +71,31 @@ def _build_parser() -> argparse.ArgumentParser:
         "fastest, then dp, then pp. Run it under the launcher you train with, e.g. "
         "`mpirun -np 8 hpcllm topo --tp 2 --pp 2` or `srun --mpi=pmix -n 8 hpcllm topo --tp 2`.",
     )
-    topo.add_argument("--tp", type=_positive, default=1,
-                      help="tensor-parallel size t (ranks that split each layer; keep within "
-                      "a node) [default: 1]")
-    topo.add_argument("--pp", type=_positive, default=1,
-                      help="pipeline-parallel size p (stages) [default: 1]")
-    topo.add_argument("--dp", type=_positive, default=None,
-                      help="data-parallel size d [default: world size / (t*p)]; "
-                      "t*p*d must equal the world size")
-    topo.add_argument("--vpp", type=_positive, default=1,
-                      help="virtual pipeline stages per rank for the interleaved schedule "
-                      "[default: 1]")
-    topo.add_argument("--json", action="store_true",
-                      help="print one JSON object instead of the table")
+    topo.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        help="tensor-parallel size t (ranks that split each layer; keep within "
+        "a node) [default: 1]",
+    )
+    topo.add_argument(
+        "--pp", type=_positive, default=1, help="pipeline-parallel size p (stages) [default: 1]"
+    )
+    topo.add_argument(
+        "--dp",
+        type=_positive,
+        default=None,
+        help="data-parallel size d [default: world size / (t*p)]; t*p*d must equal the world size",
+    )
+    topo.add_argument(
+        "--vpp",
+        type=_positive,
+        default=1,
+        help="virtual pipeline stages per rank for the interleaved schedule [default: 1]",
+    )
+    topo.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
     topo.set_defaults(run=_run_topo)
 
     _add_prepare(verbs)
@@ -87,13 +105,19 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_convert(verbs)
     _add_bench(verbs)
     tl = verbs.add_parser(
-        "timeline", help="draw a pipelined run's measured per-rank timeline",
+        "timeline",
+        help="draw a pipelined run's measured per-rank timeline",
         description="Read RUN_DIR/timeline/rank*.json (the last pipeline step each rank "
         "recorded) and draw one pipeline's stages as a PNG, like the Megatron paper's "
-        "figures, plus a Chrome-trace JSON (chrome://tracing, Perfetto).")
+        "figures, plus a Chrome-trace JSON (chrome://tracing, Perfetto).",
+    )
     tl.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    tl.add_argument("--out", type=Path, default=None,
-                    help="PNG to write [default: RUN_DIR/timeline.png; the trace beside it]")
+    tl.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG to write [default: RUN_DIR/timeline.png; the trace beside it]",
+    )
     tl.add_argument("--dp-rank", type=int, default=0, help="which replica's pipeline")
     tl.add_argument("--tp-rank", type=int, default=0, help="which tp rank's pipeline")
     tl.set_defaults(run=_run_timeline)
@@ -125,26 +149,44 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
         "--set train.precision=bf16",
     )
     _add_config_args(train)
-    train.add_argument("--profile-steps", metavar="A:B",
-                       help="cudaProfilerStart before step A and Stop before step B, for "
-                       "`nsys profile --capture-range=cudaProfilerApi` (no-op on CPU)")
-    train.add_argument("--peak-tflops", type=float, metavar="X",
-                       help="peak TFLOP/s per GPU for MFU (default: the device table; "
-                       "on CPU MFU is null unless given)")
+    train.add_argument(
+        "--profile-steps",
+        metavar="A:B",
+        help="cudaProfilerStart before step A and Stop before step B, for "
+        "`nsys profile --capture-range=cudaProfilerApi` (no-op on CPU)",
+    )
+    train.add_argument(
+        "--peak-tflops",
+        type=float,
+        metavar="X",
+        help="peak TFLOP/s per GPU for MFU (default: the device table; "
+        "on CPU MFU is null unless given)",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_run_train)
 
 
 def _add_generate(verbs: argparse._SubParsersAction) -> None:
-    gen = verbs.add_parser("generate", help="sample text from a run's latest checkpoint",
-                           description="Load RUN_DIR's latest checkpoint (tp=1, pp=1) and "
-                           "continue a prompt.")
-    gen.add_argument("--checkpoint", type=Path, required=True, metavar="RUN_DIR",
-                     help="a run folder (with checkpoints/latest and tokenizer.json)")
+    gen = verbs.add_parser(
+        "generate",
+        help="sample text from a run's latest checkpoint",
+        description="Load RUN_DIR's latest checkpoint (tp=1, pp=1) and continue a prompt.",
+    )
+    gen.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        metavar="RUN_DIR",
+        help="a run folder (with checkpoints/latest and tokenizer.json)",
+    )
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--tokens", type=_positive, default=100, help="new tokens [default: 100]")
-    gen.add_argument("--temperature", type=_non_negative, default=0.8,
-                     help="0 picks the most likely token [default: 0.8]")
+    gen.add_argument(
+        "--temperature",
+        type=_non_negative,
+        default=0.8,
+        help="0 picks the most likely token [default: 0.8]",
+    )
     gen.add_argument("--top-k", type=_positive, default=50, help="[default: 50]")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
     gen.set_defaults(run=_run_generate)
@@ -152,21 +194,32 @@ def _add_generate(verbs: argparse._SubParsersAction) -> None:
 
 def _add_convert(verbs: argparse._SubParsersAction) -> None:
     conv = verbs.add_parser(
-        "convert", help="Hugging Face GPT-2 checkpoints in and out",
+        "convert",
+        help="Hugging Face GPT-2 checkpoints in and out",
         description="--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint "
         "holds a Hugging Face GPT-2 (config.json + model.safetensors); train from it with "
         "--set run.dir=RUN_DIR. --to-hf DIR --checkpoint RUN_DIR writes a run's latest "
-        "checkpoint as a GPT2LMHeadModel folder.")
+        "checkpoint as a GPT2LMHeadModel folder.",
+    )
     way = conv.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
     way.add_argument("--to-hf", type=Path, metavar="DIR", help="Hugging Face folder to write")
-    way.add_argument("--tp", type=_positive, metavar="N",
-                     help="re-cut --checkpoint RUN_DIR's latest checkpoint (weights and "
-                     "optimizer state) for tensor-parallel size N, into --out RUN_DIR")
-    conv.add_argument("--out", type=Path, metavar="RUN_DIR",
-                      help="new run folder (with --from-hf or --tp)")
-    conv.add_argument("--checkpoint", type=Path, metavar="RUN_DIR",
-                      help="run folder to read (with --to-hf or --tp)")
+    way.add_argument(
+        "--tp",
+        type=_positive,
+        metavar="N",
+        help="re-cut --checkpoint RUN_DIR's latest checkpoint (weights and "
+        "optimizer state) for tensor-parallel size N, into --out RUN_DIR",
+    )
+    conv.add_argument(
+        "--out", type=Path, metavar="RUN_DIR", help="new run folder (with --from-hf or --tp)"
+    )
+    conv.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run folder to read (with --to-hf or --tp)",
+    )
     conv.set_defaults(run=_run_convert)
 
 
@@ -189,32 +242,71 @@ def _add_prepare(verbs: argparse._SubParsersAction) -> None:
         "  hpcllm prepare --input corpus.txt --tokenizer gpt2/tokenizer.json --out data/g",
     )
     source = prep.add_mutually_exclusive_group(required=True)
-    source.add_argument("--input", nargs="+", metavar="PATH",
-                        help="text files, folders (searched recursively for .txt .md .rst .py "
-                        ".jsonl) or quoted globs; a text file is one document, a .jsonl file "
-                        "one document per line")
-    source.add_argument("--corpus", choices=["python-stdlib"],
-                        help="a built-in corpus: python-stdlib is the .py files of this "
-                        "Python's standard library without its test suites (about 12 MB)")
-    prep.add_argument("--out", required=True, type=Path, metavar="DIR",
-                      help="folder for the shards, tokenizer.json and manifest.json; shards of "
-                      "an earlier prepare in it are replaced")
-    prep.add_argument("--tokenizer", default="bpe", metavar="bpe|byte|FILE.json",
-                      help="bpe: train a byte-level BPE on the training documents; byte: raw "
-                      "UTF-8 bytes (257 ids: 256 bytes and EOS); FILE.json: a Hugging Face "
-                      "tokenizer.json with an <|endoftext|> token [default: bpe]")
-    prep.add_argument("--vocab-size", type=_positive, default=None, metavar="N",
-                      help="vocabulary of the trained BPE, EOS included (bpe only) "
-                      "[default: 8192]")
-    prep.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
-                      help="fraction of documents (not tokens) held out for validation, "
-                      "spread evenly through the corpus [default: 0.01]")
-    prep.add_argument("--shards", type=_positive, default=None, metavar="N",
-                      help="train shards [default: one per rank]")
-    prep.add_argument("--val-shards", type=_positive, default=1, metavar="N",
-                      help="validation shards [default: 1]")
-    prep.add_argument("--jsonl-field", default="text", metavar="NAME",
-                      help="field of each JSONL record that holds the text [default: text]")
+    source.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="text files, folders (searched recursively for .txt .md .rst .py "
+        ".jsonl) or quoted globs; a text file is one document, a .jsonl file "
+        "one document per line",
+    )
+    source.add_argument(
+        "--corpus",
+        choices=["python-stdlib"],
+        help="a built-in corpus: python-stdlib is the .py files of this "
+        "Python's standard library without its test suites (about 12 MB)",
+    )
+    prep.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="folder for the shards, tokenizer.json and manifest.json; shards of "
+        "an earlier prepare in it are replaced",
+    )
+    prep.add_argument(
+        "--tokenizer",
+        default="bpe",
+        metavar="bpe|byte|FILE.json",
+        help="bpe: train a byte-level BPE on the training documents; byte: raw "
+        "UTF-8 bytes (257 ids: 256 bytes and EOS); FILE.json: a Hugging Face "
+        "tokenizer.json with an <|endoftext|> token [default: bpe]",
+    )
+    prep.add_argument(
+        "--vocab-size",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="vocabulary of the trained BPE, EOS included (bpe only) [default: 8192]",
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="fraction of documents (not tokens) held out for validation, "
+        "spread evenly through the corpus [default: 0.01]",
+    )
+    prep.add_argument(
+        "--shards",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="train shards [default: one per rank]",
+    )
+    prep.add_argument(
+        "--val-shards",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="validation shards [default: 1]",
+    )
+    prep.add_argument(
+        "--jsonl-field",
+        default="text",
+        metavar="NAME",
+        help="field of each JSONL record that holds the text [default: text]",
+    )
     prep.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     prep.set_defaults(run=_run_prepare)
 
@@ -229,12 +321,19 @@ def _add_inspect(verbs: argparse._SubParsersAction) -> None:
     )
     insp.add_argument("dir", type=Path, metavar="DIR", help="the folder given to prepare --out")
     insp.add_argument("--json", action="store_true", help="print the summary as JSON")
-    insp.add_argument("--verify", action="store_true",
-                      help="read every chunk of every shard (fletcher32 checksums), check "
-                      "counts and document offsets; exit 2 naming the first bad file")
-    insp.add_argument("--dump", choices=["train", "val"], metavar="train|val",
-                      help="write the decoded documents of a split to stdout in corpus order, "
-                      "each followed by '\\n<|endoftext|>\\n'")
+    insp.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every chunk of every shard (fletcher32 checksums), check "
+        "counts and document offsets; exit 2 naming the first bad file",
+    )
+    insp.add_argument(
+        "--dump",
+        choices=["train", "val"],
+        metavar="train|val",
+        help="write the decoded documents of a split to stdout in corpus order, "
+        "each followed by '\\n<|endoftext|>\\n'",
+    )
     insp.set_defaults(run=_run_inspect)
 
 
@@ -250,10 +349,12 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
     data.add_argument("dir", type=Path, metavar="DIR", help="a folder written by prepare")
     data.add_argument("--seq-len", type=_positive, default=1024, help="[default: 1024]")
     data.add_argument("--micro-batch-size", type=_positive, default=8, help="[default: 8]")
-    data.add_argument("--steps", type=_positive, default=2000,
-                      help="micro-batches timed per rank [default: 2000]")
-    data.add_argument("--warmup", type=int, default=20,
-                      help="micro-batches read before timing [default: 20]")
+    data.add_argument(
+        "--steps", type=_positive, default=2000, help="micro-batches timed per rank [default: 2000]"
+    )
+    data.add_argument(
+        "--warmup", type=int, default=20, help="micro-batches read before timing [default: 20]"
+    )
     data.add_argument("--json", action="store_true", help="print JSON")
     data.set_defaults(run=_run_bench_data)
     prep = targets.add_parser(
@@ -262,18 +363,41 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
         description="Run `hpcllm prepare` on a built-in corpus for each tokenizer at each rank "
         "count (through mpirun when > 1) and print MB of text per second side by side.",
     )
-    prep.add_argument("--corpus", default="python-stdlib", choices=["python-stdlib"],
-                      help="[default: python-stdlib]")
-    prep.add_argument("--out", type=Path, required=True, metavar="DIR",
-                      help="scratch folder for the prepared copies")
-    prep.add_argument("--ranks", type=_positive, nargs="+", default=[1, 2],
-                      help="rank counts to run [default: 1 2]")
-    prep.add_argument("--tokenizers", nargs="+", default=["byte", "bpe"],
-                      choices=["byte", "bpe"], help="[default: byte bpe]")
+    prep.add_argument(
+        "--corpus",
+        default="python-stdlib",
+        choices=["python-stdlib"],
+        help="[default: python-stdlib]",
+    )
+    prep.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="scratch folder for the prepared copies",
+    )
+    prep.add_argument(
+        "--ranks",
+        type=_positive,
+        nargs="+",
+        default=[1, 2],
+        help="rank counts to run [default: 1 2]",
+    )
+    prep.add_argument(
+        "--tokenizers",
+        nargs="+",
+        default=["byte", "bpe"],
+        choices=["byte", "bpe"],
+        help="[default: byte bpe]",
+    )
     prep.add_argument("--vocab-size", type=_positive, default=8192, help="[default: 8192]")
-    prep.add_argument("--threads-per-rank", type=_positive, default=None,
-                      help="tokenizer threads per rank (RAYON_NUM_THREADS) [default: the "
-                      "node's cores shared among its ranks]")
+    prep.add_argument(
+        "--threads-per-rank",
+        type=_positive,
+        default=None,
+        help="tokenizer threads per rank (RAYON_NUM_THREADS) [default: the "
+        "node's cores shared among its ranks]",
+    )
     prep.add_argument("--json", action="store_true", help="print JSON")
     prep.set_defaults(run=_run_bench_prepare)
     over = targets.add_parser(
@@ -281,11 +405,13 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
         help="hpcllm's training step against a plain PyTorch loop",
         description="Train the config's model in one process with hpcllm's step and with a "
         "plain PyTorch loop (same weights, batch, AdamW, precision), in alternating blocks, "
-        "and print the ratio of median step times.")
+        "and print the ratio of median step times.",
+    )
     _add_config_args(over)
     over.add_argument("--steps", type=_positive, default=5, help="steps per block [default: 5]")
-    over.add_argument("--rounds", type=_positive, default=6,
-                      help="alternating blocks of each [default: 6]")
+    over.add_argument(
+        "--rounds", type=_positive, default=6, help="alternating blocks of each [default: 6]"
+    )
     over.add_argument("--json", action="store_true", help="print JSON")
     over.set_defaults(run=_run_bench_overhead)
     dpb = targets.add_parser(
@@ -295,59 +421,105 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
         "with each data-parallel engine at each d (mpirun), in each precision, with the "
         "micro-batch per rank fixed; then all-reduce a gradient-sized buffer through MPI, "
         "torch.distributed and Horovod. Prints the comparison table and writes "
-        "bench_dp.json, bench_dp.png and bench_dp.txt to --out.")
+        "bench_dp.json, bench_dp.png and bench_dp.txt to --out.",
+    )
     _add_config_args(dpb)
-    dpb.add_argument("--dp", type=_positive, nargs="+", default=None,
-                     help="data-parallel sizes [default: 2 up to the cores or GPUs here]")
-    dpb.add_argument("--engines", nargs="+", default=["ddp", "horovod", "ps"],
-                     choices=["ddp", "horovod", "ps"], help="[default: all three]")
-    dpb.add_argument("--precisions", nargs="+", default=None,
-                     choices=["fp32", "bf16", "fp16"],
-                     help="[default: fp32 and bf16 on CPU, fp32 and fp16 on GPU]")
+    dpb.add_argument(
+        "--dp",
+        type=_positive,
+        nargs="+",
+        default=None,
+        help="data-parallel sizes [default: 2 up to the cores or GPUs here]",
+    )
+    dpb.add_argument(
+        "--engines",
+        nargs="+",
+        default=["ddp", "horovod", "ps"],
+        choices=["ddp", "horovod", "ps"],
+        help="[default: all three]",
+    )
+    dpb.add_argument(
+        "--precisions",
+        nargs="+",
+        default=None,
+        choices=["fp32", "bf16", "fp16"],
+        help="[default: fp32 and bf16 on CPU, fp32 and fp16 on GPU]",
+    )
     dpb.add_argument("--steps", type=_positive, default=30, help="steps per run [default: 30]")
-    dpb.add_argument("--warmup", type=int, default=5,
-                     help="first steps left out of the rates [default: 5]")
-    dpb.add_argument("--out", type=Path, default=Path("runs/bench-dp"),
-                     help="folder for the runs and results [default: runs/bench-dp]")
+    dpb.add_argument(
+        "--warmup", type=int, default=5, help="first steps left out of the rates [default: 5]"
+    )
+    dpb.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/bench-dp"),
+        help="folder for the runs and results [default: runs/bench-dp]",
+    )
     dpb.set_defaults(run=_run_bench_dp)
     allr = targets.add_parser(
-        "allreduce", help="all-reduce bandwidth through MPI, torch.distributed and Horovod",
+        "allreduce",
+        help="all-reduce bandwidth through MPI, torch.distributed and Horovod",
         description="Under mpirun: all-reduce one float32 buffer through mpi4py, "
-        "torch.distributed and Horovod and print algbw/busbw (nccl-tests definitions).")
+        "torch.distributed and Horovod and print algbw/busbw (nccl-tests definitions).",
+    )
     allr.add_argument("--bytes", type=_positive, default=8 << 20, help="[default: 8 MiB]")
     allr.add_argument("--iters", type=_positive, default=50, help="[default: 50]")
     allr.add_argument("--warmup", type=int, default=5, help="[default: 5]")
     allr.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
     allr.set_defaults(run=_run_bench_allreduce)
     pipe = targets.add_parser(
-        "pipeline", help="pipeline schedules: measured bubble against theory",
+        "pipeline",
+        help="pipeline schedules: measured bubble against theory",
         description="Under mpirun with p ranks (one pipeline): run each schedule through the "
         "real runtime with fixed-cost (sleeping) stages, or the tiny GPT, and print the "
         "measured bubble next to (p-1)/m and (p-1)/(v*m), step-time ratios against 1f1b and "
-        "the peak number of live activations per rank.")
-    pipe.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved",
-                                                         "zb-h1"],
-                      choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
-    pipe.add_argument("--microbatches", type=_positive, nargs="+", default=[4, 8, 16],
-                      help="micro-batches per step, m [default: 4 8 16]")
-    pipe.add_argument("--vpp", type=_positive, default=2,
-                      help="virtual stages per rank for interleaved [default: 2]")
-    pipe.add_argument("--forward-ms", type=float, default=40.0,
-                      help="synthetic forward time per stage; backward is twice it "
-                      "[default: 40]")
+        "the peak number of live activations per rank.",
+    )
+    pipe.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["gpipe", "1f1b", "interleaved", "zb-h1"],
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+    )
+    pipe.add_argument(
+        "--microbatches",
+        type=_positive,
+        nargs="+",
+        default=[4, 8, 16],
+        help="micro-batches per step, m [default: 4 8 16]",
+    )
+    pipe.add_argument(
+        "--vpp",
+        type=_positive,
+        default=2,
+        help="virtual stages per rank for interleaved [default: 2]",
+    )
+    pipe.add_argument(
+        "--forward-ms",
+        type=float,
+        default=40.0,
+        help="synthetic forward time per stage; backward is twice it [default: 40]",
+    )
     pipe.add_argument("--model", choices=["synthetic", "gpt"], default="synthetic")
     pipe.add_argument("--steps", type=_positive, default=3, help="[default: 3]")
     pipe.add_argument("--warmup", type=int, default=1, help="[default: 1]")
-    pipe.add_argument("--timeline-dir", type=Path, default=None,
-                      help="draw each run's measured timeline (PNG + Chrome trace) here")
+    pipe.add_argument(
+        "--timeline-dir",
+        type=Path,
+        default=None,
+        help="draw each run's measured timeline (PNG + Chrome trace) here",
+    )
     pipe.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
     pipe.set_defaults(run=_run_bench_pipeline)
     kern = targets.add_parser(
-        "kernels", help="fused Triton kernels against eager PyTorch and torch.compile (GPU)",
+        "kernels",
+        help="fused Triton kernels against eager PyTorch and torch.compile (GPU)",
         description="Time each fused op against eager PyTorch and torch.compile, then a "
         "gpt2-124m training step with fused kernels on and off; arguments after 'kernels' go "
         "to the benchmark (--help there). --cpu-smoke runs it tiny under Triton's "
-        "interpreter.", add_help=False)
+        "interpreter.",
+        add_help=False,
+    )
     kern.add_argument("kernel_args", nargs=argparse.REMAINDER)
     kern.set_defaults(run=_run_bench_kernels)
 
@@ -366,11 +538,20 @@ def _run_topo(args: argparse.Namespace) -> int:
 def _run_prepare(args: argparse.Namespace) -> int:
     from hpcllm.datasets.prepare import PrepareOptions, prepare
 
-    manifest = prepare(PrepareOptions(
-        out=args.out, inputs=tuple(args.input or ()), corpus=args.corpus,
-        tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
-        shards=args.shards, val_shards=args.val_shards, jsonl_field=args.jsonl_field,
-    ), progress=not args.quiet)
+    manifest = prepare(
+        PrepareOptions(
+            out=args.out,
+            inputs=tuple(args.input or ()),
+            corpus=args.corpus,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            shards=args.shards,
+            val_shards=args.val_shards,
+            jsonl_field=args.jsonl_field,
+        ),
+        progress=not args.quiet,
+    )
     from hpcllm.topology import detect_launcher
 
     if not args.quiet and detect_launcher().rank == 0:
@@ -388,8 +569,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.dir)
     if args.verify:
         count = inspection.verify(manifest)
-        print(f"ok: {count} shards verified (checksums, counts, document offsets)",
-              file=sys.stderr)
+        print(f"ok: {count} shards verified (checksums, counts, document offsets)", file=sys.stderr)
     if args.dump:
         try:
             inspection.dump(manifest, args.dump, sys.stdout.buffer)
@@ -404,8 +584,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _run_bench_data(args: argparse.Namespace) -> int:
     from hpcllm.datasets import bench
 
-    return bench.run(args.dir, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                     steps=args.steps, warmup=args.warmup, as_json=args.json)
+    return bench.run(
+        args.dir,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        as_json=args.json,
+    )
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -426,14 +612,19 @@ def _run_train(args: argparse.Namespace) -> int:
         plot = observe.plot_loss(trainer.run_dir)
         mfu = f"{summary['mfu']:.1%}" if summary.get("mfu") is not None else "n/a (no peak)"
         stopped = f" (stopped by {summary['stopped_by']})" if summary["stopped_by"] else ""
-        print(f"trained {summary['step']} steps{stopped} on {summary['world_size']} ranks, "
-              f"{summary['parameters'] / 1e6:.2f} M parameters, global batch "
-              f"{summary['global_batch']}", flush=True)
+        print(
+            f"trained {summary['step']} steps{stopped} on {summary['world_size']} ranks, "
+            f"{summary['parameters'] / 1e6:.2f} M parameters, global batch "
+            f"{summary['global_batch']}",
+            flush=True,
+        )
         if summary.get("val_loss") is not None:
             print(f"validation loss {summary['val_loss']:.4f}   ", end="")
         if summary.get("tokens_per_s") is not None:
-            print(f"{summary['tokens_per_s']:.0f} tokens/s   "
-                  f"{summary['tflops_per_gpu']:.4f} TFLOP/s per rank   MFU {mfu}")
+            print(
+                f"{summary['tokens_per_s']:.0f} tokens/s   "
+                f"{summary['tflops_per_gpu']:.4f} TFLOP/s per rank   MFU {mfu}"
+            )
         print(f"run folder {trainer.run_dir}  (loss curve {plot})", flush=True)
     return 0
 
@@ -448,16 +639,25 @@ def _run_timeline(args: argparse.Namespace) -> int:
         if (record["dp_rank"], record["tp_rank"]) == (args.dp_rank, args.tp_rank):
             records.append(record)
     if not records:
-        raise UserError(f"{args.run_dir / 'timeline'} holds no timeline of dp rank "
-                        f"{args.dp_rank}, tp rank {args.tp_rank}; a run with parallel.pp > 1 "
-                        "writes one when it ends")
+        raise UserError(
+            f"{args.run_dir / 'timeline'} holds no timeline of dp rank "
+            f"{args.dp_rank}, tp rank {args.tp_rank}; a run with parallel.pp > 1 "
+            "writes one when it ends"
+        )
     records.sort(key=lambda r: r["pp_rank"])
-    ranks = [[dict(zip(("kind", "microbatch", "chunk", "start", "end"), i, strict=True))
-              for i in r["intervals"]] for r in records]
+    ranks = [
+        [
+            dict(zip(("kind", "microbatch", "chunk", "start", "end"), i, strict=True))
+            for i in r["intervals"]
+        ]
+        for r in records
+    ]
     first = records[0]
-    title = (f"{first['schedule']}: p={first['pp']}, m={first['microbatches']}"
-             + (f", v={first['vpp']}" if first["vpp"] > 1 else "")
-             + f" (measured, step {first['step']})")
+    title = (
+        f"{first['schedule']}: p={first['pp']}, m={first['microbatches']}"
+        + (f", v={first['vpp']}" if first["vpp"] > 1 else "")
+        + f" (measured, step {first['step']})"
+    )
     png = args.out or args.run_dir / "timeline.png"
     draw(ranks, png, title)
     trace = chrome_trace(ranks, png.with_suffix(".json"))
@@ -468,8 +668,16 @@ def _run_timeline(args: argparse.Namespace) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
     from hpcllm.generate import generate
 
-    print(generate(args.checkpoint, args.prompt, tokens=args.tokens,
-                   temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    print(
+        generate(
+            args.checkpoint,
+            args.prompt,
+            tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    )
     return 0
 
 
@@ -501,15 +709,19 @@ def _run_bench_overhead(args: argparse.Namespace) -> int:
     from hpcllm.train.bench import bench_overhead
 
     with tempfile.TemporaryDirectory(prefix="hpcllm-overhead-") as scratch:
-        cfg = load_config(args.config, [*args.overrides, f"run.dir={scratch}",
-                                        "run.resume=none", "run.tensorboard=false"])
+        cfg = load_config(
+            args.config,
+            [*args.overrides, f"run.dir={scratch}", "run.resume=none", "run.tensorboard=false"],
+        )
         result = bench_overhead(cfg, args.steps, args.rounds)
     if args.json:
         print(json.dumps(result))
         return 0
     med = result["median_step_s"]
-    print(f"{result['steps_each']} steps each on {result['device']} ({result['precision']}), "
-          f"{result['tokens_per_step']} tokens per step")
+    print(
+        f"{result['steps_each']} steps each on {result['device']} ({result['precision']}), "
+        f"{result['tokens_per_step']} tokens per step"
+    )
     print(f"  plain PyTorch loop  {med['plain'] * 1e3:9.2f} ms/step")
     print(f"  hpcllm step         {med['hpcllm'] * 1e3:9.2f} ms/step")
     print(f"  ratio hpcllm/plain  {result['ratio']:9.3f}")
@@ -526,18 +738,37 @@ def _run_bench_dp(args: argparse.Namespace) -> int:
     devices = torch.cuda.device_count() if gpu else len(os.sched_getaffinity(0))
     dps = args.dp or list(range(2, devices + 1))
     if not dps:
-        raise UserError("bench dp needs d >= 2 and this node has one GPU; give --dp for a "
-                        "multi-node job, or run it on a node with more GPUs")
+        raise UserError(
+            "bench dp needs d >= 2 and this node has one GPU; give --dp for a "
+            "multi-node job, or run it on a node with more GPUs"
+        )
     precisions = args.precisions or ["fp32", "fp16" if gpu else "bf16"]
-    return bench_dp.run(args.config, args.overrides, dps, args.engines, precisions,
-                        args.steps, args.warmup, args.out)
+    return bench_dp.run(
+        args.config,
+        args.overrides,
+        dps,
+        args.engines,
+        precisions,
+        args.steps,
+        args.warmup,
+        args.out,
+    )
 
 
 def _run_bench_pipeline(args: argparse.Namespace) -> int:
     from hpcllm.parallel.pipeline import bench
 
-    bench.run(args.schedules, args.microbatches, args.vpp, args.forward_ms / 1000.0,
-              args.steps, args.warmup, args.model, args.timeline_dir, args.json_out)
+    bench.run(
+        args.schedules,
+        args.microbatches,
+        args.vpp,
+        args.forward_ms / 1000.0,
+        args.steps,
+        args.warmup,
+        args.model,
+        args.timeline_dir,
+        args.json_out,
+    )
     return 0
 
 
@@ -561,12 +792,20 @@ def _run_bench_allreduce(args: argparse.Namespace) -> int:
 def _run_bench_prepare(args: argparse.Namespace) -> int:
     from hpcllm.datasets import bench
 
-    return bench.run_prepare(args.corpus, args.out, tuple(args.ranks), tuple(args.tokenizers),
-                             args.vocab_size, args.json, args.threads_per_rank)
+    return bench.run_prepare(
+        args.corpus,
+        args.out,
+        tuple(args.ranks),
+        tuple(args.tokenizers),
+        args.vocab_size,
+        args.json,
+        args.threads_per_rank,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``hpcllm`` command line and return its exit code."""
+
     def parse_and_run() -> int:
         args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         return args.run(args)

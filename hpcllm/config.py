@@ -169,22 +169,32 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
                 pass
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if typing.get_origin(kind) is list and isinstance(value, list) and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if (
+            typing.get_origin(kind) is list
+            and isinstance(value, list)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
             return list(value)
         if kind is str and isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
-    names = " or ".join("null" if k is type(None) else
-                        "a list of integers" if typing.get_origin(k) is list else k.__name__
-                        for k in allowed)
+    names = " or ".join(
+        "null"
+        if k is type(None)
+        else "a list of integers"
+        if typing.get_origin(k) is list
+        else k.__name__
+        for k in allowed
+    )
     raise UserError(f"{section}.{key} must be {names}, got {value!r}")
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     part = getattr(cfg, section, None)
     if part is None or section not in {f.name for f in dataclasses.fields(Config)}:
-        raise UserError(f"unknown config section {section!r}; sections: "
-                        + ", ".join(f.name for f in dataclasses.fields(Config)))
+        raise UserError(
+            f"unknown config section {section!r}; sections: "
+            + ", ".join(f.name for f in dataclasses.fields(Config))
+        )
     names = [f.name for f in dataclasses.fields(part)]
     if key not in names:
         raise UserError(f"unknown key {section}.{key}; {section} keys: {', '.join(names)}")
@@ -243,13 +253,14 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 def _fill_preset(model: ModelConfig) -> None:
     if model.preset is not None:
         if model.preset not in PRESETS:
-            raise UserError(f"unknown model.preset {model.preset!r}; presets: "
-                            f"{', '.join(PRESETS)} (or null with every size given)")
+            raise UserError(
+                f"unknown model.preset {model.preset!r}; presets: "
+                f"{', '.join(PRESETS)} (or null with every size given)"
+            )
         for key, value in PRESETS[model.preset].items():
             if getattr(model, key) is None:
                 setattr(model, key, value)
-    missing = [k for k in ("n_layer", "n_head", "d_model", "seq_len")
-               if getattr(model, k) is None]
+    missing = [k for k in ("n_layer", "n_head", "d_model", "seq_len") if getattr(model, k) is None]
     if missing:
         raise UserError(f"model.{missing[0]} is not set (no preset gives it)")
 
@@ -259,23 +270,30 @@ def check(cfg: Config) -> None:
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
-            raise UserError(f"{section}.{key} must be one of {', '.join(choices)}, "
-                            f"got {value!r}")
+            raise UserError(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    for section, key in (("model", "n_layer"), ("model", "n_head"), ("model", "d_model"),
-                         ("model", "seq_len"), ("train", "steps"),
-                         ("train", "micro_batch_size"), ("train", "log_interval"),
-                         ("train", "eval_iters"), ("train", "lr_reference_batch")):
+    for section, key in (
+        ("model", "n_layer"),
+        ("model", "n_head"),
+        ("model", "d_model"),
+        ("model", "seq_len"),
+        ("train", "steps"),
+        ("train", "micro_batch_size"),
+        ("train", "log_interval"),
+        ("train", "eval_iters"),
+        ("train", "lr_reference_batch"),
+    ):
         if getattr(getattr(cfg, section), key) < 1:
             raise UserError(f"{section}.{key} must be positive")
     if m.d_model % m.n_head:
-        raise UserError(f"model.d_model {m.d_model} is not divisible by model.n_head "
-                        f"{m.n_head}")
+        raise UserError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
     if m.n_head % p.tp:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {p.tp}")
     if p.sequence_parallel and p.tp > 1 and m.seq_len % p.tp:
-        raise UserError(f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
-                        f"parallel.tp {p.tp} ranks; use a seq_len divisible by {p.tp}")
+        raise UserError(
+            f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
+            f"parallel.tp {p.tp} ranks; use a seq_len divisible by {p.tp}"
+        )
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.vocab_size is not None and m.vocab_size < 2:
@@ -283,8 +301,9 @@ def check(cfg: Config) -> None:
     if t.warmup_steps < 0 or t.eval_interval < 0 or t.save_interval < 0:
         raise UserError("train.warmup_steps, eval_interval and save_interval must be >= 0")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise UserError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={t.lr}, "
-                        f"min_lr={t.min_lr}")
+        raise UserError(
+            f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={t.lr}, min_lr={t.min_lr}"
+        )
     if t.grad_clip < 0 or t.weight_decay < 0:
         raise UserError("train.grad_clip and train.weight_decay must be >= 0")
     if t.global_batch_size is not None and t.global_batch_size < 1:
@@ -303,8 +322,10 @@ def check(cfg: Config) -> None:
         if getattr(p, key) is not None and getattr(p, key) < 0:
             raise UserError(f"parallel.{key} must be >= 0")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
-        raise UserError(f"train.global_batch_size {t.global_batch_size} is not a multiple of "
-                        f"train.micro_batch_size {t.micro_batch_size}")
+        raise UserError(
+            f"train.global_batch_size {t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size {t.micro_batch_size}"
+        )
     if t.profile_steps is not None:
         parse_profile_steps(t.profile_steps)
     if cfg.run.resume not in ("auto", "none"):
@@ -316,8 +337,7 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(":"))
     except ValueError:
-        raise UserError(f"train.profile_steps must be A:B (steps A to B-1), got {text!r}") \
-            from None
+        raise UserError(f"train.profile_steps must be A:B (steps A to B-1), got {text!r}") from None
     if not 0 <= a < b:
         raise UserError(f"train.profile_steps {text}: need 0 <= A < B")
     return a, b
@@ -329,8 +349,10 @@ def accumulation_steps(train: TrainConfig, dp: int) -> int:
         return 1
     per_step = train.micro_batch_size * dp
     if train.global_batch_size % per_step:
-        raise UserError(f"train.global_batch_size {train.global_batch_size} is not a multiple "
-                        f"of micro_batch_size x dp = {train.micro_batch_size} x {dp}")
+        raise UserError(
+            f"train.global_batch_size {train.global_batch_size} is not a multiple "
+            f"of micro_batch_size x dp = {train.micro_batch_size} x {dp}"
+        )
     return train.global_batch_size // per_step
 
 

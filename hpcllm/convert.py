@@ -19,36 +19,54 @@ from hpcllm.errors import UserError
 from hpcllm.model.gpt import GPT
 
 _LAYER = {  # ours -> theirs, inside block i; "T" marks a Conv1D weight (transposed)
-    "ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
-    "attn.qkv.weight": ("attn.c_attn.weight", True), "attn.qkv.bias": ("attn.c_attn.bias", False),
+    "ln1.weight": ("ln_1.weight", False),
+    "ln1.bias": ("ln_1.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),
+    "attn.qkv.bias": ("attn.c_attn.bias", False),
     "attn.proj.weight": ("attn.c_proj.weight", True),
     "attn.proj.bias": ("attn.c_proj.bias", False),
-    "ln2.weight": ("ln_2.weight", False), "ln2.bias": ("ln_2.bias", False),
-    "mlp.fc.weight": ("mlp.c_fc.weight", True), "mlp.fc.bias": ("mlp.c_fc.bias", False),
-    "mlp.proj.weight": ("mlp.c_proj.weight", True), "mlp.proj.bias": ("mlp.c_proj.bias", False),
+    "ln2.weight": ("ln_2.weight", False),
+    "ln2.bias": ("ln_2.bias", False),
+    "mlp.fc.weight": ("mlp.c_fc.weight", True),
+    "mlp.fc.bias": ("mlp.c_fc.bias", False),
+    "mlp.proj.weight": ("mlp.c_proj.weight", True),
+    "mlp.proj.bias": ("mlp.c_proj.bias", False),
 }
 
 
 def hf_config(model: ModelConfig, vocab_size: int, eos_id: int | None) -> dict:
     """Return the config.json of a Hugging Face GPT2LMHeadModel with our model's shape."""
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": vocab_size, "n_positions": model.seq_len, "n_ctx": model.seq_len,
-        "n_embd": model.d_model, "n_layer": model.n_layer, "n_head": model.n_head,
-        "n_inner": None, "activation_function": "gelu_new",
-        "resid_pdrop": model.dropout, "embd_pdrop": model.dropout, "attn_pdrop": model.dropout,
-        "layer_norm_epsilon": model.layer_norm_eps, "initializer_range": model.init_std,
-        "tie_word_embeddings": True, "bos_token_id": eos_id, "eos_token_id": eos_id,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": model.seq_len,
+        "n_ctx": model.seq_len,
+        "n_embd": model.d_model,
+        "n_layer": model.n_layer,
+        "n_head": model.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": model.dropout,
+        "embd_pdrop": model.dropout,
+        "attn_pdrop": model.dropout,
+        "layer_norm_epsilon": model.layer_norm_eps,
+        "initializer_range": model.init_std,
+        "tie_word_embeddings": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
     }
 
 
 def to_hf_state(model: GPT) -> dict[str, torch.Tensor]:
     """Return the Hugging Face state dict of a (tp = 1) model."""
     ours = model.state_dict()
-    out = {"transformer.wte.weight": ours["wte.weight"][:model.vocab_size],
-           "transformer.wpe.weight": ours["wpe.weight"],
-           "transformer.ln_f.weight": ours["ln_f.weight"],
-           "transformer.ln_f.bias": ours["ln_f.bias"]}
+    out = {
+        "transformer.wte.weight": ours["wte.weight"][: model.vocab_size],
+        "transformer.wpe.weight": ours["wpe.weight"],
+        "transformer.ln_f.weight": ours["ln_f.weight"],
+        "transformer.ln_f.bias": ours["ln_f.bias"],
+    }
     for i in range(model.cfg.n_layer):
         for name, (theirs, transpose) in _LAYER.items():
             value = ours[f"blocks.{i}.{name}"]
@@ -62,7 +80,7 @@ def from_hf_state(state: dict[str, torch.Tensor], model: GPT) -> None:
     ours: dict[str, torch.Tensor] = {}
     wte = state["wte.weight"]
     padded = torch.zeros(model.padded_vocab, wte.shape[1], dtype=wte.dtype)
-    padded[:wte.shape[0]] = wte
+    padded[: wte.shape[0]] = wte
     ours["wte.weight"] = padded
     ours["wpe.weight"] = state["wpe.weight"]
     ours["ln_f.weight"], ours["ln_f.bias"] = state["ln_f.weight"], state["ln_f.bias"]
@@ -82,8 +100,9 @@ def to_hf(run_dir: Path, out_dir: Path) -> Path:
     model, tokenizer = load_run_model(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(to_hf_state(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(
-        hf_config(model.cfg, model.vocab_size, tokenizer.eos_id), indent=2))
+    (out_dir / "config.json").write_text(
+        json.dumps(hf_config(model.cfg, model.vocab_size, tokenizer.eos_id), indent=2)
+    )
     if tokenizer.kind == "hf":
         shutil.copy(Path(run_dir) / "tokenizer.json", out_dir / "tokenizer.json")
     return out_dir
@@ -99,19 +118,26 @@ def from_hf(hf_dir: Path, run_dir: Path) -> Path:
     config_path = hf_dir / "config.json"
     weights = hf_dir / "model.safetensors"
     if not config_path.is_file() or not weights.is_file():
-        raise UserError(f"{hf_dir} needs config.json and model.safetensors (a Hugging Face "
-                        "GPT-2 saved with save_pretrained)")
+        raise UserError(
+            f"{hf_dir} needs config.json and model.safetensors (a Hugging Face "
+            "GPT-2 saved with save_pretrained)"
+        )
     hf = json.loads(config_path.read_text())
     if hf.get("model_type") != "gpt2":
         raise UserError(f"{config_path}: model_type {hf.get('model_type')!r} is not gpt2")
     if hf.get("activation_function", "gelu_new") != "gelu_new" or hf.get("n_inner"):
         raise UserError(f"{config_path}: only gelu_new and n_inner = 4*n_embd are supported")
     cfg = Config()
-    cfg.model = ModelConfig(preset=None, n_layer=hf["n_layer"], n_head=hf["n_head"],
-                            d_model=hf["n_embd"], seq_len=hf["n_positions"],
-                            vocab_size=hf["vocab_size"],
-                            layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                            init_std=hf.get("initializer_range", 0.02))
+    cfg.model = ModelConfig(
+        preset=None,
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        d_model=hf["n_embd"],
+        seq_len=hf["n_positions"],
+        vocab_size=hf["vocab_size"],
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        init_std=hf.get("initializer_range", 0.02),
+    )
     cfg.run.dir = str(run_dir)
     model = GPT(cfg.model, hf["vocab_size"])
     from_hf_state(load_file(str(weights)), model)
@@ -132,6 +158,11 @@ def _write_step0(cfg: Config, model: GPT, run_dir: Path) -> None:
     cfg.dump(run_dir / "config.yaml")
     import yaml
 
-    checkpoint.save(run_dir, 0, grid, {"model": model.state_dict()},
-                    {"consumed_samples": 0, "vocab_size": model.vocab_size},
-                    yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    checkpoint.save(
+        run_dir,
+        0,
+        grid,
+        {"model": model.state_dict()},
+        {"consumed_samples": 0, "vocab_size": model.vocab_size},
+        yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+    )

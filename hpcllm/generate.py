@@ -24,9 +24,11 @@ def load_run_model(run_dir: Path, device: torch.device | None = None) -> tuple[G
     cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
     meta = checkpoint.read_meta(folder)
     if (meta["tp"], meta["pp"]) != (1, 1):
-        raise UserError(f"{folder} is sharded (tp={meta['tp']}, pp={meta['pp']}); generate "
-                        "reads tp=1, pp=1 checkpoints: merge tensor-parallel shards with "
-                        "hpcllm convert --tp 1 (pipeline stages cannot be merged yet)")
+        raise UserError(
+            f"{folder} is sharded (tp={meta['tp']}, pp={meta['pp']}); generate "
+            "reads tp=1, pp=1 checkpoints: merge tensor-parallel shards with "
+            "hpcllm convert --tp 1 (pipeline stages cannot be merged yet)"
+        )
     shard = checkpoint.load_shard(folder, 0, 0, 1, 1)
     model = GPT(cfg.model, meta["vocab_size"], seed=cfg.train.seed)
     model.load_state_dict(shard["model"])
@@ -36,17 +38,24 @@ def load_run_model(run_dir: Path, device: torch.device | None = None) -> tuple[G
     return model.to(device or torch.device("cpu")).eval(), load_tokenizer(tokenizer_path)
 
 
-def generate(run_dir: Path, prompt: str, tokens: int = 100, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int = 0) -> str:
+def generate(
+    run_dir: Path,
+    prompt: str,
+    tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
     """Return ``prompt`` followed by ``tokens`` sampled tokens, decoded."""
     model, tokenizer = load_run_model(run_dir)
     ids = tokenizer.encode_batch([prompt])[0] or [tokenizer.eos_id]
     gen = torch.Generator().manual_seed(seed)
-    out = model.generate(torch.tensor([ids]), tokens, temperature=temperature, top_k=top_k,
-                         gen=gen)[0].tolist()
-    new = out[len(ids):]
+    out = model.generate(
+        torch.tensor([ids]), tokens, temperature=temperature, top_k=top_k, gen=gen
+    )[0].tolist()
+    new = out[len(ids) :]
     if tokenizer.eos_id in new:
-        new = new[:new.index(tokenizer.eos_id)]
+        new = new[: new.index(tokenizer.eos_id)]
     if tokenizer.kind == "byte":
         return prompt + bytes(new).decode("utf-8", errors="replace")
     return prompt + tokenizer.decode(new)

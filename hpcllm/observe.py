@@ -36,8 +36,9 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def step_flops(batch: int, seq_len: int, n_layer: int, d_model: int, vocab: int,
-               recompute: str = "none") -> float:
+def step_flops(
+    batch: int, seq_len: int, n_layer: int, d_model: int, vocab: int, recompute: str = "none"
+) -> float:
     """Return the FLOPs of one training step on ``batch`` sequences (Megatron's count)."""
     b, s, layers, h, v = batch, seq_len, n_layer, d_model, vocab
     if recompute == "full":
@@ -81,8 +82,11 @@ def gpu_utilisation(device: torch.device) -> float | None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         # By UUID: under CUDA_VISIBLE_DEVICES (Slurm sets it) torch's index is not NVML's.
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None \
+        handle = (
+            pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            if uuid is not None
             else pynvml.nvmlDeviceGetHandleByIndex(index)
+        )
         return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
     except Exception:  # NVML missing or not permitted: the metric is simply absent
         return None
@@ -104,8 +108,11 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         # Keep what the run logged up to the step it resumes from; a run that died after its
         # last checkpoint logged steps it is about to run again.
-        kept = [r for r in read_metrics(run_dir) if r["step"] <= start_step] \
-            if start_step and self.path.exists() else []
+        kept = (
+            [r for r in read_metrics(run_dir) if r["step"] <= start_step]
+            if start_step and self.path.exists()
+            else []
+        )
         self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - closed in close()
         for record in kept:
             self._file.write(json.dumps(record) + "\n")

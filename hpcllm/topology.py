@@ -53,8 +53,9 @@ class Layout:
             )
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                  vpp: int = 1) -> Layout:
+    def for_world(
+        cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int = 1
+    ) -> Layout:
         """Return the layout for ``world_size`` ranks; ``dp`` defaults to world/(tp·pp)."""
         for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("vpp", vpp)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -113,8 +114,12 @@ class Layout:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Return every group along ``axis`` (``tp``, ``pp``, ``dp`` or ``mp``), each once."""
-        member_of = {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group,
-                     "mp": self.mp_group}[axis]
+        member_of = {
+            "tp": self.tp_group,
+            "pp": self.pp_group,
+            "dp": self.dp_group,
+            "mp": self.mp_group,
+        }[axis]
         seen: dict[tuple[int, ...], None] = {}
         for rank in range(self.world_size):
             seen.setdefault(tuple(member_of(rank)), None)
@@ -172,8 +177,7 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> Launch:
             rank=slurm_rank,
             world_size=slurm_tasks,
             local_rank=_int_env(env, "SLURM_LOCALID") or 0,
-            local_size=_int_env(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
-            or 1,
+            local_size=_int_env(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE") or 1,
         )
     rank = _int_env(env, "PMI_RANK")
     if rank is not None:
@@ -335,8 +339,14 @@ def _rendezvous(world: Any, launch: Launch) -> tuple[str, int, Any]:
         )
         port = int(os.environ.get("MASTER_PORT", "0"))
         try:
-            store = dist.TCPStore(addr, port, launch.world_size, is_master=True,
-                                  timeout=timeout, wait_for_workers=False)
+            store = dist.TCPStore(
+                addr,
+                port,
+                launch.world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
             found = (addr, store.port, "")
         except Exception as err:  # reported on every rank below, not only here
             store, found = None, (addr, port, f"{type(err).__name__}: {err}")
@@ -376,8 +386,14 @@ def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
     return {axis: world.Split(color, key) for axis, (color, key) in splits.items()}
 
 
-def init(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int = 1,
-         backend: str | None = None, env: Mapping[str, str] | None = None) -> Grid:
+def init(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    vpp: int = 1,
+    backend: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Grid:
     """Return this rank's Grid, starting MPI and torch.distributed if not yet started.
 
     Sizes are checked before any collective, from the launcher's world size, so a bad layout is
@@ -413,19 +429,36 @@ def init(tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int = 1,
             store = dist.HashStore()
         else:
             _, _, store = _rendezvous(world_comm, launch)
-        dist.init_process_group(backend, store=store, rank=launch.rank,
-                                world_size=launch.world_size,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
 
     groups = _torch_groups(layout, launch.rank, backend)
     comms = _mpi_comms(world_comm, layout, launch.rank) if world_comm is not None else {}
     tp_rank, pp_rank, dp_rank = layout.coords(launch.rank)
     return Grid(
-        layout=layout, launch=launch, rank=launch.rank, host=socket.gethostname(),
-        device=device, backend=backend, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-        tp_group=groups["tp"], pp_group=groups["pp"], dp_group=groups["dp"],
-        mp_group=groups["mp"], world_comm=world_comm, tp_comm=comms.get("tp"),
-        pp_comm=comms.get("pp"), dp_comm=comms.get("dp"), mp_comm=comms.get("mp"),
+        layout=layout,
+        launch=launch,
+        rank=launch.rank,
+        host=socket.gethostname(),
+        device=device,
+        backend=backend,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        tp_group=groups["tp"],
+        pp_group=groups["pp"],
+        dp_group=groups["dp"],
+        mp_group=groups["mp"],
+        world_comm=world_comm,
+        tp_comm=comms.get("tp"),
+        pp_comm=comms.get("pp"),
+        dp_comm=comms.get("dp"),
+        mp_comm=comms.get("mp"),
     )
 
 
@@ -438,19 +471,34 @@ def describe_grid(grid: Grid) -> dict[str, Any]:
 
     rows: list[Any] = [None] * grid.world_size
     dist.all_gather_object(rows, grid.describe())
-    return {"world_size": grid.world_size, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
-            "vpp": grid.vpp, "launcher": grid.launch.launcher, "backend": grid.backend,
-            "ranks": rows}
+    return {
+        "world_size": grid.world_size,
+        "tp": grid.tp,
+        "pp": grid.pp,
+        "dp": grid.dp,
+        "vpp": grid.vpp,
+        "launcher": grid.launch.launcher,
+        "backend": grid.backend,
+        "ranks": rows,
+    }
 
 
 def render_grid(report: dict[str, Any]) -> str:
     """Return a human-readable table and picture of a :func:`describe_grid` report."""
-    head = ("rank", "host", "local", "device", "tp", "pp", "dp", "tp_group", "pp_group",
-            "dp_group")
+    head = ("rank", "host", "local", "device", "tp", "pp", "dp", "tp_group", "pp_group", "dp_group")
     rows = [
-        (str(r["rank"]), r["host"], str(r["local_rank"]), r["device"], str(r["tp_rank"]),
-         str(r["pp_rank"]), str(r["dp_rank"]), _members(r["tp_group"]),
-         _members(r["pp_group"]), _members(r["dp_group"]))
+        (
+            str(r["rank"]),
+            r["host"],
+            str(r["local_rank"]),
+            r["device"],
+            str(r["tp_rank"]),
+            str(r["pp_rank"]),
+            str(r["dp_rank"]),
+            _members(r["tp_group"]),
+            _members(r["pp_group"]),
+            _members(r["dp_group"]),
+        )
         for r in report["ranks"]
     ]
     widths = [max(len(cell) for cell in column) for column in zip(head, *rows, strict=True)]
@@ -469,8 +517,9 @@ def render_grid(report: dict[str, Any]) -> str:
     for stage in range(report["pp"]):
         cells = []
         for replica in range(report["dp"]):
-            first = next(r for r in by_rank.values()
-                         if r["pp_rank"] == stage and r["dp_rank"] == replica)
+            first = next(
+                r for r in by_rank.values() if r["pp_rank"] == stage and r["dp_rank"] == replica
+            )
             cells.append(f"dp {replica}: {_members(first['tp_group'])}")
         out.append(f"  stage {stage}:  " + "   ".join(cells))
     return "\n".join(out)

@@ -47,17 +47,24 @@ def resolve_fused(setting: str, device: torch.device) -> bool:
     if setting == "off":
         return False
     if setting == "auto":
-        return (device.type == "cuda" and triton_available()
-                and torch.cuda.get_device_capability(device) >= (8, 0))
+        return (
+            device.type == "cuda"
+            and triton_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+        )
     if setting != "on":
         raise UserError(f"model.fused_kernels must be auto, on or off, got {setting!r}")
     if not triton_available():
-        raise UserError("model.fused_kernels: on needs Triton, which does not import here "
-                        "(pip install triton); use auto or off")
+        raise UserError(
+            "model.fused_kernels: on needs Triton, which does not import here "
+            "(pip install triton); use auto or off"
+        )
     if device.type != "cuda" and not interpreting():
-        raise UserError(f"model.fused_kernels: on needs a CUDA device, not {device.type} (or "
-                        "TRITON_INTERPRET=1 to run the kernels in Triton's interpreter); "
-                        "use auto or off")
+        raise UserError(
+            f"model.fused_kernels: on needs a CUDA device, not {device.type} (or "
+            "TRITON_INTERPRET=1 to run the kernels in Triton's interpreter); "
+            "use auto or off"
+        )
     return True
 
 
@@ -65,8 +72,9 @@ def set_enabled(flag: bool) -> None:
     """Make every op run its Triton kernel (where its tensors allow) or its torch reference."""
     global _enabled
     if flag and not triton_available():
-        raise UserError("fused kernels need Triton, which does not import here "
-                        "(pip install triton)")
+        raise UserError(
+            "fused kernels need Triton, which does not import here (pip install triton)"
+        )
     _enabled = flag
 
 
@@ -96,24 +104,27 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return reference.bias_gelu(x, bias)
 
 
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                     p: float, training: bool) -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     """Return residual + dropout(x + bias); with p = 0 or not training, residual + x + bias."""
     if _fused(x):
         return _ops().bias_dropout_add(x, bias, residual, p, training)
     return reference.bias_dropout_add(x, bias, residual, p, training)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Return LayerNorm over the last dimension (fused: in x's dtype, statistics in fp32)."""
     if _fused(x):
         return _ops().layer_norm(x, weight, bias, eps)
     return reference.layer_norm(x, weight, bias, eps)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
-                  vocab_size: int | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
     """Return the mean token cross-entropy, computed in fp32 whatever the logits' dtype.
 
     With ``vocab_size``, columns at or past it are padding and excluded: passing the padded
@@ -124,8 +135,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     return reference.cross_entropy(logits, labels, vocab_size)
 
 
-def vocab_ce_partials(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def vocab_ce_partials(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return per-row fp32 ``(max, sumexp, target)`` of a vocabulary slice of the logits.
 
     ``logits`` (rows, local) holds columns ``[vocab_start, vocab_start + local)`` of the
@@ -143,8 +155,14 @@ def vocab_ce_partials(logits: torch.Tensor, labels: torch.Tensor, vocab_start: i
     return reference.vocab_ce_partials(logits, labels, vocab_start, vocab_size)
 
 
-def vocab_ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                      grad: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+def vocab_ce_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+) -> torch.Tensor:
     """Return the loss gradient of a vocabulary slice of the logits, in their dtype.
 
     That is (exp(x - lse) - onehot(label)) * grad per row, zero on padding columns; ``lse``

@@ -57,11 +57,14 @@ class Sizes:
         return -(-self.vocab // 128) * 128
 
 
-GPU_SIZES = Sizes(batch=8, seq_len=1024, hidden=768, vocab=50257,
-                  model={"preset": "gpt2-124m"})
-SMOKE_SIZES = Sizes(batch=2, seq_len=16, hidden=32, vocab=300,
-                    model={"preset": None, "n_layer": 2, "n_head": 4, "d_model": 32,
-                           "seq_len": 16})
+GPU_SIZES = Sizes(batch=8, seq_len=1024, hidden=768, vocab=50257, model={"preset": "gpt2-124m"})
+SMOKE_SIZES = Sizes(
+    batch=2,
+    seq_len=16,
+    hidden=32,
+    vocab=300,
+    model={"preset": None, "n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16},
+)
 
 
 @dataclass
@@ -80,8 +83,7 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows, h, ffn, v = sizes.rows, sizes.hidden, 4 * sizes.hidden, sizes.padded_vocab
 
-    def rand(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) \
-            -> torch.Tensor:
+    def rand(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale
         return t.to(dtype).requires_grad_()
 
@@ -92,18 +94,35 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
     logits = rand(rows, v, dtype=torch.bfloat16, scale=2.0)
     labels = torch.randint(0, sizes.vocab, (rows,), generator=gen, device=device)
     return [
-        OpCase("bias_gelu", lambda fn, _: fn(fc, bias_ffn), [fc, bias_ffn],
-               fwd_bytes=2 * 2 * rows * ffn, bwd_bytes=3 * 2 * rows * ffn),
-        OpCase("bias_dropout_add",
-               lambda fn, checking: fn(act, bias_h, residual, 0.0 if checking else 0.1, True),
-               [act, bias_h, residual],
-               # x bf16 and residual fp32 in, fp32 out; backward reads dy (fp32), writes dx.
-               fwd_bytes=(2 + 4 + 4) * rows * h, bwd_bytes=(4 + 2) * rows * h),
-        OpCase("layer_norm", lambda fn, _: fn(residual, ln_w, ln_b, 1e-5),
-               [residual, ln_w, ln_b],
-               fwd_bytes=2 * 4 * rows * h, bwd_bytes=3 * 4 * rows * h),
-        OpCase("cross_entropy", lambda fn, _: fn(logits, labels, sizes.vocab), [logits],
-               fwd_bytes=2 * rows * v, bwd_bytes=2 * 2 * rows * v),
+        OpCase(
+            "bias_gelu",
+            lambda fn, _: fn(fc, bias_ffn),
+            [fc, bias_ffn],
+            fwd_bytes=2 * 2 * rows * ffn,
+            bwd_bytes=3 * 2 * rows * ffn,
+        ),
+        OpCase(
+            "bias_dropout_add",
+            lambda fn, checking: fn(act, bias_h, residual, 0.0 if checking else 0.1, True),
+            [act, bias_h, residual],
+            # x bf16 and residual fp32 in, fp32 out; backward reads dy (fp32), writes dx.
+            fwd_bytes=(2 + 4 + 4) * rows * h,
+            bwd_bytes=(4 + 2) * rows * h,
+        ),
+        OpCase(
+            "layer_norm",
+            lambda fn, _: fn(residual, ln_w, ln_b, 1e-5),
+            [residual, ln_w, ln_b],
+            fwd_bytes=2 * 4 * rows * h,
+            bwd_bytes=3 * 4 * rows * h,
+        ),
+        OpCase(
+            "cross_entropy",
+            lambda fn, _: fn(logits, labels, sizes.vocab),
+            [logits],
+            fwd_bytes=2 * rows * v,
+            bwd_bytes=2 * 2 * rows * v,
+        ),
     ]
 
 
@@ -123,8 +142,10 @@ class Clock:
             # between runs, outside the timed interval. No sync inside the loop, so the
             # intervals are GPU time unless the host falls behind.
             flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.device)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(self.iters)]
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(self.iters)
+            ]
             for start, end in events:
                 flush.zero_()
                 start.record()
@@ -154,9 +175,11 @@ def _max_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def bench_op(case: OpCase, impls: dict[str, Callable[..., torch.Tensor]], clock: Clock,
-             copy_gbps: float) -> list[dict[str, Any]]:
+def bench_op(
+    case: OpCase, impls: dict[str, Callable[..., torch.Tensor]], clock: Clock, copy_gbps: float
+) -> list[dict[str, Any]]:
     """Return a forward row and a forward + backward row of timings for one op."""
+
     def fwd(fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
         return lambda: case.call(fn, False)
 
@@ -164,32 +187,45 @@ def bench_op(case: OpCase, impls: dict[str, Callable[..., torch.Tensor]], clock:
         def run() -> Any:
             out = case.call(fn, False)
             return torch.autograd.grad(out, case.grad_inputs, torch.ones_like(out))
+
         return run
 
     ref_out = case.call(impls["eager"], True)
     fused_out = case.call(impls["triton"], True)
     ref_grads = torch.autograd.grad(ref_out, case.grad_inputs, torch.ones_like(ref_out))
     fused_grads = torch.autograd.grad(fused_out, case.grad_inputs, torch.ones_like(fused_out))
-    errors = {"fwd": _max_error(fused_out, ref_out),
-              "fwd+bwd": max(_max_error(a, b) for a, b in zip(fused_grads, ref_grads,
-                                                                strict=True))}
+    errors = {
+        "fwd": _max_error(fused_out, ref_out),
+        "fwd+bwd": max(_max_error(a, b) for a, b in zip(fused_grads, ref_grads, strict=True)),
+    }
     rows = []
-    for label, make, nbytes in (("fwd", fwd, case.fwd_bytes),
-                                ("fwd+bwd", fwd_bwd, case.fwd_bytes + case.bwd_bytes)):
+    for label, make, nbytes in (
+        ("fwd", fwd, case.fwd_bytes),
+        ("fwd+bwd", fwd_bwd, case.fwd_bytes + case.bwd_bytes),
+    ):
         ms = {name: clock.median_ms(make(fn)) for name, fn in impls.items()}
         gbps = nbytes / ms["triton"] / 1e6
-        rows.append({"op": case.name, "pass": label, "mbytes": nbytes / 1e6,
-                     "eager_ms": ms["eager"], "compile_ms": ms["compile"],
-                     "triton_ms": ms["triton"], "triton_gbps": gbps,
-                     "pct_copy_bw": 100 * gbps / copy_gbps,
-                     "x_vs_eager": ms["eager"] / ms["triton"],
-                     "x_vs_compile": ms["compile"] / ms["triton"],
-                     "max_error": errors[label]})
+        rows.append(
+            {
+                "op": case.name,
+                "pass": label,
+                "mbytes": nbytes / 1e6,
+                "eager_ms": ms["eager"],
+                "compile_ms": ms["compile"],
+                "triton_ms": ms["triton"],
+                "triton_gbps": gbps,
+                "pct_copy_bw": 100 * gbps / copy_gbps,
+                "x_vs_eager": ms["eager"] / ms["triton"],
+                "x_vs_compile": ms["compile"] / ms["triton"],
+                "max_error": errors[label],
+            }
+        )
     return rows
 
 
-def bench_training(sizes: Sizes, device: torch.device, clock: Clock,
-                   compile_backend: str) -> list[dict[str, Any]]:
+def bench_training(
+    sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str
+) -> list[dict[str, Any]]:
     """Return tokens/s, TFLOP/s and MFU of training steps: kernels off, on, and compiled."""
     from hpcllm.config import load_config
     from hpcllm.model.gpt import GPT
@@ -197,8 +233,9 @@ def bench_training(sizes: Sizes, device: torch.device, clock: Clock,
     from hpcllm.train.optim import autocast, build_optimizer
 
     overrides = [f"model.{k}={'null' if v is None else v}" for k, v in sizes.model.items()]
-    cfg = load_config(None, overrides + ["train.precision=bf16",
-                                         f"train.micro_batch_size={sizes.batch}"])
+    cfg = load_config(
+        None, overrides + ["train.precision=bf16", f"train.micro_batch_size={sizes.batch}"]
+    )
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq_len), generator=gen).to(device)
     labels = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq_len), generator=gen)
@@ -210,8 +247,7 @@ def bench_training(sizes: Sizes, device: torch.device, clock: Clock,
         kernels.set_enabled(variant == "kernels on")
         model = GPT(cfg.model, sizes.vocab, seed=0).to(device).train()
         optimizer = build_optimizer(model, cfg.train, device)
-        run = torch.compile(model, backend=compile_backend) if variant == "torch.compile" \
-            else model
+        run = torch.compile(model, backend=compile_backend) if variant == "torch.compile" else model
         losses: list[torch.Tensor] = []
 
         def step(model: Any = run, optimizer: Any = optimizer, losses: list = losses) -> None:
@@ -223,13 +259,20 @@ def bench_training(sizes: Sizes, device: torch.device, clock: Clock,
             losses.append(loss.detach())
 
         ms = clock.median_ms(step)
-        flops = step_flops(sizes.batch, sizes.seq_len, cfg.model.n_layer, cfg.model.d_model,
-                           model.padded_vocab)
+        flops = step_flops(
+            sizes.batch, sizes.seq_len, cfg.model.n_layer, cfg.model.d_model, model.padded_vocab
+        )
         tflops = flops / ms / 1e9
-        results.append({"variant": variant, "step_ms": ms,
-                        "tokens_per_s": sizes.rows / ms * 1e3, "tflops": tflops,
-                        "mfu": None if peak is None else tflops / peak,
-                        "first_loss": losses[0].item()})
+        results.append(
+            {
+                "variant": variant,
+                "step_ms": ms,
+                "tokens_per_s": sizes.rows / ms * 1e3,
+                "tflops": tflops,
+                "mfu": None if peak is None else tflops / peak,
+                "first_loss": losses[0].item(),
+            }
+        )
         del model, optimizer, run, step, losses
         gc.collect()
         if device.type == "cuda":
@@ -244,25 +287,35 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 def render(result: dict[str, Any]) -> str:
     """Return the results as markdown tables."""
-    lines = [f"Device: {result['device']}; torch {result['torch']}, Triton "
-             f"{result['triton']}; copy bandwidth {result['copy_gbps']:.0f} GB/s.", "",
-             "| op | pass | MB moved | eager ms | compile ms | Triton ms | Triton GB/s "
-             "| % of copy BW | x vs eager | x vs compile | max error |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Device: {result['device']}; torch {result['torch']}, Triton "
+        f"{result['triton']}; copy bandwidth {result['copy_gbps']:.0f} GB/s.",
+        "",
+        "| op | pass | MB moved | eager ms | compile ms | Triton ms | Triton GB/s "
+        "| % of copy BW | x vs eager | x vs compile | max error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["ops"]:
-        lines.append(f"| {r['op']} | {r['pass']} | {r['mbytes']:.1f} | {_fmt(r['eager_ms'])} "
-                     f"| {_fmt(r['compile_ms'])} | {_fmt(r['triton_ms'])} "
-                     f"| {r['triton_gbps']:.0f} | {r['pct_copy_bw']:.0f} "
-                     f"| {r['x_vs_eager']:.2f} | {r['x_vs_compile']:.2f} "
-                     f"| {r['max_error']:.2g} |")
+        lines.append(
+            f"| {r['op']} | {r['pass']} | {r['mbytes']:.1f} | {_fmt(r['eager_ms'])} "
+            f"| {_fmt(r['compile_ms'])} | {_fmt(r['triton_ms'])} "
+            f"| {r['triton_gbps']:.0f} | {r['pct_copy_bw']:.0f} "
+            f"| {r['x_vs_eager']:.2f} | {r['x_vs_compile']:.2f} "
+            f"| {r['max_error']:.2g} |"
+        )
     if result["training"]:
-        lines += ["", "| training step | ms | tokens/s | TFLOP/s | MFU | first loss |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| training step | ms | tokens/s | TFLOP/s | MFU | first loss |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for r in result["training"]:
             mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-            lines.append(f"| {r['variant']} | {_fmt(r['step_ms'], 4)} "
-                         f"| {r['tokens_per_s']:.0f} | {_fmt(r['tflops'])} | {mfu} "
-                         f"| {r['first_loss']:.4f} |")
+            lines.append(
+                f"| {r['variant']} | {_fmt(r['step_ms'], 4)} "
+                f"| {r['tokens_per_s']:.0f} | {_fmt(r['tflops'])} | {mfu} "
+                f"| {r['first_loss']:.4f} |"
+            )
     return "\n".join(lines)
 
 
@@ -272,8 +325,7 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
         # Must precede the first import of the kernels, which fixes how they run.
         os.environ["TRITON_INTERPRET"] = "1"
     if not smoke and not torch.cuda.is_available():
-        raise UserError("bench kernels needs a CUDA GPU (--cpu-smoke checks the script on "
-                        "the CPU)")
+        raise UserError("bench kernels needs a CUDA GPU (--cpu-smoke checks the script on the CPU)")
     if not kernels.triton_available():
         raise UserError("bench kernels needs Triton (pip install triton)")
     import triton
@@ -288,34 +340,59 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
     ops = []
     for case in _op_cases(sizes, device):
         eager = getattr(reference, case.name)
-        impls = {"eager": eager, "compile": torch.compile(eager, backend=backend),
-                 "triton": getattr(triton_ops, case.name)}
+        impls = {
+            "eager": eager,
+            "compile": torch.compile(eager, backend=backend),
+            "triton": getattr(triton_ops, case.name),
+        }
         ops += bench_op(case, impls, clock, copy_gbps)
     step_clock = Clock(device, warmup=1 if smoke else 5, iters=steps)
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "smoke": smoke, "sizes": asdict(sizes), "copy_gbps": copy_gbps, "ops": ops,
-            "training": bench_training(sizes, device, step_clock, backend) if training else []}
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "smoke": smoke,
+        "sizes": asdict(sizes),
+        "copy_gbps": copy_gbps,
+        "ops": ops,
+        "training": bench_training(sizes, device, step_clock, backend) if training else [],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark from command-line arguments; print the tables."""
-    parser = argparse.ArgumentParser(prog="hpcllm bench kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=None,
-                        help="timed runs per op and pass [default: 50, smoke 2]")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed training steps per variant [default: 20, smoke 2]")
-    parser.add_argument("--no-training", action="store_true",
-                        help="time the ops only, not the training steps")
+    parser = argparse.ArgumentParser(
+        prog="hpcllm bench kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--iters", type=int, default=None, help="timed runs per op and pass [default: 50, smoke 2]"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed training steps per variant [default: 20, smoke 2]",
+    )
+    parser.add_argument(
+        "--no-training", action="store_true", help="time the ops only, not the training steps"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny sizes on the CPU under Triton's interpreter (checks the "
-                             "script; times mean nothing)")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny sizes on the CPU under Triton's interpreter (checks the "
+        "script; times mean nothing)",
+    )
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
-    result = run(smoke, args.iters or (2 if smoke else 50), args.steps or (2 if smoke else 20),
-                 training=not args.no_training)
+    result = run(
+        smoke,
+        args.iters or (2 if smoke else 50),
+        args.steps or (2 if smoke else 20),
+        training=not args.no_training,
+    )
     print(render(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -17,30 +17,34 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
 
 
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                     p: float, training: bool) -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     """Return residual + dropout(x + bias)."""
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=p, training=training)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Return LayerNorm over the last dimension."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
-                  vocab_size: int | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
     """Return the mean token cross-entropy in fp32, over the first ``vocab_size`` columns."""
     if vocab_size is not None:
         logits = logits[..., :vocab_size]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _slice_masks(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _slice_masks(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (padding columns, label's column in the slice or 0, whether the slice holds it)."""
     local = logits.shape[-1]
     padding = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
@@ -48,8 +52,9 @@ def _slice_masks(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
     return padding, (labels - vocab_start).masked_fill(~inside, 0), inside
 
 
-def vocab_ce_partials(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def vocab_ce_partials(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return per-row (max, sum of exp(x - max), label's logit or 0) of a vocabulary slice."""
     padding, local_labels, inside = _slice_masks(logits, labels, vocab_start, vocab_size)
     x = logits.float().masked_fill(padding, float("-inf"))
@@ -59,8 +64,14 @@ def vocab_ce_partials(logits: torch.Tensor, labels: torch.Tensor, vocab_start: i
     return top, sumexp, target
 
 
-def vocab_ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                      grad: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+def vocab_ce_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+) -> torch.Tensor:
     """Return (exp(x - lse) - onehot(label)) * grad in the logits' dtype; 0 on padding."""
     padding, local_labels, inside = _slice_masks(logits, labels, vocab_start, vocab_size)
     d = (logits.float() - lse.unsqueeze(-1)).exp().masked_fill(padding, 0.0)

@@ -37,10 +37,17 @@ def _gelu_sigmoid(z):
 
 
 @triton.jit
-def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_rows, n_cols, HAS_BIAS: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    cols, offs, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols,
-                             BLOCK_R, BLOCK_C)
+def bias_gelu_fwd(
+    x_ptr,
+    b_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    cols, offs, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
     z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
@@ -49,8 +56,18 @@ def bias_gelu_fwd(x_ptr, b_ptr, y_ptr, n_rows, n_cols, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, part_ptr, n_rows, n_cols,
-                  HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def bias_gelu_bwd(
+    dy_ptr,
+    x_ptr,
+    b_ptr,
+    dx_ptr,
+    part_ptr,
+    n_rows,
+    n_cols,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     pid_r = tl.program_id(0)
     cols, offs, mask = _tile(pid_r, tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
     z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -63,16 +80,28 @@ def bias_gelu_bwd(dy_ptr, x_ptr, b_ptr, dx_ptr, part_ptr, n_rows, n_cols,
     dz = dy * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
     tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0),
-                 mask=cols < n_cols)
+        tl.store(
+            part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols
+        )
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed every call: no recompiles
-def bias_dropout_add_fwd(x_ptr, b_ptr, r_ptr, out_ptr, n_rows, n_cols, p, scale, seed,
-                         HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    cols, offs, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols,
-                             BLOCK_R, BLOCK_C)
+def bias_dropout_add_fwd(
+    x_ptr,
+    b_ptr,
+    r_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    p,
+    scale,
+    seed,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    cols, offs, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
     z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
@@ -84,9 +113,20 @@ def bias_dropout_add_fwd(x_ptr, b_ptr, r_ptr, out_ptr, n_rows, n_cols, p, scale,
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed every call: no recompiles
-def bias_dropout_add_bwd(dy_ptr, dx_ptr, part_ptr, n_rows, n_cols, p, scale, seed,
-                         HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def bias_dropout_add_bwd(
+    dy_ptr,
+    dx_ptr,
+    part_ptr,
+    n_rows,
+    n_cols,
+    p,
+    scale,
+    seed,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     pid_r = tl.program_id(0)
     cols, offs, mask = _tile(pid_r, tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
     dz = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -94,13 +134,15 @@ def bias_dropout_add_bwd(dy_ptr, dx_ptr, part_ptr, n_rows, n_cols, p, scale, see
         dz = tl.where(tl.rand(seed, offs) >= p, dz * scale, 0.0)
     tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0),
-                 mask=cols < n_cols)
+        tl.store(
+            part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols
+        )
 
 
 @triton.jit
-def layer_norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps,
-                   BLOCK: tl.constexpr):
+def layer_norm_fwd(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
@@ -111,15 +153,30 @@ def layer_norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps,
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n_cols + cols, (centred * rstd * w + b).to(y_ptr.dtype.element_ty),
-             mask=inside)
+    tl.store(
+        y_ptr + row * n_cols + cols,
+        (centred * rstd * w + b).to(y_ptr.dtype.element_ty),
+        mask=inside,
+    )
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
-def layer_norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-                   n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def layer_norm_bwd(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    n_rows,
+    n_cols,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
@@ -141,8 +198,9 @@ def layer_norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr
         xhat = tl.where(live, (x - mean) * rstd, 0.0)
         wdy = w * dy
         # dx = rstd (w dy - mean(w dy) - xhat mean(xhat w dy))
-        dx = rstd * (wdy - tl.sum(wdy, axis=0) / n_cols
-                     - xhat * (tl.sum(xhat * wdy, axis=0) / n_cols))
+        dx = rstd * (
+            wdy - tl.sum(wdy, axis=0) / n_cols - xhat * (tl.sum(xhat * wdy, axis=0) / n_cols)
+        )
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=live)
         dw += dy * xhat
         db += dy
@@ -151,8 +209,18 @@ def layer_norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr
 
 
 @triton.jit
-def ce_partials(x_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, row_stride, n_local,
-                vocab_start, vocab_size, BLOCK: tl.constexpr):
+def ce_partials(
+    x_ptr,
+    labels_ptr,
+    max_ptr,
+    sumexp_ptr,
+    target_ptr,
+    row_stride,
+    n_local,
+    vocab_start,
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
     """Per row of a vocabulary slice: max, sum of exp(x - max), and the label's logit.
 
     One pass over the row keeps a running max and a sum rescaled whenever the max grows
@@ -185,8 +253,19 @@ def ce_partials(x_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, row_stride, 
 
 
 @triton.jit
-def ce_backward(x_ptr, labels_ptr, lse_ptr, g_ptr, dx_ptr, row_stride, g_stride, n_local,
-                vocab_start, vocab_size, BLOCK: tl.constexpr):
+def ce_backward(
+    x_ptr,
+    labels_ptr,
+    lse_ptr,
+    g_ptr,
+    dx_ptr,
+    row_stride,
+    g_stride,
+    n_local,
+    vocab_start,
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
     """Write (exp(x - lse) - onehot(label)) * g for one row of a vocabulary slice; 0 on padding."""
     row = tl.program_id(0).to(tl.int64)
     lse = tl.load(lse_ptr + row)

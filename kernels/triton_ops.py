@@ -71,9 +71,16 @@ class _BiasGelu(torch.autograd.Function):
         bias = None if bias is None else bias.contiguous()
         y = _new(x2.shape, x.dtype, x.device)
         block_r, block_c, grid = _tiles(*x2.shape)
-        tk.bias_gelu_fwd[grid](x2, x2 if bias is None else bias, y, *x2.shape,
-                               HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                               num_warps=4)
+        tk.bias_gelu_fwd[grid](
+            x2,
+            x2 if bias is None else bias,
+            y,
+            *x2.shape,
+            HAS_BIAS=bias is not None,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
         ctx.save_for_backward(x2, bias)
         return y.view(x.shape)
 
@@ -84,22 +91,36 @@ class _BiasGelu(torch.autograd.Function):
         dx = _new(x2.shape, x2.dtype, x2.device)
         block_r, block_c, grid = _tiles(*x2.shape)
         part = None if bias is None else _new((grid[0], x2.shape[1]), torch.float32, x2.device)
-        tk.bias_gelu_bwd[grid](dy2, x2, x2 if bias is None else bias, dx,
-                               dx if part is None else part, *x2.shape,
-                               HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                               num_warps=4)
+        tk.bias_gelu_bwd[grid](
+            dy2,
+            x2,
+            x2 if bias is None else bias,
+            dx,
+            dx if part is None else part,
+            *x2.shape,
+            HAS_BIAS=bias is not None,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
         return dx.view(dy.shape), _bias_grad(part, bias)
 
 
 class _BiasDropoutAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                p: float, training: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor,
+        p: float,
+        training: bool,
+    ) -> torch.Tensor:
         x2 = _rows(x)
         bias = None if bias is None else bias.contiguous()
-        out_dtype = torch.promote_types(x.dtype if bias is None
-                                        else torch.promote_types(x.dtype, bias.dtype),
-                                        residual.dtype)
+        out_dtype = torch.promote_types(
+            x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype), residual.dtype
+        )
         out = _new(x2.shape, out_dtype, x.device)
         ctx.dropout = training and p > 0
         # A seed from torch's CPU generator (no device sync) follows torch.manual_seed,
@@ -110,11 +131,21 @@ class _BiasDropoutAdd(torch.autograd.Function):
         ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
         ctx.save_for_backward(bias)
         block_r, block_c, grid = _tiles(*x2.shape)
-        tk.bias_dropout_add_fwd[grid](x2, x2 if bias is None else bias,
-                                      residual.reshape(x2.shape).contiguous(), out, *x2.shape,
-                                      p, ctx.scale, ctx.seed, HAS_BIAS=bias is not None,
-                                      DROPOUT=ctx.dropout, BLOCK_R=block_r, BLOCK_C=block_c,
-                                      num_warps=4)
+        tk.bias_dropout_add_fwd[grid](
+            x2,
+            x2 if bias is None else bias,
+            residual.reshape(x2.shape).contiguous(),
+            out,
+            *x2.shape,
+            p,
+            ctx.scale,
+            ctx.seed,
+            HAS_BIAS=bias is not None,
+            DROPOUT=ctx.dropout,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
         return out.view(x.shape)
 
     @staticmethod
@@ -124,26 +155,46 @@ class _BiasDropoutAdd(torch.autograd.Function):
         dx = _new(dy2.shape, ctx.x_dtype, dy.device)
         block_r, block_c, grid = _tiles(*dy2.shape)
         part = None if bias is None else _new((grid[0], dy2.shape[1]), torch.float32, dy.device)
-        tk.bias_dropout_add_bwd[grid](dy2, dx, dx if part is None else part, *dy2.shape,
-                                      ctx.p, ctx.scale, ctx.seed, HAS_BIAS=bias is not None,
-                                      DROPOUT=ctx.dropout, BLOCK_R=block_r, BLOCK_C=block_c,
-                                      num_warps=4)
-        return (dx.view(dy.shape), _bias_grad(part, bias), dy.to(ctx.residual_dtype),
-                None, None)
+        tk.bias_dropout_add_bwd[grid](
+            dy2,
+            dx,
+            dx if part is None else part,
+            *dy2.shape,
+            ctx.p,
+            ctx.scale,
+            ctx.seed,
+            HAS_BIAS=bias is not None,
+            DROPOUT=ctx.dropout,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
+        return (dx.view(dy.shape), _bias_grad(part, bias), dy.to(ctx.residual_dtype), None, None)
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                eps: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         x2 = _rows(x)
         n_rows, n_cols = x2.shape
         y = _new(x2.shape, x.dtype, x.device)
         mean = _new((n_rows,), torch.float32, x.device)
         rstd = _new((n_rows,), torch.float32, x.device)
         block = triton.next_power_of_2(n_cols)
-        tk.layer_norm_fwd[(n_rows,)](x2, weight.contiguous(), bias.contiguous(), y, mean, rstd,
-                                     n_cols, eps, BLOCK=block, num_warps=_row_warps(block))
+        tk.layer_norm_fwd[(n_rows,)](
+            x2,
+            weight.contiguous(),
+            bias.contiguous(),
+            y,
+            mean,
+            rstd,
+            n_cols,
+            eps,
+            BLOCK=block,
+            num_warps=_row_warps(block),
+        )
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         return y.view(x.shape)
 
@@ -157,17 +208,34 @@ class _LayerNorm(torch.autograd.Function):
         dw_part = _new((programs, n_cols), torch.float32, x2.device)
         db_part = _new((programs, n_cols), torch.float32, x2.device)
         block = triton.next_power_of_2(n_cols)
-        tk.layer_norm_bwd[(programs,)](dy2, x2, weight.contiguous(), mean, rstd, dx, dw_part,
-                                       db_part, n_rows, n_cols, ROWS=_LN_BWD_ROWS, BLOCK=block,
-                                       num_warps=_row_warps(block))
-        return (dx.view(dy.shape), dw_part.sum(dim=0).to(weight.dtype),
-                db_part.sum(dim=0).to(bias.dtype), None)
+        tk.layer_norm_bwd[(programs,)](
+            dy2,
+            x2,
+            weight.contiguous(),
+            mean,
+            rstd,
+            dx,
+            dw_part,
+            db_part,
+            n_rows,
+            n_cols,
+            ROWS=_LN_BWD_ROWS,
+            BLOCK=block,
+            num_warps=_row_warps(block),
+        )
+        return (
+            dx.view(dy.shape),
+            dw_part.sum(dim=0).to(weight.dtype),
+            db_part.sum(dim=0).to(bias.dtype),
+            None,
+        )
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor,
-                vocab_size: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
+    ) -> torch.Tensor:
         top, sumexp, target = vocab_ce_partials(logits, labels, 0, vocab_size)
         lse = top + sumexp.log()
         ctx.vocab_size = vocab_size
@@ -177,8 +245,11 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, labels, lse = ctx.saved_tensors
-        return (vocab_ce_backward(logits, labels, lse, grad / labels.numel(), 0,
-                                  ctx.vocab_size), None, None)
+        return (
+            vocab_ce_backward(logits, labels, lse, grad / labels.numel(), 0, ctx.vocab_size),
+            None,
+            None,
+        )
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -188,24 +259,27 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _BiasGelu.apply(x, bias)
 
 
-def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                     p: float, training: bool) -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     """Return residual + dropout(x + bias), the mask regenerated in backward from its seed."""
     if x.numel() == 0:
         return reference.bias_dropout_add(x, bias, residual, p, training)
     return _BiasDropoutAdd.apply(x, bias, residual, p, training)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Return LayerNorm over the last dimension in x's dtype (statistics in fp32)."""
     if x.numel() == 0 or x.shape[-1] > LAYER_NORM_MAX_COLS:
         return reference.layer_norm(x, weight, bias, eps)
     return _LayerNorm.apply(x, weight, bias, eps)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
-                  vocab_size: int | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
     """Return the mean token cross-entropy (fp32) over the first ``vocab_size`` columns.
 
     The logits are read in their dtype, once forward and once backward; the gradient is
@@ -226,8 +300,9 @@ def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
-def vocab_ce_partials(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                      vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def vocab_ce_partials(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return per-row fp32 (max, sum of exp(x - max), label's logit or 0) of a vocabulary slice.
 
     See :func:`hpcllm.kernels.vocab_ce_partials`.
@@ -238,13 +313,30 @@ def vocab_ce_partials(logits: torch.Tensor, labels: torch.Tensor, vocab_start: i
     n_rows, n_local = logits.shape
     top, sumexp, target = (_new((n_rows,), torch.float32, logits.device) for _ in range(3))
     block = _ce_block(n_local)
-    tk.ce_partials[(n_rows,)](logits, labels, top, sumexp, target, logits.stride(0), n_local,
-                              vocab_start, vocab_size, BLOCK=block, num_warps=_row_warps(block))
+    tk.ce_partials[(n_rows,)](
+        logits,
+        labels,
+        top,
+        sumexp,
+        target,
+        logits.stride(0),
+        n_local,
+        vocab_start,
+        vocab_size,
+        BLOCK=block,
+        num_warps=_row_warps(block),
+    )
     return top, sumexp, target
 
 
-def vocab_ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                      grad: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+def vocab_ce_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+) -> torch.Tensor:
     """Return (exp(x - lse) - onehot(label)) * grad in the logits' dtype; 0 on padding.
 
     See :func:`hpcllm.kernels.vocab_ce_backward`.
@@ -256,7 +348,18 @@ def vocab_ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Ten
     grad = grad.float().expand(n_rows) if grad.dim() == 0 else grad.float().contiguous()
     dx = _new((n_rows, n_local), logits.dtype, logits.device)
     block = _ce_block(n_local)
-    tk.ce_backward[(n_rows,)](logits, labels, lse.float().contiguous(), grad, dx,
-                              logits.stride(0), grad.stride(0), n_local, vocab_start,
-                              vocab_size, BLOCK=block, num_warps=_row_warps(block))
+    tk.ce_backward[(n_rows,)](
+        logits,
+        labels,
+        lse.float().contiguous(),
+        grad,
+        dx,
+        logits.stride(0),
+        grad.stride(0),
+        n_local,
+        vocab_start,
+        vocab_size,
+        BLOCK=block,
+        num_warps=_row_warps(block),
+    )
     return dx

@@ -18,8 +18,9 @@ def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
     for stage in range(pp):
         start, end = stage * per_stage, (stage + 1) * per_stage
         dp_groups += [list(range(start + j, end, tp)) for j in range(tp)]
-    mp_groups = [sorted(r for g in pp_groups for r in g if (r % per_stage) // tp == d)
-                 for d in range(dp)]
+    mp_groups = [
+        sorted(r for g in pp_groups for r in g if (r % per_stage) // tp == d) for d in range(dp)
+    ]
     return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups}
 
 

@@ -60,31 +60,52 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_mpi(np: int, command: list[str], timeout: float = 180, env: dict[str, str] | None = None,
-            cwd: str | Path | None = None) -> MpiResult:
+def run_mpi(
+    np: int,
+    command: list[str],
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> MpiResult:
     """Run ``command`` on ``np`` ranks and return the result; kill the job after ``timeout`` s."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise AssertionError("mpirun not found: run `make setup`")
     with tempfile.TemporaryDirectory(prefix="hpcllm-mpi-") as outdir:
         # Per-rank files, because --tag-output interleaves tags mid-line in Open MPI 4.1.
-        argv = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none",
-                "--output-filename", outdir, *command]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=mpi_env(env), cwd=cwd or REPO,
-                                start_new_session=True)
+        argv = [
+            mpirun,
+            "-np",
+            str(np),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "--output-filename",
+            outdir,
+            *command,
+        ]
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=mpi_env(env),
+            cwd=cwd or REPO,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            raise MpiTimeout(f"mpirun -np {np} {' '.join(command)} ran past {timeout} s and "
-                             f"was killed\n{out}\n{err}") from None
+            raise MpiTimeout(
+                f"mpirun -np {np} {' '.join(command)} ran past {timeout} s and "
+                f"was killed\n{out}\n{err}"
+            ) from None
         result = MpiResult(proc.returncode, out, err)
         for rank_dir in Path(outdir).glob("*/rank.*"):
             rank = int(_RANK_DIR.match(rank_dir.name)[1])
-            for stream, target in (("stdout", result.rank_stdout),
-                                   ("stderr", result.rank_stderr)):
+            for stream, target in (("stdout", result.rank_stdout), ("stderr", result.rank_stderr)):
                 path = rank_dir / stream
                 if path.exists() and path.stat().st_size:
                     target[rank] = path.read_text()

@@ -35,8 +35,9 @@ def _which(name: str) -> str:
         path = shutil.which(name, path=folder)
         if path:
             return path
-    raise SlurmUnavailable(f"{name} not found (Debian packages slurm-wlm and munge; "
-                           "`make setup` installs them)")
+    raise SlurmUnavailable(
+        f"{name} not found (Debian packages slurm-wlm and munge; `make setup` installs them)"
+    )
 
 
 def _conf(root: Path, node: str, cpus: int) -> str:
@@ -96,13 +97,27 @@ def start(root: Path, cpus: int = 8, timeout: float = 60) -> Iterator[dict[str, 
     procs: list[subprocess.Popen] = []
 
     def spawn(*argv: str) -> None:
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                argv,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
 
     try:
-        spawn(paths["munged"], "--foreground", "--force", f"--key-file={key}",
-              f"--socket={root}/munge.socket", f"--pid-file={root}/munged.pid",
-              f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed")
+        spawn(
+            paths["munged"],
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={root}/munge.socket",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munged.seed",
+        )
         spawn(paths["slurmctld"], "-D", "-i", "-f", str(conf))
         spawn(paths["slurmd"], "-D", "-N", node, "-f", str(conf))
         deadline = time.monotonic() + timeout
@@ -113,9 +128,11 @@ def start(root: Path, cpus: int = 8, timeout: float = 60) -> Iterator[dict[str, 
                 raise SlurmUnavailable(
                     f"{os.path.basename(dead[0])} exited at start-up:\n"
                     f"{_tail(root / 'munged.log')}\n{_tail(root / 'slurmctld.log')}\n"
-                    f"{_tail(root / 'slurmd.log')}")
-            probe = subprocess.run([paths["sinfo"], "-h", "-o", "%T"], env=env,
-                                   capture_output=True, text=True)
+                    f"{_tail(root / 'slurmd.log')}"
+                )
+            probe = subprocess.run(
+                [paths["sinfo"], "-h", "-o", "%T"], env=env, capture_output=True, text=True
+            )
             state = probe.stdout.strip()
             if state.startswith("idle"):
                 break
@@ -123,7 +140,8 @@ def start(root: Path, cpus: int = 8, timeout: float = 60) -> Iterator[dict[str, 
         else:
             raise SlurmUnavailable(
                 f"node not idle after {timeout} s (state {state!r}):\n"
-                f"{_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmd.log')}")
+                f"{_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmd.log')}"
+            )
         yield env
     finally:
         for proc in reversed(procs):

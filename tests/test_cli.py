@@ -7,10 +7,19 @@ from mpirun import REPO
 
 
 def _hpcllm(*args, env=None):
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))}
-    return subprocess.run([sys.executable, "-m", "hpcllm", *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env={**clean, **(env or {})})
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "hpcllm", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**clean, **(env or {})},
+    )
 
 
 def test_topo_in_a_single_process_needs_no_launcher():
@@ -27,7 +36,8 @@ def test_bad_size_in_a_single_process_is_exit_2_without_traceback():
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "hpcllm: error: world size 1 is not divisible by tp*pp = 2*1 = 2; "
-        "choose tp and pp whose product divides 1"]
+        "choose tp and pp whose product divides 1"
+    ]
 
 
 def test_topo_help_explains_every_option():

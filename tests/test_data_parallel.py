@@ -53,21 +53,32 @@ def reference(global_size: int, precision: str, kind: str) -> dict[str, torch.Te
 
 
 def _relative_error(got, expected):
-    return max((got[n] - v).abs().max().item() / v.abs().max().item()
-               for n, v in expected.items())
+    return max((got[n] - v).abs().max().item() / v.abs().max().item() for n, v in expected.items())
 
 
 def _distance(a, b):
     return sum(((a[n] - b[n]).double() ** 2).sum() for n in b).sqrt().item()
 
 
-@pytest.mark.parametrize("dp, precision, kind", [(2, "fp32", "sgd"), (4, "fp32", "sgd"),
-                                                 (2, "fp32", "adamw"), (4, "fp32", "adamw"),
-                                                 (2, "bf16", "adamw")])
+@pytest.mark.parametrize(
+    "dp, precision, kind",
+    [
+        (2, "fp32", "sgd"),
+        (4, "fp32", "sgd"),
+        (2, "fp32", "adamw"),
+        (4, "fp32", "adamw"),
+        (2, "bf16", "adamw"),
+    ],
+)
 def test_every_engine_equals_one_process_on_the_global_batch(tmp_path, dp, precision, kind):
-    run_mpi(dp, python("tests/mpi_scripts/dp_equivalence.py", str(tmp_path), precision, kind,
-                       ",".join(ENGINES)), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
-            timeout=300).check()
+    run_mpi(
+        dp,
+        python(
+            "tests/mpi_scripts/dp_equivalence.py", str(tmp_path), precision, kind, ",".join(ENGINES)
+        ),
+        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+        timeout=300,
+    ).check()
     start = GPT(model_config(), VOCAB, seed=7).state_dict()
     for accumulation in (1, 2):
         expected = reference(MICRO * accumulation * dp, precision, kind)
@@ -96,9 +107,15 @@ def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
     losses = {}
     for engine in ENGINES:
         args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [*SMALL, f"data.path={data}", f"run.dir={tmp_path / engine}",
-                     "train.steps=4", "train.global_batch_size=16", "train.eval_interval=0",
-                     f"parallel.dp_engine={engine}"]:
+        for item in [
+            *SMALL,
+            f"data.path={data}",
+            f"run.dir={tmp_path / engine}",
+            "train.steps=4",
+            "train.global_batch_size=16",
+            "train.eval_interval=0",
+            f"parallel.dp_engine={engine}",
+        ]:
             args += ["--set", item]
         run_mpi(2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
         records = read_metrics(tmp_path / engine)
@@ -109,15 +126,30 @@ def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
         assert last["slowest_rank"] in (0, 1)
         assert all(0 < share <= 1.01 for share in last["rank_busy_share"])
     for engine in ENGINES:
-        torch.testing.assert_close(torch.tensor(losses[engine]), torch.tensor(losses["ddp"]),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(losses[engine]), torch.tensor(losses["ddp"]), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_allreduce_benchmark_reports_every_transport(tmp_path):
     out = tmp_path / "allreduce.json"
-    run_mpi(2, python("-m", "hpcllm", "bench", "allreduce", "--bytes", "65536", "--iters", "3",
-                      "--json-out", str(out)), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
-            timeout=120).check()
+    run_mpi(
+        2,
+        python(
+            "-m",
+            "hpcllm",
+            "bench",
+            "allreduce",
+            "--bytes",
+            "65536",
+            "--iters",
+            "3",
+            "--json-out",
+            str(out),
+        ),
+        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+        timeout=120,
+    ).check()
     import json
 
     result = json.loads(out.read_text())
@@ -150,8 +182,25 @@ def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
 
     data = tmp_path / "data"
     prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    cmd = [sys.executable, "-m", "hpcllm", "bench", "dp", "--dp", "2", "--engines", "ps",
-           "--precisions", "fp32", "--steps", "3", "--warmup", "1", "--out", str(tmp_path / "b")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpcllm",
+        "bench",
+        "dp",
+        "--dp",
+        "2",
+        "--engines",
+        "ps",
+        "--precisions",
+        "fp32",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path / "b"),
+    ]
     for item in [*SMALL, f"data.path={data}"]:
         cmd += ["--set", item]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -35,8 +35,14 @@ def _joined(docs):
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
 def test_round_trip_multi_file_corpus(tmp_path, tokenizer):
     vocab = {"vocab_size": 300} if tokenizer == "bpe" else {}
-    manifest, docs = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer=tokenizer,
-                                    val_fraction=0.25, shards=3, **vocab)
+    manifest, docs = prepare_corpus(
+        tmp_path / "src",
+        tmp_path / "out",
+        tokenizer=tokenizer,
+        val_fraction=0.25,
+        shards=3,
+        **vocab,
+    )
     expected = split_docs(docs, 0.25)
     assert len(expected["val"]) == 3 and len(expected["train"]) == 9
     for split in ("train", "val"):
@@ -54,8 +60,9 @@ def test_round_trip_multi_file_corpus(tmp_path, tokenizer):
 
 
 def test_token_dtype_and_shard_attributes(tmp_path):
-    manifest, _ = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte",
-                                 val_fraction=0.0)
+    manifest, _ = prepare_corpus(
+        tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0
+    )
     with h5py.File(tmp_path / "out" / manifest["splits"]["train"][0]["file"]) as f:
         assert f["tokens"].dtype == np.uint16
         assert f["tokens"].fletcher32 and f["tokens"].chunks
@@ -68,15 +75,21 @@ def test_token_dtype_and_shard_attributes(tmp_path):
 
 
 def test_given_tokenizer_json_is_used_and_recorded(tmp_path):
-    first, docs = prepare_corpus(tmp_path / "src", tmp_path / "one", vocab_size=320,
-                                 val_fraction=0.0)
-    second = prepare(PrepareOptions(out=tmp_path / "two",
-                                    inputs=(str(tmp_path / "src" / "a"),),
-                                    tokenizer=str(tmp_path / "one" / "tokenizer.json"),
-                                    val_fraction=0.0), progress=False)
+    first, docs = prepare_corpus(
+        tmp_path / "src", tmp_path / "one", vocab_size=320, val_fraction=0.0
+    )
+    second = prepare(
+        PrepareOptions(
+            out=tmp_path / "two",
+            inputs=(str(tmp_path / "src" / "a"),),
+            tokenizer=str(tmp_path / "one" / "tokenizer.json"),
+            val_fraction=0.0,
+        ),
+        progress=False,
+    )
     assert second["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
     assert second["tokenizer"]["kind"] == "file"
-    assert _dump(tmp_path / "two", "train") == _joined(docs[:len(docs) - 3])
+    assert _dump(tmp_path / "two", "train") == _joined(docs[: len(docs) - 3])
 
 
 def test_val_split_is_by_document_and_exact():
@@ -87,13 +100,24 @@ def test_val_split_is_by_document_and_exact():
 
 def test_json_field_is_configurable(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "hello"}\n{"body": "world"}\n')
-    prepare(PrepareOptions(out=tmp_path / "out", inputs=(str(tmp_path / "c.jsonl"),),
-                           tokenizer="byte", val_fraction=0.0, jsonl_field="body"),
-            progress=False)
+    prepare(
+        PrepareOptions(
+            out=tmp_path / "out",
+            inputs=(str(tmp_path / "c.jsonl"),),
+            tokenizer="byte",
+            val_fraction=0.0,
+            jsonl_field="body",
+        ),
+        progress=False,
+    )
     assert _dump(tmp_path / "out", "train") == _joined(["hello", "world"])
     with pytest.raises(UserError, match="no string field 'text'"):
-        prepare(PrepareOptions(out=tmp_path / "o2", inputs=(str(tmp_path / "c.jsonl"),),
-                               tokenizer="byte"), progress=False)
+        prepare(
+            PrepareOptions(
+                out=tmp_path / "o2", inputs=(str(tmp_path / "c.jsonl"),), tokenizer="byte"
+            ),
+            progress=False,
+        )
 
 
 def test_builtin_corpus_has_no_test_suites():
@@ -101,40 +125,53 @@ def test_builtin_corpus_has_no_test_suites():
 
     sources = python_stdlib_sources()
     assert len(sources) > 300
-    assert not any("/test/" in str(s.path) or s.path.name.startswith("test_")
-                   for s in sources)
+    assert not any("/test/" in str(s.path) or s.path.name.startswith("test_") for s in sources)
     assert sum(s.path.stat().st_size for s in sources) > 5e6
 
 
 def test_non_utf8_jsonl_line_is_a_user_error(tmp_path):
     (tmp_path / "c.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')
     with pytest.raises(UserError, match="c.jsonl:2: not UTF-8"):
-        prepare(PrepareOptions(out=tmp_path / "out", inputs=(str(tmp_path / "c.jsonl"),),
-                               tokenizer="byte"), progress=False)
+        prepare(
+            PrepareOptions(
+                out=tmp_path / "out", inputs=(str(tmp_path / "c.jsonl"),), tokenizer="byte"
+            ),
+            progress=False,
+        )
 
 
-@pytest.mark.parametrize("options, words", [
-    (dict(tokenizer="bpe", vocab_size=100), "--vocab-size must be at least 257"),
-    (dict(tokenizer="byte", vocab_size=1000), "--vocab-size applies to --tokenizer bpe only"),
-    (dict(tokenizer="byte", val_fraction=1.0), "--val-fraction must be in"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (dict(tokenizer="bpe", vocab_size=100), "--vocab-size must be at least 257"),
+        (dict(tokenizer="byte", vocab_size=1000), "--vocab-size applies to --tokenizer bpe only"),
+        (dict(tokenizer="byte", val_fraction=1.0), "--val-fraction must be in"),
+    ],
+)
 def test_bad_options_are_user_errors(tmp_path, options, words):
     with pytest.raises(UserError, match=re.escape(words)):
-        prepare(PrepareOptions(out=tmp_path / "out", inputs=(str(tmp_path),), **options),
-                progress=False)
+        prepare(
+            PrepareOptions(out=tmp_path / "out", inputs=(str(tmp_path),), **options), progress=False
+        )
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda p: [str(p / "missing.txt")], "does not exist"),
-    (lambda p: (p / "empty.txt").write_text("") and [] or [str(p / "empty.txt")],
-     "is empty"),
-    (lambda p: (p / "bad.txt").write_bytes(b"ok \xff\xfe") and [] or [str(p / "bad.txt")],
-     "is not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: [str(p / "missing.txt")], "does not exist"),
+        (lambda p: (p / "empty.txt").write_text("") and [] or [str(p / "empty.txt")], "is empty"),
+        (
+            lambda p: (p / "bad.txt").write_bytes(b"ok \xff\xfe") and [] or [str(p / "bad.txt")],
+            "is not UTF-8",
+        ),
+    ],
+)
 def test_bad_corpus_is_a_user_error(tmp_path, make, words):
     with pytest.raises(UserError, match=words):
-        prepare(PrepareOptions(out=tmp_path / "out", inputs=tuple(make(tmp_path)),
-                               tokenizer="byte"), progress=False)
+        prepare(
+            PrepareOptions(out=tmp_path / "out", inputs=tuple(make(tmp_path)), tokenizer="byte"),
+            progress=False,
+        )
 
 
 def _flip_byte_in_tokens(shard: Path) -> None:
@@ -148,14 +185,19 @@ def _flip_byte_in_tokens(shard: Path) -> None:
 
 
 def test_flipped_byte_is_reported_with_the_file_name(tmp_path):
-    manifest, _ = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte",
-                                 val_fraction=0.0, shards=2)
+    manifest, _ = prepare_corpus(
+        tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0, shards=2
+    )
     shard = tmp_path / "out" / manifest["splits"]["train"][1]["file"]
     _flip_byte_in_tokens(shard)
     with pytest.raises(UserError, match=f"shard {shard} is corrupt: tokens.* checksum"):
         inspection.verify(load_manifest(tmp_path / "out"))
-    run = subprocess.run([sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"),
-                          "--verify"], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"), "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [run.stderr.strip()]
     assert str(shard) in run.stderr and "corrupt" in run.stderr
@@ -168,8 +210,9 @@ def test_flipped_byte_is_reported_with_the_file_name(tmp_path):
 
 
 def test_manifest_that_does_not_match_is_refused(tmp_path):
-    manifest, _ = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte",
-                                 val_fraction=0.0, shards=2)
+    manifest, _ = prepare_corpus(
+        tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0, shards=2
+    )
     out = tmp_path / "out"
     raw = json.loads((out / "manifest.json").read_text())
     raw["splits"]["train"][0]["n_tokens"] += 1
@@ -186,8 +229,9 @@ def test_manifest_that_does_not_match_is_refused(tmp_path):
 
 
 def test_missing_shard_and_missing_manifest(tmp_path):
-    manifest, _ = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte",
-                                 val_fraction=0.0, shards=2)
+    manifest, _ = prepare_corpus(
+        tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0, shards=2
+    )
     (tmp_path / "out" / manifest["splits"]["train"][1]["file"]).unlink()
     with pytest.raises(UserError, match="train-00001.h5 named by .* is missing"):
         load_manifest(tmp_path / "out")
@@ -207,9 +251,24 @@ def test_killed_prepare_leaves_nothing_a_reader_accepts(tmp_path):
     out = tmp_path / "out"
     # A finished earlier prepare in the same folder: its manifest must go before new shards.
     prepare_corpus(tmp_path / "src", out, tokenizer="byte", val_fraction=0.0)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcllm", "prepare", "--corpus",
-                             "python-stdlib", "--tokenizer", "byte", "--shards", "4",
-                             "--out", str(out), "--quiet"], cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcllm",
+            "prepare",
+            "--corpus",
+            "python-stdlib",
+            "--tokenizer",
+            "byte",
+            "--shards",
+            "4",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        cwd=REPO,
+    )
     deadline = time.monotonic() + 60
     while not list(out.glob(".*.partial-*")) and time.monotonic() < deadline:
         assert proc.poll() is None, "prepare finished before it could be killed"
@@ -220,30 +279,54 @@ def test_killed_prepare_leaves_nothing_a_reader_accepts(tmp_path):
     assert not (out / "manifest.json").exists()
     with pytest.raises(UserError, match="has no manifest.json"):
         MicroBatchReader(out, seq_len=8, micro_batch_size=1)
-    run = subprocess.run([sys.executable, "-m", "hpcllm", "inspect", str(out)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "inspect", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2 and "a prepare that did not finish" in run.stderr
 
 
 def test_prepare_cli_help_explains_every_option():
-    run = subprocess.run([sys.executable, "-m", "hpcllm", "prepare", "--help"],
-                         capture_output=True, text=True, timeout=60)
-    for option in ("--input", "--corpus", "--out", "--tokenizer", "--vocab-size",
-                   "--val-fraction", "--shards", "--val-shards", "--jsonl-field", "--quiet"):
+    run = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "prepare", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    for option in (
+        "--input",
+        "--corpus",
+        "--out",
+        "--tokenizer",
+        "--vocab-size",
+        "--val-fraction",
+        "--shards",
+        "--val-shards",
+        "--jsonl-field",
+        "--quiet",
+    ):
         assert option in run.stdout
     assert "python-stdlib" in run.stdout
 
 
 def test_inspect_cli_summary_and_dump(tmp_path):
-    _, docs = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte",
-                             val_fraction=0.0)
-    run = subprocess.run([sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"),
-                          "--json"], capture_output=True, text=True, timeout=60)
+    _, docs = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0)
+    run = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     info = json.loads(run.stdout)
     assert info["splits"]["train"]["documents"] == len(docs)
     assert info["tokenizer"]["vocab_size"] == 257
-    run = subprocess.run([sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"),
-                          "--dump", "train"], capture_output=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"), "--dump", "train"],
+        capture_output=True,
+        timeout=60,
+    )
     assert run.returncode == 0 and run.stdout == _joined(docs)
 
 

@@ -37,7 +37,7 @@ def test_windows_are_the_stream_shifted_by_one(data):
     assert len(dataset) == (len(stream) - 1) // SEQ
     for index in [0, 1, len(dataset) // 2, len(dataset) - 1]:
         item = dataset[index]
-        window = torch.from_numpy(stream[index * SEQ:index * SEQ + SEQ + 1])
+        window = torch.from_numpy(stream[index * SEQ : index * SEQ + SEQ + 1])
         assert torch.equal(item["input_ids"], window[:-1])
         assert torch.equal(item["labels"], window[1:])
 
@@ -45,8 +45,10 @@ def test_windows_are_the_stream_shifted_by_one(data):
 @pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
 def test_ranks_are_disjoint_and_cover_the_epoch(data, dp_size):
     b = 3
-    readers = [MicroBatchReader(data, seq_len=SEQ, micro_batch_size=b, dp_rank=r,
-                                dp_size=dp_size, seed=7) for r in range(dp_size)]
+    readers = [
+        MicroBatchReader(data, seq_len=SEQ, micro_batch_size=b, dp_rank=r, dp_size=dp_size, seed=7)
+        for r in range(dp_size)
+    ]
     n = readers[0].dataset.n_samples
     steps = readers[0].steps_per_epoch
     assert steps == n // (dp_size * b)
@@ -59,7 +61,7 @@ def test_ranks_are_disjoint_and_cover_the_epoch(data, dp_size):
             expected = rank_samples(order, step, rank, dp_size, b)
             assert len(expected) == b
             for row, k in enumerate(expected):
-                window = stream[k * SEQ:k * SEQ + SEQ + 1]
+                window = stream[k * SEQ : k * SEQ + SEQ + 1]
                 assert np.array_equal(batch.input_ids[row].numpy(), window[:-1])
                 assert np.array_equal(batch.labels[row].numpy(), window[1:])
             seen += list(expected)
@@ -67,7 +69,7 @@ def test_ranks_are_disjoint_and_cover_the_epoch(data, dp_size):
             assert batch.consumed_samples == (step + 1) * dp_size * b
     assert len(seen) == len(set(seen)), "ranks overlap"
     dropped = set(range(n)) - set(seen)
-    assert set(seen) == set(order[:steps * dp_size * b].tolist())
+    assert set(seen) == set(order[: steps * dp_size * b].tolist())
     assert len(dropped) == n % (dp_size * b) < dp_size * b
 
 
@@ -77,8 +79,9 @@ def test_shuffle_is_deterministic_and_changes_per_epoch(data):
     c = MicroBatchReader(data, seq_len=SEQ, micro_batch_size=2, seed=4)
     steps = a.steps_per_epoch
     first, second, other = _take(a, 2 * steps), _take(b, 2 * steps), _take(c, steps)
-    same = lambda xs, ys: all(torch.equal(x.input_ids, y.input_ids)
-                              for x, y in zip(xs, ys, strict=True))
+    same = lambda xs, ys: all(
+        torch.equal(x.input_ids, y.input_ids) for x, y in zip(xs, ys, strict=True)
+    )
     assert same(first, second)
     assert not same(first[:steps], other)
     assert first[steps].epoch == 1
@@ -111,10 +114,8 @@ def test_resume_position_must_be_a_global_step(data):
 
 def test_ranks_that_share_a_dp_rank_read_the_same(data):
     # tp or pp peers build their reader from the same (dp_rank, dp_size, seed).
-    one = _take(MicroBatchReader(data, seq_len=SEQ, micro_batch_size=2, dp_rank=1, dp_size=3),
-                4)
-    two = _take(MicroBatchReader(data, seq_len=SEQ, micro_batch_size=2, dp_rank=1, dp_size=3),
-                4)
+    one = _take(MicroBatchReader(data, seq_len=SEQ, micro_batch_size=2, dp_rank=1, dp_size=3), 4)
+    two = _take(MicroBatchReader(data, seq_len=SEQ, micro_batch_size=2, dp_rank=1, dp_size=3), 4)
     assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(one, two, strict=True))
 
 
@@ -128,8 +129,12 @@ def test_dataloader_workers_after_fork(data):
     dataset = ShardDataset(data, "train", SEQ)
     direct = [dataset[i]["input_ids"] for i in range(len(dataset))]  # opens files in parent
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=4, num_workers=2, shuffle=False,
-        multiprocessing_context=multiprocessing.get_context("fork"))
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        shuffle=False,
+        multiprocessing_context=multiprocessing.get_context("fork"),
+    )
     loaded = torch.cat([batch["input_ids"] for batch in loader])
     assert torch.equal(loaded, torch.stack(direct))
 

@@ -43,13 +43,13 @@ def _check_step(reports, dp_size, tp):
         assert report["initial"] == root_init
         expected = _reference_step(report["initial"], dp_size)
         for name, value in report["after"].items():
-            torch.testing.assert_close(torch.tensor(value), expected[name], rtol=1e-6,
-                                       atol=1e-7)
+            torch.testing.assert_close(torch.tensor(value), expected[name], rtol=1e-6, atol=1e-7)
 
 
 def test_horovod_allreduce_and_optimizer_step_two_ranks():
-    result = run_mpi(2, python("tests/mpi_scripts/horovod_step.py", "1"), env=HVD_ENV,
-                     timeout=180).check()
+    result = run_mpi(
+        2, python("tests/mpi_scripts/horovod_step.py", "1"), env=HVD_ENV, timeout=180
+    ).check()
     reports = _reports(result)
     assert sorted(reports) == [0, 1]
     for report in reports.values():
@@ -62,8 +62,9 @@ def test_horovod_allreduce_and_optimizer_step_two_ranks():
 
 def test_horovod_on_the_dp_communicator_beside_gloo_tp_groups():
     # t=2, d=2: ranks {0,2} and {1,3} are the two Horovod worlds; {0,1} and {2,3} gloo tp groups.
-    result = run_mpi(4, python("tests/mpi_scripts/horovod_step.py", "2"), env=HVD_ENV,
-                     timeout=180).check()
+    result = run_mpi(
+        4, python("tests/mpi_scripts/horovod_step.py", "2"), env=HVD_ENV, timeout=180
+    ).check()
     reports = _reports(result)
     assert sorted(reports) == [0, 1, 2, 3]
     for rank, report in reports.items():

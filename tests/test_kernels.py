@@ -44,8 +44,10 @@ def _import_kernels():
         from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(tl.random.rand, InterpretedFunction):
-            raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set (by a "
-                               "file collected earlier); run tests/test_kernels.py on its own")
+            raise RuntimeError(
+                "Triton was imported before TRITON_INTERPRET=1 was set (by a "
+                "file collected earlier); run tests/test_kernels.py on its own"
+            )
         from hpcllm.kernels import triton_ops
     finally:
         if saved is None:
@@ -116,8 +118,10 @@ def test_bias_gelu_without_bias(ops):
     x = leaf(torch.randn(5, 33))
     y = ops.bias_gelu(x, None)
     close(y, reference.bias_gelu(x, None))
-    close(grads(y, x, torch.ones_like(y))[0], grads(reference.bias_gelu(x, None), x,
-                                                     torch.ones_like(y))[0])
+    close(
+        grads(y, x, torch.ones_like(y))[0],
+        grads(reference.bias_gelu(x, None), x, torch.ones_like(y))[0],
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -134,8 +138,9 @@ def test_bias_add_without_dropout_matches_the_reference(ops, shape, dtype):
         ref = reference.bias_dropout_add(x, bias, residual, p, training)
         close(out, ref)
         dy = dev(torch.randn(shape, generator=gen))
-        for got, want in zip(grads(out, (x, bias, residual), dy),
-                             grads(ref, (x, bias, residual), dy), strict=True):
+        for got, want in zip(
+            grads(out, (x, bias, residual), dy), grads(ref, (x, bias, residual), dy), strict=True
+        ):
             assert got.dtype == want.dtype
             close(got, want)
 
@@ -260,10 +265,14 @@ def test_cross_entropy_excludes_padding_and_reads_a_strided_view(ops):
 def test_cross_entropy_running_max_across_chunks(ops, monkeypatch):
     monkeypatch.setattr(ops, "CE_MAX_BLOCK", 64)  # 1000 columns: 16 chunks
     cols = torch.arange(1000, dtype=torch.float32)
-    logits = torch.stack([cols * 0.05,                        # max grows in every chunk
-                          -cols * 0.05,                       # max in the first chunk
-                          torch.where(cols == 999, 80.0, -80.0),  # one spike at the end
-                          torch.randn(1000) * 30])
+    logits = torch.stack(
+        [
+            cols * 0.05,  # max grows in every chunk
+            -cols * 0.05,  # max in the first chunk
+            torch.where(cols == 999, 80.0, -80.0),  # one spike at the end
+            torch.randn(1000) * 30,
+        ]
+    )
     logits = leaf(logits)
     labels = dev(torch.tensor([999, 0, 3, 500]))
     loss = ops.cross_entropy(logits, labels)
@@ -286,12 +295,12 @@ def test_vocab_parallel_partials_combine_to_the_whole_loss(ops, fused, vocab, tp
         logits = dev(torch.randn(13, padded, generator=gen)).to(torch.bfloat16) * 3
         labels = dev(torch.randint(0, vocab, (13,), generator=gen))
         width = padded // tp
-        slices = [logits[:, r * width:(r + 1) * width] for r in range(tp)]
-        parts = [kernels.vocab_ce_partials(s, labels, r * width, vocab)
-                 for r, s in enumerate(slices)]
+        slices = [logits[:, r * width : (r + 1) * width] for r in range(tp)]
+        parts = [
+            kernels.vocab_ce_partials(s, labels, r * width, vocab) for r, s in enumerate(slices)
+        ]
         if vocab == 100:  # ranks 1..3 hold only padding
-            assert all(torch.all(m == float("-inf")) and torch.all(s == 0)
-                       for m, s, _ in parts[1:])
+            assert all(torch.all(m == float("-inf")) and torch.all(s == 0) for m, s, _ in parts[1:])
         top = torch.stack([m for m, _, _ in parts]).max(dim=0).values
         total = sum(s * torch.exp(m - top) for m, s, _ in parts)
         target = sum(t for _, _, t in parts)
@@ -301,16 +310,25 @@ def test_vocab_parallel_partials_combine_to_the_whole_loss(ops, fused, vocab, tp
         close((lse - target).mean(), ref, torch.float32)
         ref_grad = grads(ref, whole, None)[0]
         g = dev(torch.tensor(1.0 / 13))
-        got = torch.cat([kernels.vocab_ce_backward(s, labels, lse, g, r * width, vocab)
-                         for r, s in enumerate(slices)], dim=1)
+        got = torch.cat(
+            [
+                kernels.vocab_ce_backward(s, labels, lse, g, r * width, vocab)
+                for r, s in enumerate(slices)
+            ],
+            dim=1,
+        )
         assert got.dtype == torch.bfloat16
         close(got[:, :vocab], ref_grad)
         assert torch.equal(got[:, vocab:], torch.zeros_like(got[:, vocab:]))
         # A per-row gradient (shape (rows,)) scales each row.
         rows = dev(torch.linspace(0.5, 2.0, 13))
         got_rows = kernels.vocab_ce_backward(slices[0], labels, lse, rows, 0, vocab)
-        close(got_rows, kernels.vocab_ce_backward(slices[0], labels, lse, g, 0, vocab).float()
-              * rows[:, None] * 13)
+        close(
+            got_rows,
+            kernels.vocab_ce_backward(slices[0], labels, lse, g, 0, vocab).float()
+            * rows[:, None]
+            * 13,
+        )
     finally:
         kernels.set_enabled(True)
 
@@ -366,8 +384,9 @@ assert torch.allclose(kernels.bias_gelu(x, None), kernels.reference.bias_gelu(x,
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, text=True, capture_output=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -403,8 +422,14 @@ print(len(cases))
 def test_kernels_compile_for_an_h100_without_one():
     """The interpreter accepts code the compiler rejects: compile each kernel to sm_90 cubin."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILE],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "8", out.stderr[-3000:]
 
 
@@ -437,6 +462,7 @@ def _count_calls(ops, monkeypatch):
         def counted(*args, **kw):
             calls[name] = calls.get(name, 0) + 1
             return fn(*args, **kw)
+
         return counted
 
     for name in ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy"):
@@ -448,13 +474,13 @@ def test_gpt_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
     calls = _count_calls(ops, monkeypatch)
     loss, grads_fused = _gpt_step(True)
     # 2 blocks: 2 GeLUs, 4 bias-dropout-adds, 5 LayerNorms, one loss.
-    assert calls == {"bias_gelu": 2, "bias_dropout_add": 4, "layer_norm": 5,
-                     "cross_entropy": 1}
+    assert calls == {"bias_gelu": 2, "bias_dropout_add": 4, "layer_norm": 5, "cross_entropy": 1}
     ref_loss, ref_grads = _gpt_step(False)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for name, grad in grads_fused.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_gpt_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
@@ -471,8 +497,9 @@ def test_dropout_masks_replay_under_full_recomputation(ops):
     ref_loss, ref_grads = _gpt_step(True, dropout=0.2, recompute="none")
     assert loss == ref_loss
     for name, grad in grads_full.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-7,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grad, ref_grads[name], rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )
     no_dropout, _ = _gpt_step(True, recompute="none")
     assert loss != no_dropout  # dropout did act
 
@@ -480,17 +507,38 @@ def test_dropout_masks_replay_under_full_recomputation(ops):
 def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "hpcllm.kernels.bench", "--cpu-smoke",
-                          "--iters", "1", "--steps", "1", "--json", str(out)],
-                         cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcllm.kernels.bench",
+            "--cpu-smoke",
+            "--iters",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert [(r["op"], r["pass"]) for r in result["ops"]] == [
-        (op, p) for op in ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
-        for p in ("fwd", "fwd+bwd")]
+        (op, p)
+        for op in ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
+        for p in ("fwd", "fwd+bwd")
+    ]
     assert all(r["max_error"] < 0.05 and r["triton_ms"] > 0 for r in result["ops"])
     losses = [r["first_loss"] for r in result["training"]]
-    assert [r["variant"] for r in result["training"]] == ["kernels off", "kernels on",
-                                                          "torch.compile"]
+    assert [r["variant"] for r in result["training"]] == [
+        "kernels off",
+        "kernels on",
+        "torch.compile",
+    ]
     assert max(losses) - min(losses) < 0.05
     assert "| cross_entropy | fwd+bwd |" in run.stdout and "| kernels on |" in run.stdout

@@ -54,19 +54,22 @@ def test_recompute_gives_the_same_loss_and_gradients(recompute):
     loss, grads = _loss_and_grads(recompute)
     torch.testing.assert_close(loss, base_loss, rtol=1e-6, atol=1e-6)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, base_grads[name], rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grad, base_grads[name], rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _hand_count(b, s, layers, h, v):
     """Matmul FLOPs counted layer by layer: 2·m·n·k per (m×k)(k×n), backward twice forward."""
-    per_layer = (2 * b * s * h * 3 * h        # q, k, v projection
-                 + 2 * b * s * s * h          # scores q·kᵀ over all heads
-                 + 2 * b * s * s * h          # scores · v
-                 + 2 * b * s * h * h          # output projection
-                 + 2 * b * s * h * 4 * h      # MLP up
-                 + 2 * b * s * 4 * h * h)     # MLP down
-    forward = layers * per_layer + 2 * b * s * h * v   # + logits
+    per_layer = (
+        2 * b * s * h * 3 * h  # q, k, v projection
+        + 2 * b * s * s * h  # scores q·kᵀ over all heads
+        + 2 * b * s * s * h  # scores · v
+        + 2 * b * s * h * h  # output projection
+        + 2 * b * s * h * 4 * h  # MLP up
+        + 2 * b * s * 4 * h * h
+    )  # MLP down
+    forward = layers * per_layer + 2 * b * s * h * v  # + logits
     return 3 * forward, layers * per_layer
 
 
@@ -75,15 +78,16 @@ def test_flop_count_matches_a_hand_count():
     total, layer_forward = _hand_count(b, s, layers, h, v)
     assert step_flops(b, s, layers, h, v) == pytest.approx(total, rel=1e-12)
     # Full recomputation runs every layer's forward once more, not the logits.
-    assert step_flops(b, s, layers, h, v, "full") == pytest.approx(total + layer_forward,
-                                                                   rel=1e-12)
+    assert step_flops(b, s, layers, h, v, "full") == pytest.approx(total + layer_forward, rel=1e-12)
     assert step_flops(b, s, layers, h, v, "selective") == pytest.approx(
-        total + layers * 4 * b * s * s * h, rel=1e-12)
+        total + layers * 4 * b * s * s * h, rel=1e-12
+    )
 
 
 def test_lr_warmup_cosine_and_linear_scaling():
-    cfg = load_config(overrides=["train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=10",
-                                 "train.steps=110"]).train
+    cfg = load_config(
+        overrides=["train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=10", "train.steps=110"]
+    ).train
     assert lr_at(0, cfg, 32) == pytest.approx(1e-4)
     assert lr_at(9, cfg, 32) == pytest.approx(1e-3)
     assert lr_at(60, cfg, 32) == pytest.approx(1e-4 + 0.5 * 9e-4)
@@ -96,16 +100,19 @@ def test_lr_warmup_cosine_and_linear_scaling():
 def test_config_overrides_presets_and_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  preset: gpt2-124m\n  n_layer: 2\ntrain:\n  lr: 1.0e-3\n")
-    cfg = load_config(path, ["train.steps=7", "parallel.sequence_parallel=true",
-                             "model.vocab_size=null"])
+    cfg = load_config(
+        path, ["train.steps=7", "parallel.sequence_parallel=true", "model.vocab_size=null"]
+    )
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len) == (2, 768, 1024)
     assert cfg.train.steps == 7 and cfg.parallel.sequence_parallel is True
-    for override, words in [("train.stepz=1", "unknown key train.stepz"),
-                            ("train.steps=abc", "train.steps must be int"),
-                            ("model.n_head=5", "not divisible by model.n_head"),
-                            ("train.precision=fp8", "precision must be one of"),
-                            ("parallel.tp=8", "n_head 4 is not divisible by parallel.tp 8"),
-                            ("oops", "--set expects section.key=value")]:
+    for override, words in [
+        ("train.stepz=1", "unknown key train.stepz"),
+        ("train.steps=abc", "train.steps must be int"),
+        ("model.n_head=5", "not divisible by model.n_head"),
+        ("train.precision=fp8", "precision must be one of"),
+        ("parallel.tp=8", "n_head 4 is not divisible by parallel.tp 8"),
+        ("oops", "--set expects section.key=value"),
+    ]:
         with pytest.raises(UserError, match=words):
             load_config(None, [override])
 
@@ -114,9 +121,16 @@ def test_hf_conversion_matches_transformers(tmp_path):
     import transformers
     from safetensors.torch import load_file
 
-    hf_cfg = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2,
-                                     n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=300,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(hf_cfg).eval()
     # Random biases and LayerNorm parameters too, so every tensor's mapping is exercised.
@@ -141,13 +155,15 @@ def test_hf_conversion_matches_transformers(tmp_path):
         assert torch.equal(back[name], value), name
     again = GPT(small(), 300)
     from_hf_state(back, again)
-    for (name, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(),
-                                 strict=True):
+    for (name, a), (_, b) in zip(
+        ours.state_dict().items(), again.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     # And our config.json loads in transformers with the same shape.
     shape = hf_config(ours.cfg, 300, 0)
-    loaded = transformers.GPT2Config(**{k: v for k, v in shape.items()
-                                        if k not in ("architectures", "model_type")})
+    loaded = transformers.GPT2Config(
+        **{k: v for k, v in shape.items() if k not in ("architectures", "model_type")}
+    )
     assert (loaded.n_layer, loaded.n_embd, loaded.vocab_size) == (2, 32, 300)
 
 
@@ -168,8 +184,9 @@ def test_recompute_replays_in_each_backward_pass_zero_bubble_runs():
 
     x = torch.randn(5, requires_grad=True)
     w = torch.randn(5, requires_grad=True)
-    y = checkpoint(lambda a: (a * w).sin(), x, use_reentrant=False,
-                   context_fn=recompute_context).sum()
+    y = checkpoint(
+        lambda a: (a * w).sin(), x, use_reentrant=False, context_fn=recompute_context
+    ).sum()
     (gx,) = torch.autograd.grad(y, x, retain_graph=True)
     y.backward(inputs=[w])
     assert torch.allclose(gx, w.detach() * torch.cos(x * w).detach())
@@ -186,16 +203,17 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
     from hpcllm.parallel.data import Engine
     from hpcllm.parallel.pipeline.stages import GPTStageWork, build_chunks
 
-    cfg = ModelConfig(preset=None, n_layer=2, n_head=2, d_model=32, seq_len=16,
-                      recompute=recompute)
+    cfg = ModelConfig(preset=None, n_layer=2, n_head=2, d_model=32, seq_len=16, recompute=recompute)
     gen = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, 100, (2, 16), generator=gen) for _ in range(2))
-               for _ in range(2)]
+    batches = [
+        tuple(torch.randint(0, 100, (2, 16), generator=gen) for _ in range(2)) for _ in range(2)
+    ]
     reference = GPT(cfg, 100, seed=3)
     for ids, labels in batches:
         (reference(ids, labels) / len(batches)).backward()
-    chunks = build_chunks(cfg, 100, p=1, rank=0, v=1, tp_group=None, seed=3,
-                          sequence_parallel=False)
+    chunks = build_chunks(
+        cfg, 100, p=1, rank=0, v=1, tp_group=None, seed=3, sequence_parallel=False
+    )
     grid = types.SimpleNamespace(tp=1, pp=1, dp=1)
     work = GPTStageWork(chunks, Engine(chunks, grid), batches, split_backward=True)
     for micro in range(len(batches)):

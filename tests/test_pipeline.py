@@ -12,8 +12,11 @@ SCHEDULES = {"gpipe", "1f1b", "interleaved", "zb-h1"}
 def _cases(result, ranks: int) -> list[dict]:
     cases = []
     for rank in range(ranks):
-        cases += [json.loads(line) for line in result.rank_stdout[rank].splitlines()
-                  if line.startswith("{")]
+        cases += [
+            json.loads(line)
+            for line in result.rank_stdout[rank].splitlines()
+            if line.startswith("{")
+        ]
     return cases
 
 
@@ -27,8 +30,9 @@ def _check(case: dict) -> None:
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_equals_one_process(pp):
-    result = run_mpi(pp, python("tests/mpi_scripts/pp_equivalence.py", f"pp={pp}"),
-                     timeout=300).check()
+    result = run_mpi(
+        pp, python("tests/mpi_scripts/pp_equivalence.py", f"pp={pp}"), timeout=300
+    ).check()
     cases = _cases(result, pp)
     # 4 schedules x m in {4, 8}, on every rank; v = 2 for interleaved.
     assert len(cases) == 8 * pp
@@ -39,9 +43,19 @@ def test_every_schedule_equals_one_process(pp):
 
 
 def test_t2_p2_d2_under_ddp_and_horovod_with_and_without_scatter_gather():
-    result = run_mpi(8, python("tests/mpi_scripts/pp_equivalence.py", "tp=2", "pp=2",
-                               "engines=ddp,horovod", "sg=0,1", "microbatches=4"),
-                     env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=400).check()
+    result = run_mpi(
+        8,
+        python(
+            "tests/mpi_scripts/pp_equivalence.py",
+            "tp=2",
+            "pp=2",
+            "engines=ddp,horovod",
+            "sg=0,1",
+            "microbatches=4",
+        ),
+        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+        timeout=400,
+    ).check()
     cases = _cases(result, 8)
     assert len(cases) == 8 * 4 * 2 * 2
     sent = {}
@@ -55,24 +69,38 @@ def test_t2_p2_d2_under_ddp_and_horovod_with_and_without_scatter_gather():
 
 
 def test_sequence_parallel_pipeline_equals_one_process():
-    result = run_mpi(4, python("tests/mpi_scripts/pp_equivalence.py", "tp=2", "pp=2", "sp",
-                               "schedules=1f1b,interleaved,zb-h1", "microbatches=4"),
-                     timeout=300).check()
+    result = run_mpi(
+        4,
+        python(
+            "tests/mpi_scripts/pp_equivalence.py",
+            "tp=2",
+            "pp=2",
+            "sp",
+            "schedules=1f1b,interleaved,zb-h1",
+            "microbatches=4",
+        ),
+        timeout=300,
+    ).check()
     cases = _cases(result, 4)
     assert len(cases) == 4 * 3
     for case in cases:
         _check(case)
 
 
-@pytest.mark.parametrize("schedule, vpp, engine, common, rel", [
-    ("1f1b", 1, "ddp", [], 1e-5),
-    ("interleaved", 2, "horovod", [], 1e-5),
-    # zb-h1 recomputes each checkpointed block in both its backward passes (B, then W).
-    ("zb-h1", 1, "ps", ["model.recompute=full"], 1e-5),
-    # fp16: stages that compute no loss still unscale, and all skip an overflow together.
-    ("gpipe", 1, "ddp", ["train.precision=fp16"], 1e-3)])
-def test_trainer_with_a_pipeline_logs_the_losses_of_p1(tmp_path, schedule, vpp, engine,
-                                                       common, rel):
+@pytest.mark.parametrize(
+    "schedule, vpp, engine, common, rel",
+    [
+        ("1f1b", 1, "ddp", [], 1e-5),
+        ("interleaved", 2, "horovod", [], 1e-5),
+        # zb-h1 recomputes each checkpointed block in both its backward passes (B, then W).
+        ("zb-h1", 1, "ps", ["model.recompute=full"], 1e-5),
+        # fp16: stages that compute no loss still unscale, and all skip an overflow together.
+        ("gpipe", 1, "ddp", ["train.precision=fp16"], 1e-3),
+    ],
+)
+def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
+    tmp_path, schedule, vpp, engine, common, rel
+):
     import subprocess
     import sys
 
@@ -86,18 +114,29 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(tmp_path, schedule, vpp, 
 
     def train(run, *extra):
         args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [*SMALL, "model.n_layer=4", f"data.path={data}", f"run.dir={run}",
-                     "train.steps=4", "train.global_batch_size=32", "train.eval_interval=2",
-                     f"parallel.dp_engine={engine}", *common, *extra]:
+        for item in [
+            *SMALL,
+            "model.n_layer=4",
+            f"data.path={data}",
+            f"run.dir={run}",
+            "train.steps=4",
+            "train.global_batch_size=32",
+            "train.eval_interval=2",
+            f"parallel.dp_engine={engine}",
+            *common,
+            *extra,
+        ]:
             args += ["--set", item]
-        result = run_mpi(4 if extra else 2, python(*args),
-                         env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+        result = run_mpi(
+            4 if extra else 2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300
+        ).check()
         summary = [line for line in result.rank_stdout[0].splitlines() if "parameters" in line]
         return read_metrics(run), summary[0].split(", ")[1]
 
     serial, serial_size = train(tmp_path / "p1")
-    piped, piped_size = train(tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}",
-                              f"parallel.schedule={schedule}")
+    piped, piped_size = train(
+        tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"
+    )
     assert piped_size == serial_size  # the whole model's count, not one stage's
     assert [r["step"] for r in piped] == [1, 2, 3, 4]
     for a, b in zip(serial, piped, strict=True):
@@ -108,8 +147,12 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(tmp_path, schedule, vpp, 
             assert b["val_loss"] == pytest.approx(a["val_loss"], rel=rel)
     # Every rank recorded its last step; `hpcllm timeline` draws one pipeline of them.
     assert len(list((tmp_path / "p2" / "timeline").glob("rank*.json"))) == 4
-    drawn = subprocess.run([sys.executable, "-m", "hpcllm", "timeline", str(tmp_path / "p2")],
-                           capture_output=True, text=True, timeout=120)
+    drawn = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "timeline", str(tmp_path / "p2")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert drawn.returncode == 0, drawn.stderr
     assert (tmp_path / "p2" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((tmp_path / "p2" / "timeline.json").read_text())
@@ -118,11 +161,14 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(tmp_path, schedule, vpp, 
     assert len(compute) == 2 * per_stage
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["parallel.schedule=interleaved", "parallel.vpp=4"], "fewer than the 8 pipeline stages"),
-    (["parallel.vpp=2"], "parallel.schedule: interleaved"),
-    (["parallel.pipeline_layers=[1,2]"], "pipeline_layers"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["parallel.schedule=interleaved", "parallel.vpp=4"], "fewer than the 8 pipeline stages"),
+        (["parallel.vpp=2"], "parallel.schedule: interleaved"),
+        (["parallel.pipeline_layers=[1,2]"], "pipeline_layers"),
+    ],
+)
 def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(tmp_path, extra, message):
     from test_train import SMALL
 
@@ -131,8 +177,14 @@ def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(tmp_path, e
     data = tmp_path / "data"
     prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
     args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [*SMALL, "model.n_layer=4", f"data.path={data}", f"run.dir={tmp_path / 'r'}",
-                 "parallel.pp=2", *extra]:
+    for item in [
+        *SMALL,
+        "model.n_layer=4",
+        f"data.path={data}",
+        f"run.dir={tmp_path / 'r'}",
+        "parallel.pp=2",
+        *extra,
+    ]:
         args += ["--set", item]
     result = run_mpi(2, python(*args), timeout=120)
     assert result.returncode == 2
@@ -141,10 +193,28 @@ def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(tmp_path, e
 
 
 def test_bench_pipeline_reports_every_schedule(tmp_path):
-    result = run_mpi(2, python("-m", "hpcllm", "bench", "pipeline", "--forward-ms", "2",
-                               "--microbatches", "4", "--steps", "1", "--warmup", "0",
-                               "--json-out", str(tmp_path / "b.json"),
-                               "--timeline-dir", str(tmp_path / "tl")), timeout=120).check()
+    result = run_mpi(
+        2,
+        python(
+            "-m",
+            "hpcllm",
+            "bench",
+            "pipeline",
+            "--forward-ms",
+            "2",
+            "--microbatches",
+            "4",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--json-out",
+            str(tmp_path / "b.json"),
+            "--timeline-dir",
+            str(tmp_path / "tl"),
+        ),
+        timeout=120,
+    ).check()
     rows = json.loads((tmp_path / "b.json").read_text())
     assert [r["schedule"] for r in rows] == ["gpipe", "1f1b", "interleaved", "zb-h1"]
     for row in rows:
@@ -164,8 +234,16 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
 
     data = tmp_path / "data"
     prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    result = run_mpi(2, python("tests/mpi_scripts/pp_fp16_overflow.py", str(data),
-                               str(tmp_path / "run"), json.dumps(SMALL)), timeout=300).check()
+    result = run_mpi(
+        2,
+        python(
+            "tests/mpi_scripts/pp_fp16_overflow.py",
+            str(data),
+            str(tmp_path / "run"),
+            json.dumps(SMALL),
+        ),
+        timeout=300,
+    ).check()
     outs = [json.loads(result.rank_stdout[r].splitlines()[-1]) for r in range(2)]
     for out in outs:
         # The first stage's gradients were finite, but the global norm was not: it skips too.
@@ -177,9 +255,17 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
 def test_with_one_stage_the_runtime_is_gradient_accumulation(ranks, engines):
     # p = 1: no communication, the schedule's m micro-batches accumulate into one step; with
     # d = 2 the engines reduce after the last backward.
-    result = run_mpi(ranks, python("tests/mpi_scripts/pp_equivalence.py", "pp=1",
-                                   f"engines={engines}", "schedules=gpipe,1f1b,zb-h1"),
-                     env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    result = run_mpi(
+        ranks,
+        python(
+            "tests/mpi_scripts/pp_equivalence.py",
+            "pp=1",
+            f"engines={engines}",
+            "schedules=gpipe,1f1b,zb-h1",
+        ),
+        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+        timeout=300,
+    ).check()
     cases = _cases(result, ranks)
     assert len(cases) == ranks * 3 * 2 * len(engines.split(","))
     for case in cases:

@@ -25,8 +25,7 @@ def slurm(tmp_path_factory):
 
 
 def _srun(env, *args, timeout=180):
-    return subprocess.run(["srun", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(["srun", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_srun_pmix_starts_the_grid(slurm):
@@ -54,12 +53,28 @@ def test_srun_without_pmi_says_to_add_mpi_pmix(slurm):
 def test_sbatch_job_script(slurm, tmp_path):
     # The script asks for 2 nodes of 4 GPUs; the test cluster is one node without GPUs.
     run = subprocess.run(
-        ["sbatch", "--wait", "--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=0",
-         "--cpus-per-task=1", f"--output={tmp_path}/job.out", "--chdir", str(tmp_path),
-         "--export=ALL,HPCLLM=" + str(Path(sys.executable).parent / "hpcllm"),
-         str(Path(__file__).parent.parent / "jobs" / "slurm.sbatch"), "topo", "--pp", "2",
-         "--json"],
-        env=slurm, capture_output=True, text=True, timeout=180)
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=1",
+            "--ntasks-per-node=4",
+            "--gpus-per-node=0",
+            "--cpus-per-task=1",
+            f"--output={tmp_path}/job.out",
+            "--chdir",
+            str(tmp_path),
+            "--export=ALL,HPCLLM=" + str(Path(sys.executable).parent / "hpcllm"),
+            str(Path(__file__).parent.parent / "jobs" / "slurm.sbatch"),
+            "topo",
+            "--pp",
+            "2",
+            "--json",
+        ],
+        env=slurm,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr + (tmp_path / "job.out").read_text()
     # srun may warn first (no cpu binding on the test cluster); the report is the last line.
     report = json.loads((tmp_path / "job.out").read_text().splitlines()[-1])

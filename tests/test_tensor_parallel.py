@@ -27,8 +27,7 @@ def _check_equivalence(result, ranks: int, tp: int, sp: bool) -> None:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_gpt_equals_the_serial_gpt(tp, sp):
     args = ["sp"] if sp else []
-    result = run_mpi(tp, python("tests/mpi_scripts/tp_equivalence.py", *args),
-                     timeout=300).check()
+    result = run_mpi(tp, python("tests/mpi_scripts/tp_equivalence.py", *args), timeout=300).check()
     _check_equivalence(result, tp, tp, sp)
 
 
@@ -36,8 +35,12 @@ def test_tensor_parallel_gpt_equals_the_serial_gpt(tp, sp):
 @pytest.mark.parametrize("engine", ["ddp", "horovod"])
 def test_t2_d2_gradients_through_each_engine_equal_the_serial_gpt(engine, sp):
     args = ["tp=2", f"engine={engine}"] + (["sp"] if sp else [])
-    result = run_mpi(4, python("tests/mpi_scripts/tp_equivalence.py", *args),
-                     env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    result = run_mpi(
+        4,
+        python("tests/mpi_scripts/tp_equivalence.py", *args),
+        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+        timeout=300,
+    ).check()
     _check_equivalence(result, 4, 2, sp)
 
 
@@ -50,8 +53,11 @@ def test_dropout_streams_communication_and_memory_at_t(tp):
         out = json.loads(result.rank_stdout[rank].splitlines()[-1])
         # Dropout outside tp regions is identical on every tp rank, inside it differs, and
         # the tp stream leaves the default one where it was.
-        assert out["rng"] == {"outside_equal": True, "inside_differ": True,
-                              "default_undisturbed": True}
+        assert out["rng"] == {
+            "outside_equal": True,
+            "inside_differ": True,
+            "default_undisturbed": True,
+        }
         assert out["replicated_equal"] and out["replicated_dropped"]
         assert out["sp_masks_differ"]
         # Recomputation replays both streams: the same masks, so the same loss and grads.
@@ -61,13 +67,21 @@ def test_dropout_streams_communication_and_memory_at_t(tp):
         # Sequence parallelism makes each a reduce-scatter plus an all-gather, and gathers
         # each column-parallel layer's input once more in backward instead of storing it.
         assert out["comm"]["tp"] == {
-            "all_reduce_forward": 2 * sbh, "all_reduce_backward": 2 * sbh,
-            "all_gather_forward": 0, "all_gather_backward": 0,
-            "reduce_scatter_forward": 0, "reduce_scatter_backward": 0}
+            "all_reduce_forward": 2 * sbh,
+            "all_reduce_backward": 2 * sbh,
+            "all_gather_forward": 0,
+            "all_gather_backward": 0,
+            "reduce_scatter_forward": 0,
+            "reduce_scatter_backward": 0,
+        }
         assert out["comm"]["tp+sp"] == {
-            "all_reduce_forward": 0, "all_reduce_backward": 0,
-            "all_gather_forward": 2 * sbh, "all_gather_backward": 4 * sbh,
-            "reduce_scatter_forward": 2 * sbh, "reduce_scatter_backward": 2 * sbh}
+            "all_reduce_forward": 0,
+            "all_reduce_backward": 0,
+            "all_gather_forward": 2 * sbh,
+            "all_gather_backward": 4 * sbh,
+            "reduce_scatter_forward": 2 * sbh,
+            "reduce_scatter_backward": 2 * sbh,
+        }
         # Weights: each rank holds 1/t of the block, plus the small whole LayerNorms/biases.
         share = out["params"]["rank"] / out["params"]["serial"]
         assert 1 / tp <= share <= 1 / tp + 0.01, share
@@ -77,9 +91,17 @@ def test_dropout_streams_communication_and_memory_at_t(tp):
         assert saved["tp+sp"]["total"] < saved["tp"]["total"]
 
 
-@pytest.mark.parametrize("engine, tp, sp", [("ddp", 2, False), ("ddp", 2, True),
-                                            ("horovod", 2, False), ("horovod", 2, True),
-                                            ("ps", 2, False), ("ddp", 4, True)])
+@pytest.mark.parametrize(
+    "engine, tp, sp",
+    [
+        ("ddp", 2, False),
+        ("ddp", 2, True),
+        ("horovod", 2, False),
+        ("horovod", 2, True),
+        ("ps", 2, False),
+        ("ddp", 4, True),
+    ],
+)
 def test_trainer_with_tp_logs_the_losses_of_t1(tmp_path, engine, tp, sp):
     from test_train import SMALL
 
@@ -91,17 +113,26 @@ def test_trainer_with_tp_logs_the_losses_of_t1(tmp_path, engine, tp, sp):
 
     def train(np, run, *extra):
         args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [*SMALL, "model.n_head=4", f"data.path={data}", f"run.dir={run}",
-                     "train.steps=5", "train.global_batch_size=16", "train.eval_interval=0",
-                     f"parallel.dp_engine={engine}", *extra]:
+        for item in [
+            *SMALL,
+            "model.n_head=4",
+            f"data.path={data}",
+            f"run.dir={run}",
+            "train.steps=5",
+            "train.global_batch_size=16",
+            "train.eval_interval=0",
+            f"parallel.dp_engine={engine}",
+            *extra,
+        ]:
             args += ["--set", item]
         run_mpi(np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
         return read_metrics(run)
 
     dp = 4 // tp
     serial = train(dp, tmp_path / "t1")
-    parallel = train(4, tmp_path / "t2", f"parallel.tp={tp}",
-                     f"parallel.sequence_parallel={str(sp).lower()}")
+    parallel = train(
+        4, tmp_path / "t2", f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}"
+    )
     assert [r["step"] for r in parallel] == [1, 2, 3, 4, 5]
     for a, b in zip(serial, parallel, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -127,19 +158,39 @@ def test_convert_tp_resumes_where_the_original_run_would(tmp_path):
 
     def train(np, run, steps, tp):
         args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [*SMALL, "model.n_head=4", f"data.path={data}", f"run.dir={run}",
-                     f"train.steps={steps}", "train.lr_decay_steps=6", "train.eval_interval=0",
-                     f"parallel.tp={tp}"]:
+        for item in [
+            *SMALL,
+            "model.n_head=4",
+            f"data.path={data}",
+            f"run.dir={run}",
+            f"train.steps={steps}",
+            "train.lr_decay_steps=6",
+            "train.eval_interval=0",
+            f"parallel.tp={tp}",
+        ]:
             args += ["--set", item]
         run_mpi(np, python(*args), timeout=300).check()
         return {r["step"]: r["loss"] for r in read_metrics(run)}
 
     train(2, tmp_path / "t2", 3, 2)
     for tp in (1, 4):
-        convert = subprocess.run([sys.executable, "-m", "hpcllm", "convert", "--tp", str(tp),
-                                  "--checkpoint", str(tmp_path / "t2"), "--out",
-                                  str(tmp_path / f"t{tp}")], capture_output=True, text=True,
-                                 timeout=120)
+        convert = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hpcllm",
+                "convert",
+                "--tp",
+                str(tp),
+                "--checkpoint",
+                str(tmp_path / "t2"),
+                "--out",
+                str(tmp_path / f"t{tp}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert convert.returncode == 0, convert.stderr
     model, _ = load_run_model(tmp_path / "t1")  # a tp = 1 checkpoint again
     assert model.wte.weight.shape[0] == 384  # 257 padded for t = 1, not for t = 2 (512)

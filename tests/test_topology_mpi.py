@@ -41,8 +41,9 @@ def test_grid_groups_under_mpirun_8_ranks():
 
 
 def test_topo_json_under_mpirun():
-    result = run_mpi(4, python("-m", "hpcllm", "topo", "--tp", "2", "--pp", "2", "--json"),
-                     timeout=120).check()
+    result = run_mpi(
+        4, python("-m", "hpcllm", "topo", "--tp", "2", "--pp", "2", "--json"), timeout=120
+    ).check()
     assert set(result.rank_stdout) == {0}, "only rank 0 prints"
     report = json.loads(result.rank_stdout[0])
     layout = Layout(2, 2, 1)
@@ -64,13 +65,16 @@ def test_topo_table_under_mpirun():
     assert "stage 0:  dp 0: [0 1]   dp 1: [2 3]" in text
 
 
-@pytest.mark.parametrize("np, args, words", [
-    (6, ["--tp", "4"], "world size 6 is not divisible by tp*pp = 4*1 = 4"),
-    (4, ["--tp", "2", "--dp", "3"], "tp*pp*dp = 2*1*3 = 6 does not equal the world size 4"),
-    (4, ["--pp", "1", "--vpp", "2"], "needs parallel.pp >= 2"),
-    (2, ["--dp", "0"], "argument --dp: must be a positive integer, got '0'"),
-    (2, ["--tp", "abc"], "argument --tp: must be a positive integer, got 'abc'"),
-])
+@pytest.mark.parametrize(
+    "np, args, words",
+    [
+        (6, ["--tp", "4"], "world size 6 is not divisible by tp*pp = 4*1 = 4"),
+        (4, ["--tp", "2", "--dp", "3"], "tp*pp*dp = 2*1*3 = 6 does not equal the world size 4"),
+        (4, ["--pp", "1", "--vpp", "2"], "needs parallel.pp >= 2"),
+        (2, ["--dp", "0"], "argument --dp: must be a positive integer, got '0'"),
+        (2, ["--tp", "abc"], "argument --tp: must be a positive integer, got 'abc'"),
+    ],
+)
 def test_bad_grid_is_one_line_and_exit_2_on_every_rank(np, args, words):
     result = run_mpi(np, python("-m", "hpcllm", "topo", *args), timeout=60)
     assert result.returncode == 2
@@ -89,9 +93,14 @@ def test_error_seen_by_one_rank_aborts_instead_of_hanging():
 
 def test_mpirun_job_script_launches_a_verb():
     env = mpi_env({"NP": "4", "HPCLLM": str(Path(sys.executable).parent / "hpcllm")})
-    run = subprocess.run([str(REPO / "jobs" / "mpirun.sh"), "topo", "--tp", "2", "--json"],
-                         capture_output=True, text=True, env=env, timeout=120,
-                         start_new_session=True)
+    run = subprocess.run(
+        [str(REPO / "jobs" / "mpirun.sh"), "topo", "--tp", "2", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        start_new_session=True,
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert (report["world_size"], report["tp"], report["dp"]) == (4, 2, 2)

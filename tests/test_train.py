@@ -16,10 +16,20 @@ from hpcllm.observe import read_metrics
 from hpcllm.train import checkpoint
 from hpcllm.train.trainer import Trainer
 
-SMALL = ["model.preset=null", "model.n_layer=2", "model.n_head=2", "model.d_model=64",
-         "model.seq_len=64", "train.micro_batch_size=4", "train.lr=3e-3", "train.min_lr=3e-4",
-         "train.warmup_steps=5", "train.log_interval=1", "train.eval_iters=4",
-         "run.tensorboard=false"]
+SMALL = [
+    "model.preset=null",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "model.seq_len=64",
+    "train.micro_batch_size=4",
+    "train.lr=3e-3",
+    "train.min_lr=3e-4",
+    "train.warmup_steps=5",
+    "train.log_interval=1",
+    "train.eval_iters=4",
+    "run.tensorboard=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +52,18 @@ def test_loss_falls_on_the_stdlib_corpus(stdlib, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
     assert summary["val_loss"] < losses[0] - 1.5
     record = read_metrics(tmp_path / "run")[-1]
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu",
-                "step_time_s", "memory_mb", "val_loss"):
+    for key in (
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "step_time_s",
+        "memory_mb",
+        "val_loss",
+    ):
         assert key in record
     assert record["mfu"] is None  # CPU, no peak given
     assert (tmp_path / "run" / "config.yaml").is_file()
@@ -58,8 +78,9 @@ def test_fp16_skips_a_step_with_an_inf_gradient_and_goes_on(stdlib, tmp_path):
         if step == 2:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
 
-    cfg = _cfg(stdlib, tmp_path / "run", "train.steps=5", "train.precision=fp16",
-               "train.eval_interval=0")
+    cfg = _cfg(
+        stdlib, tmp_path / "run", "train.steps=5", "train.precision=fp16", "train.eval_interval=0"
+    )
     summary = Trainer(cfg, grad_hooks=[hook]).run(progress=False)
     assert summary["skipped_steps"] == 1
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -74,8 +95,9 @@ def _train_cli(np, stdlib, run_dir, *extra, timeout=300):
     args = ["-m", "hpcllm", "train", "--no-progress"]
     for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
         args += ["--set", item]
-    return run_mpi(np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"},
-                   timeout=timeout).check()
+    return run_mpi(
+        np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=timeout
+    ).check()
 
 
 @pytest.mark.mpi
@@ -83,8 +105,12 @@ def _train_cli(np, stdlib, run_dir, *extra, timeout=300):
 def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path, engine):
     # Two ranks, two micro-batches each per step (global batch 16): accumulation, and the
     # optimizer state must survive the engine's wrapping (Horovod builds a new optimizer).
-    common = ["train.global_batch_size=16", "train.lr_decay_steps=8", "train.eval_interval=0",
-              f"parallel.dp_engine={engine}"]
+    common = [
+        "train.global_batch_size=16",
+        "train.lr_decay_steps=8",
+        "train.eval_interval=0",
+        f"parallel.dp_engine={engine}",
+    ]
     _train_cli(2, stdlib, tmp_path / "whole", "train.steps=8", *common)
     _train_cli(2, stdlib, tmp_path / "split", "train.steps=4", *common)
     _train_cli(2, stdlib, tmp_path / "split", "train.steps=8", *common)
@@ -108,13 +134,17 @@ def _wait_for_metrics(run_dir, proc, timeout=120):
     raise AssertionError("no metrics in time")
 
 
-@pytest.mark.parametrize("launcher, sig", [("single", signal.SIGTERM),
-                                           ("mpirun", signal.SIGUSR1)])
+@pytest.mark.parametrize("launcher, sig", [("single", signal.SIGTERM), ("mpirun", signal.SIGUSR1)])
 def test_signal_saves_a_loadable_checkpoint_and_exits_0(stdlib, tmp_path, launcher, sig):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
-    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", "train.steps=100000",
-                 "train.eval_interval=0"]:
+    for item in [
+        *SMALL,
+        f"data.path={stdlib}",
+        f"run.dir={run_dir}",
+        "train.steps=100000",
+        "train.eval_interval=0",
+    ]:
         cmd += ["--set", item]
     if launcher == "mpirun":
         from mpirun import mpi_env
@@ -123,8 +153,15 @@ def test_signal_saves_a_loadable_checkpoint_and_exits_0(stdlib, tmp_path, launch
         env = mpi_env()
     else:
         env = None
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for_metrics(run_dir, proc)
         proc.send_signal(sig)
@@ -149,7 +186,8 @@ def test_convert_a_trained_run_to_hf_and_back(stdlib, tmp_path):
     from hpcllm.convert import from_hf, to_hf
 
     Trainer(_cfg(stdlib, tmp_path / "run", "train.steps=2", "train.eval_interval=0")).run(
-        progress=False)
+        progress=False
+    )
     to_hf(tmp_path / "run", tmp_path / "hf")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ours, _ = load_run_model(tmp_path / "run")
@@ -173,8 +211,16 @@ def test_resume_refuses_another_model_and_none_starts_over(stdlib, tmp_path):
     with pytest.raises(UserError, match="holds another model .*d_model 64 vs 32"):
         Trainer(_cfg(stdlib, run, "train.steps=4", "model.d_model=32"))
     assert checkpoint.latest(run).name == "step_00000002"  # nothing was touched
-    fresh = Trainer(_cfg(stdlib, run, "train.steps=1", "model.d_model=32", "run.resume=none",
-                         "train.eval_interval=0"))
+    fresh = Trainer(
+        _cfg(
+            stdlib,
+            run,
+            "train.steps=1",
+            "model.d_model=32",
+            "run.resume=none",
+            "train.eval_interval=0",
+        )
+    )
     assert fresh.step == 0 and checkpoint.latest(run) is None
     fresh.run(progress=False)
     assert checkpoint.latest(run).name == "step_00000001"
@@ -187,8 +233,12 @@ def test_validation_split_too_small_stops_before_training(tmp_path):
     (tmp_path / "src").mkdir()
     for i in range(40):
         (tmp_path / "src" / f"{i:02d}.txt").write_text(f"document {i} " * 200)
-    prepare(PrepareOptions(out=data, inputs=(str(tmp_path / "src"),), tokenizer="byte",
-                           val_fraction=0.05), progress=False)
+    prepare(
+        PrepareOptions(
+            out=data, inputs=(str(tmp_path / "src"),), tokenizer="byte", val_fraction=0.05
+        ),
+        progress=False,
+    )
     with pytest.raises(UserError, match="fewer than one global micro-batch"):
         Trainer(_cfg(data, tmp_path / "run", "train.micro_batch_size=100"))
     assert not (tmp_path / "run" / "checkpoints").exists()

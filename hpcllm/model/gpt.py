@@ -60,8 +60,9 @@ class LayerNorm(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention, heads split over the tp group; returns output without bias."""
 
-    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         h, t = cfg.d_model, _tp_size(group)
         self.group = group
@@ -69,29 +70,42 @@ class Attention(nn.Module):
         self.head_dim = h // cfg.n_head
         self.dropout = cfg.dropout
         self.selective = cfg.recompute == "selective"
-        self.qkv = ColumnParallelLinear(h, 3 * h, group=group, gen=gen,
-                                        init=normal_init(cfg.init_std), stride=3,
-                                        sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(h, h, group=group, gen=gen,
-                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
-                                      sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(
+            h,
+            3 * h,
+            group=group,
+            gen=gen,
+            init=normal_init(cfg.init_std),
+            stride=3,
+            sequence_parallel=sequence_parallel,
+        )
+        self.proj = RowParallelLinear(
+            h,
+            h,
+            group=group,
+            gen=gen,
+            init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+            sequence_parallel=sequence_parallel,
+        )
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Heads are split over the tp group: each rank draws its own attention dropout.
         with _dropout_rng(self.group, self.dropout, self.training):
             return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qkv = self.qkv(x)  # (b, s, 3h/t): the whole sequence, even under sequence parallelism
         b, s, _ = qkv.shape
-        q, k, v = (part.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-                   for part in qkv.chunk(3, dim=-1))
+        q, k, v = (
+            part.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+            for part in qkv.chunk(3, dim=-1)
+        )
         if self.selective and self.training:
             # Korthikanti et al.: the attention core holds the s² activations and is cheap to
             # recompute; keeping everything else stored costs little memory.
-            y = checkpoint(self._core, q, k, v, use_reentrant=False,
-                           context_fn=recompute_context)
+            y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=recompute_context)
         else:
             y = self._core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
@@ -101,16 +115,27 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """h → 4h (column-parallel) → GeLU → h (row-parallel); returns output without bias."""
 
-    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         h = cfg.d_model
-        self.fc = ColumnParallelLinear(h, 4 * h, group=group, gen=gen,
-                                       init=normal_init(cfg.init_std),
-                                       sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear(4 * h, h, group=group, gen=gen,
-                                      init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
-                                      sequence_parallel=sequence_parallel)
+        self.fc = ColumnParallelLinear(
+            h,
+            4 * h,
+            group=group,
+            gen=gen,
+            init=normal_init(cfg.init_std),
+            sequence_parallel=sequence_parallel,
+        )
+        self.proj = RowParallelLinear(
+            4 * h,
+            h,
+            group=group,
+            gen=gen,
+            init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = kernels.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
@@ -125,8 +150,9 @@ class Block(nn.Module):
     stream, since each rank holds different positions.
     """
 
-    def __init__(self, cfg: ModelConfig, group: Any, gen: torch.Generator,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         sp = sequence_parallel and _tp_size(group) > 1
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
@@ -161,9 +187,18 @@ class GPT(nn.Module):
     model's; its state-dict keys are the whole model's too (``blocks.7.…``).
     """
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, *, tp_group: Any = None,
-                 seed: int = 1234, sequence_parallel: bool = False,
-                 layers: range | None = None, pre: bool = True, post: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        *,
+        tp_group: Any = None,
+        seed: int = 1234,
+        sequence_parallel: bool = False,
+        layers: range | None = None,
+        pre: bool = True,
+        post: bool = True,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
@@ -175,10 +210,15 @@ class GPT(nn.Module):
         layers = range(cfg.n_layer) if layers is None else layers
         gen = torch.Generator().manual_seed(seed)
         # The output layer is tied to the token embedding: a last stage keeps its own copy.
-        wte = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, group=tp_group,
-                                     gen=gen, init=normal_init(cfg.init_std),
-                                     real_rows=vocab_size,
-                                     sequence_parallel=self.sequence_parallel)
+        wte = VocabParallelEmbedding(
+            self.padded_vocab,
+            cfg.d_model,
+            group=tp_group,
+            gen=gen,
+            init=normal_init(cfg.init_std),
+            real_rows=vocab_size,
+            sequence_parallel=self.sequence_parallel,
+        )
         wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         normal_init(cfg.init_std)(wpe.weight, gen)
         if pre or post:
@@ -203,27 +243,34 @@ class GPT(nn.Module):
         """
         s = ids.shape[1]
         if s > self.cfg.seq_len:
-            raise ValueError(f"sequence of {s} tokens is longer than model.seq_len "
-                             f"{self.cfg.seq_len}")
+            raise ValueError(
+                f"sequence of {s} tokens is longer than model.seq_len {self.cfg.seq_len}"
+            )
         pos = torch.arange(s, device=ids.device)
         if self.sequence_parallel:
             t = _tp_size(self.tp_group)
             if s % t:
-                raise ValueError(f"sequence parallelism splits the {s} tokens of a sequence "
-                                 f"over {t} tensor-parallel ranks; use a length divisible "
-                                 f"by {t}")
+                raise ValueError(
+                    f"sequence parallelism splits the {s} tokens of a sequence "
+                    f"over {t} tensor-parallel ranks; use a length divisible "
+                    f"by {t}"
+                )
             pos = pos.chunk(t)[torch.distributed.get_rank(self.tp_group)]
         x = self.wte(ids) + self.wpe(pos)
-        with _dropout_rng(self.tp_group if self.sequence_parallel else None,
-                          self.cfg.dropout, self.training):
+        with _dropout_rng(
+            self.tp_group if self.sequence_parallel else None, self.cfg.dropout, self.training
+        ):
             return F.dropout(x, self.cfg.dropout, self.training)
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Return x after every block, recomputing each in backward under ``recompute: full``."""
         full = self.cfg.recompute == "full" and self.training and torch.is_grad_enabled()
         for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False,
-                           context_fn=recompute_context) if full else block(x)
+            x = (
+                checkpoint(block, x, use_reentrant=False, context_fn=recompute_context)
+                if full
+                else block(x)
+            )
         return x
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,29 +281,35 @@ class GPT(nn.Module):
         gathered.
         """
         if self.sequence_parallel:
-            logits = sequence_parallel_linear(self.ln_f(x), self.wte.weight, None,
-                                              self.tp_group)
+            logits = sequence_parallel_linear(self.ln_f(x), self.wte.weight, None, self.tp_group)
         else:
             logits = linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
         if _tp_size(self.tp_group) > 1:
             if labels is not None:
-                return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
-                                                    self.wte.vocab_start, self.vocab_size)
+                return vocab_parallel_cross_entropy(
+                    logits, labels, self.tp_group, self.wte.vocab_start, self.vocab_size
+                )
             logits = gather_from_tp(logits, self.tp_group)
         if labels is not None:  # padding columns are masked, not sliced off (no copy)
             return kernels.cross_entropy(logits, labels, vocab_size=self.vocab_size)
-        return logits[..., :self.vocab_size]
+        return logits[..., : self.vocab_size]
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Return the mean cross-entropy against ``labels``, or the logits when none."""
         return self.head(self.run_blocks(self.embed(ids)), labels)
 
     @torch.no_grad()
-    def generate(self, ids: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, gen: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        ids: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        gen: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Return ``ids`` extended by ``new_tokens`` sampled tokens."""
         for _ in range(new_tokens):
-            logits = self(ids[:, -self.cfg.seq_len:])[:, -1, :].float()
+            logits = self(ids[:, -self.cfg.seq_len :])[:, -1, :].float()
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:

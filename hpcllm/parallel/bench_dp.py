@@ -32,15 +32,14 @@ from hpcllm.errors import UserError
 
 ALGORITHM = {  # what carries each engine's gradient reduction
     "ddp": "torch.distributed all-reduce in buckets, overlapped with backward (gloo: ring "
-           "over TCP; nccl: ring/tree)",
+    "over TCP; nccl: ring/tree)",
     "horovod": "Horovod fused all-reduce through MPI (Open MPI's tuned collectives)",
     "ps": "reduce to the root, root steps, broadcast of all parameters; no overlap",
 }
 
 
 def _mpi_env(threads: int | None = None) -> dict[str, str]:
-    env = dict(os.environ, HOROVOD_CPU_OPERATIONS=os.environ.get("HOROVOD_CPU_OPERATIONS",
-                                                                   "MPI"))
+    env = dict(os.environ, HOROVOD_CPU_OPERATIONS=os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     if os.geteuid() == 0:
@@ -48,8 +47,13 @@ def _mpi_env(threads: int | None = None) -> dict[str, str]:
     return env
 
 
-def _launch(np_: int, args: list[str], timeout: float, force_mpirun: bool = False,
-            threads: int | None = None) -> None:
+def _launch(
+    np_: int,
+    args: list[str],
+    timeout: float,
+    force_mpirun: bool = False,
+    threads: int | None = None,
+) -> None:
     cmd = [sys.executable, "-m", "hpcllm", *args]
     if np_ > 1 or force_mpirun:
         mpirun = shutil.which("mpirun")
@@ -58,55 +62,87 @@ def _launch(np_: int, args: list[str], timeout: float, force_mpirun: bool = Fals
         cmd = [mpirun, "-np", str(np_), "--oversubscribe", "--bind-to", "none", *cmd]
     if np_ > 1 or force_mpirun:
         cmd[1:1] = ["-x", "OMP_NUM_THREADS"] if threads is not None else []
-    subprocess.run(cmd, check=True, env=_mpi_env(threads), timeout=timeout,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        cmd, check=True, env=_mpi_env(threads), timeout=timeout, stdout=subprocess.DEVNULL
+    )
 
 
 def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
     from hpcllm.observe import read_metrics
 
-    records = [r for r in read_metrics(run_dir) if r["step"] > warmup] or \
-        read_metrics(run_dir)[-1:]
+    records = [r for r in read_metrics(run_dir) if r["step"] > warmup] or read_metrics(run_dir)[-1:]
     step_time = statistics.median(r["step_time_s"] for r in records)
     tokens_per_step = records[-1]["tokens_per_s"] * records[-1]["step_time_s"]
     busy = np.mean([r["rank_busy_share"] for r in records], axis=0)
     wait = np.mean([r["rank_comm_wait_s"] for r in records], axis=0)
     util = [u for r in records for u in r.get("rank_gpu_util", []) if u is not None]
-    return {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-            "busy_share": busy.tolist(), "comm_share": float(wait.mean() / step_time),
-            "gpu_util": statistics.mean(util) if util else None,
-            "slowest_rank": max(range(len(busy)), key=lambda i: busy[i]),
-            "final_loss": records[-1]["loss"]}
+    return {
+        "step_time_s": step_time,
+        "tokens_per_s": tokens_per_step / step_time,
+        "busy_share": busy.tolist(),
+        "comm_share": float(wait.mean() / step_time),
+        "gpu_util": statistics.mean(util) if util else None,
+        "slowest_rank": max(range(len(busy)), key=lambda i: busy[i]),
+        "final_loss": records[-1]["loss"],
+    }
 
 
-def bench_dp(config: Path | None, overrides: list[str], dps: list[int], engines: list[str],
-             precisions: list[str], steps: int, warmup: int, out: Path) -> dict[str, Any]:
+def bench_dp(
+    config: Path | None,
+    overrides: list[str],
+    dps: list[int],
+    engines: list[str],
+    precisions: list[str],
+    steps: int,
+    warmup: int,
+    out: Path,
+) -> dict[str, Any]:
     """Run every configuration; return the rows of the comparison table."""
     out.mkdir(parents=True, exist_ok=True)
     common = [*(["--config", str(config)] if config else []), "--no-progress"]
-    for item in [*overrides, f"train.steps={steps}", "train.log_interval=1",
-                 "train.eval_interval=0", "train.save_interval=0", "train.global_batch_size=null",
-                 "run.resume=none", "run.tensorboard=false"]:
+    for item in [
+        *overrides,
+        f"train.steps={steps}",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        "train.save_interval=0",
+        "train.global_batch_size=null",
+        "run.resume=none",
+        "run.tensorboard=false",
+    ]:
         common += ["--set", item]
     # On CPU every rank gets the same number of threads, the largest d's share of the cores,
     # so that the single rank is one "device" like each rank of the others and the speedup
     # measures data parallelism, not a change in threads per process. GPUs need no such rule.
-    threads = None if torch.cuda.is_available() else \
-        max(1, len(os.sched_getaffinity(0)) // max(dps))
+    threads = (
+        None if torch.cuda.is_available() else max(1, len(os.sched_getaffinity(0)) // max(dps))
+    )
     rows = []
     for precision in precisions:
         runs = [("single", 1)] + [(e, d) for d in dps for e in engines]
         baseline = None
         for engine, d in runs:
             run_dir = out / f"{engine}-d{d}-{precision}"
-            args = ["train", *common, "--set", f"train.precision={precision}",
-                    "--set", f"parallel.dp_engine={'ddp' if engine == 'single' else engine}",
-                    "--set", f"run.dir={run_dir}"]
+            args = [
+                "train",
+                *common,
+                "--set",
+                f"train.precision={precision}",
+                "--set",
+                f"parallel.dp_engine={'ddp' if engine == 'single' else engine}",
+                "--set",
+                f"run.dir={run_dir}",
+            ]
             started = time.perf_counter()
             # Horovod needs an MPI launcher even for one rank.
             _launch(d, args, timeout=1800, force_mpirun=engine == "horovod", threads=threads)
-            row = {"engine": engine, "dp": d, "precision": precision,
-                   "wall_s": time.perf_counter() - started, **_summarise(run_dir, warmup)}
+            row = {
+                "engine": engine,
+                "dp": d,
+                "precision": precision,
+                "wall_s": time.perf_counter() - started,
+                **_summarise(run_dir, warmup),
+            }
             if engine == "single":
                 baseline = row["tokens_per_s"]
             row["tokens_per_s_per_rank"] = row["tokens_per_s"] / d
@@ -119,18 +155,26 @@ def bench_dp(config: Path | None, overrides: list[str], dps: list[int], engines:
 
 def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
     """Return the comparison as a text table (and the all-reduce micro-benchmark under it)."""
-    head = (f"{'engine':<8} {'d':>2} {'prec':<5} {'tok/s total':>11} {'tok/s/rank':>10} "
-            f"{'speedup':>7} {'effic.':>6} {'busy share per rank':<22} {'comm':>5} "
-            f"{'slowest':>7} {'GPU util':>8} {'busbw GB/s':>10}")
+    head = (
+        f"{'engine':<8} {'d':>2} {'prec':<5} {'tok/s total':>11} {'tok/s/rank':>10} "
+        f"{'speedup':>7} {'effic.':>6} {'busy share per rank':<22} {'comm':>5} "
+        f"{'slowest':>7} {'GPU util':>8} {'busbw GB/s':>10}"
+    )
     # Each engine's gradient all-reduce rides one of the measured transports.
     transports = (allreduce or {}).get("results", {})
-    busbw = {"ddp": next((v["busbw_GBps"] for k, v in transports.items()
-                          if k.startswith("torch-")), None),
-             "horovod": transports.get("horovod", {}).get("busbw_GBps")}
+    busbw = {
+        "ddp": next(
+            (v["busbw_GBps"] for k, v in transports.items() if k.startswith("torch-")), None
+        ),
+        "horovod": transports.get("horovod", {}).get("busbw_GBps"),
+    }
     threads = result.get("threads_per_rank")
-    lines = [f"{result['steps']} steps per run, first {result['warmup']} left out; "
-             + (f"{threads} thread(s) per rank on CPU" if threads else "one GPU per rank"),
-             head, "-" * len(head)]
+    lines = [
+        f"{result['steps']} steps per run, first {result['warmup']} left out; "
+        + (f"{threads} thread(s) per rank on CPU" if threads else "one GPU per rank"),
+        head,
+        "-" * len(head),
+    ]
     for r in result["rows"]:
         busy = " ".join(f"{b:.2f}" for b in r["busy_share"])
         util = f"{r['gpu_util']:.0f}%" if r.get("gpu_util") is not None else "-"
@@ -139,10 +183,13 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
             f"{r['engine']:<8} {r['dp']:>2} {r['precision']:<5} {r['tokens_per_s']:>11.0f} "
             f"{r['tokens_per_s_per_rank']:>10.0f} {r['speedup']:>7.2f} "
             f"{r['scaling_efficiency']:>6.2f} {busy:<22} {r['comm_share']:>5.2f} "
-            f"{r['slowest_rank']:>7} {util:>8} {f'{bw:.2f}' if bw else '-':>10}")
+            f"{r['slowest_rank']:>7} {util:>8} {f'{bw:.2f}' if bw else '-':>10}"
+        )
     lines.append("")
-    lines.append("busbw: the bus bandwidth of the transport each engine's all-reduce rides, "
-                 "from the micro-benchmark below (ps reduces and broadcasts instead)")
+    lines.append(
+        "busbw: the bus bandwidth of the transport each engine's all-reduce rides, "
+        "from the micro-benchmark below (ps reduces and broadcasts instead)"
+    )
     lines += [f"  {name}: {text}" for name, text in ALGORITHM.items()]
     if allreduce:
         lines += ["", render_allreduce(allreduce)]
@@ -205,13 +252,15 @@ def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | No
     host = np.ones(count, dtype=np.float32)
     from mpi4py import MPI
 
-    results["mpi"] = _time(lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM), iters,
-                           warmup, comm.Barrier)
+    results["mpi"] = _time(
+        lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM), iters, warmup, comm.Barrier
+    )
     import torch.distributed as dist
 
     tensor = torch.ones(count, device=grid.device)
-    results[f"torch-{grid.backend}"] = _time(lambda: dist.all_reduce(tensor), iters, warmup,
-                                             comm.Barrier)
+    results[f"torch-{grid.backend}"] = _time(
+        lambda: dist.all_reduce(tensor), iters, warmup, comm.Barrier
+    )
     # Horovod last: its background thread keeps polling once started, and on a machine with
     # as many ranks as cores it would slow the other two measurements.
     os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
@@ -219,8 +268,9 @@ def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | No
 
     hvd.init(comm=comm)
     hv_tensor = torch.ones(count, device=grid.device)
-    results["horovod"] = _time(lambda: hvd.allreduce_(hv_tensor, op=hvd.Sum, name="bench"),
-                               iters, warmup, comm.Barrier)
+    results["horovod"] = _time(
+        lambda: hvd.allreduce_(hv_tensor, op=hvd.Sum, name="bench"), iters, warmup, comm.Barrier
+    )
     # Every rank's median; the slowest rank sets the collective's time.
     gathered = comm.gather(results, root=0)
     if grid.rank != 0:
@@ -229,8 +279,11 @@ def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | No
     for name in results:
         seconds = max(g[name] for g in gathered)
         algbw = nbytes / seconds / 1e9
-        rows[name] = {"seconds": seconds, "algbw_GBps": algbw,
-                      "busbw_GBps": algbw * 2 * (n - 1) / n}
+        rows[name] = {
+            "seconds": seconds,
+            "algbw_GBps": algbw,
+            "busbw_GBps": algbw * 2 * (n - 1) / n,
+        }
     mpi_bus = rows["mpi"]["busbw_GBps"]
     for row in rows.values():
         row["vs_mpi"] = row["busbw_GBps"] / mpi_bus
@@ -239,13 +292,16 @@ def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | No
 
 def render_allreduce(result: dict[str, Any]) -> str:
     """Return the all-reduce micro-benchmark as a small table."""
-    lines = [f"all-reduce of {result['bytes'] / 1e6:.1f} MB float32 on {result['ranks']} ranks "
-             f"(median of {result['iters']}; busbw = algbw x 2(n-1)/n):",
-             f"  {'transport':<12} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
-             f"{'vs MPI':>7}"]
+    lines = [
+        f"all-reduce of {result['bytes'] / 1e6:.1f} MB float32 on {result['ranks']} ranks "
+        f"(median of {result['iters']}; busbw = algbw x 2(n-1)/n):",
+        f"  {'transport':<12} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} {'vs MPI':>7}",
+    ]
     for name, r in result["results"].items():
-        lines.append(f"  {name:<12} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
-                     f"{r['busbw_GBps']:>11.3f} {r['vs_mpi']:>7.2f}")
+        lines.append(
+            f"  {name:<12} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
+            f"{r['busbw_GBps']:>11.3f} {r['vs_mpi']:>7.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -260,14 +316,25 @@ def gradient_bytes(config: Path | None, overrides: list[str]) -> int:
     return 4 * count_parameters(GPT(cfg.model, vocab))
 
 
-def run(config: Path | None, overrides: list[str], dps: list[int], engines: list[str],
-        precisions: list[str], steps: int, warmup: int, out: Path) -> int:
+def run(
+    config: Path | None,
+    overrides: list[str],
+    dps: list[int],
+    engines: list[str],
+    precisions: list[str],
+    steps: int,
+    warmup: int,
+    out: Path,
+) -> int:
     """The ``bench dp`` verb: every run, then the all-reduce benchmark, table, JSON, PNG."""
     result = bench_dp(config, overrides, dps, engines, precisions, steps, warmup, out)
     nbytes = gradient_bytes(config, overrides)
     allreduce_json = out / "allreduce.json"
-    _launch(max(dps), ["bench", "allreduce", "--bytes", str(nbytes), "--json-out",
-                       str(allreduce_json)], timeout=600)
+    _launch(
+        max(dps),
+        ["bench", "allreduce", "--bytes", str(nbytes), "--json-out", str(allreduce_json)],
+        timeout=600,
+    )
     result["allreduce"] = json.loads(allreduce_json.read_text())
     result["gradient_bytes"] = nbytes
     (out / "bench_dp.json").write_text(json.dumps(result, indent=2))

@@ -60,13 +60,15 @@ class Engine:
         """Return the context for a pipeline forward of ``chunk``."""
         return contextlib.nullcontext()
 
-    def pipeline_backward(self, chunk: int, outs: list[torch.Tensor],
-                          grads: list[torch.Tensor | None], last: bool) -> None:
+    def pipeline_backward(
+        self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None], last: bool
+    ) -> None:
         """Backward from ``chunk``'s outputs; ``last`` marks the chunk's last of the step."""
         torch.autograd.backward(outs, grads)
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
-                         accumulation: int) -> torch.optim.Optimizer:
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, accumulation: int
+    ) -> torch.optim.Optimizer:
         """Return the optimizer the trainer should use (Horovod wraps it)."""
         return optimizer
 
@@ -80,8 +82,9 @@ class Engine:
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the reduced (averaged) gradients available where the optimizer steps."""
 
-    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-             clip: float) -> tuple[float, bool]:
+    def step(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip: float
+    ) -> tuple[float, bool]:
         """Unscale, clip, step and update the scaler; return (grad norm, step skipped)."""
         return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
 
@@ -90,9 +93,14 @@ class Engine:
         self.comm_wait_s = 0.0
 
 
-def _local_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                scaler: torch.amp.GradScaler, clip: float,
-                tp_group: Any = None, pp_group: Any = None) -> tuple[float, bool]:
+def _local_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    clip: float,
+    tp_group: Any = None,
+    pp_group: Any = None,
+) -> tuple[float, bool]:
     scaler.unscale_(optimizer)
     norm = clip_grad_norm(list(model.parameters()), clip, tp_group, pp_group)
     if scaler.is_enabled() and not torch.isfinite(norm):
@@ -100,8 +108,7 @@ def _local_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         # everywhere: every rank then skips the step and backs off its scale together, as
         # Megatron-LM does by all-reducing found-inf. Each rank's own check sees only its
         # gradients (GradScaler keeps that flag per optimizer; it has no public setter).
-        for found in scaler._per_optimizer_states[id(optimizer)][
-                "found_inf_per_device"].values():
+        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
             found.fill_(1.0)
     scale = scaler.get_scale()
     scaler.step(optimizer)
@@ -135,6 +142,7 @@ def _timed_hook(inner: Any) -> Any:
             return fut.value()
 
         return inner(state.group, bucket).then(done)
+
     return hook
 
 
@@ -144,23 +152,34 @@ class DDPEngine(Engine):
     name = "ddp"
     waits_in_backward = True
 
-    def __init__(self, model: nn.Module, grid: Any, bucket_mb: float = 25.0,
-                 gradient_as_bucket_view: bool = True, compression: str = "none") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        grid: Any,
+        bucket_mb: float = 25.0,
+        gradient_as_bucket_view: bool = True,
+        compression: str = "none",
+    ) -> None:
         super().__init__(model, grid)
         self.timer = _AllReduceTimer(grid.dp_group)
         if grid.dp > 1:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             from torch.nn.parallel import DistributedDataParallel
 
-            inner = {"none": default_hooks.allreduce_hook,
-                     "fp16": default_hooks.fp16_compress_hook,
-                     "bf16": default_hooks.bf16_compress_hook}[compression]
+            inner = {
+                "none": default_hooks.allreduce_hook,
+                "fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook,
+            }[compression]
 
             def wrap(module: nn.Module) -> DistributedDataParallel:
                 ddp = DistributedDataParallel(
-                    module, device_ids=[grid.device] if grid.device.type == "cuda" else None,
-                    process_group=grid.dp_group, bucket_cap_mb=bucket_mb,
-                    gradient_as_bucket_view=gradient_as_bucket_view)
+                    module,
+                    device_ids=[grid.device] if grid.device.type == "cuda" else None,
+                    process_group=grid.dp_group,
+                    bucket_cap_mb=bucket_mb,
+                    gradient_as_bucket_view=gradient_as_bucket_view,
+                )
                 ddp.register_comm_hook(self.timer, _timed_hook(inner))
                 return ddp
 
@@ -176,8 +195,9 @@ class DDPEngine(Engine):
         module = self.pipeline_modules[chunk]
         return module.no_sync() if self.grid.dp > 1 else contextlib.nullcontext()
 
-    def pipeline_backward(self, chunk: int, outs: list[torch.Tensor],
-                          grads: list[torch.Tensor | None], last: bool) -> None:
+    def pipeline_backward(
+        self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None], last: bool
+    ) -> None:
         if last and self.grid.dp > 1:
             # What DDP's forward does when it will sync, done for the backward that ends the
             # chunk's step (torch.distributed.pipelining does the same).
@@ -205,8 +225,14 @@ class HorovodEngine(Engine):
 
     name = "horovod"
 
-    def __init__(self, model: nn.Module, grid: Any, fusion_mb: float | None = None,
-                 cycle_ms: float | None = None, compression: str = "none") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        grid: Any,
+        fusion_mb: float | None = None,
+        cycle_ms: float | None = None,
+        compression: str = "none",
+    ) -> None:
         super().__init__(model, grid)
         # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes
         # there. Fusion buffer and cycle time are read once, by hvd.init.
@@ -218,29 +244,40 @@ class HorovodEngine(Engine):
         try:
             import horovod.torch as hvd
         except ImportError as err:
-            raise UserError(f"parallel.dp_engine: horovod needs Horovod built with MPI and "
-                            f"PyTorch; run `make setup` ({err})") from None
+            raise UserError(
+                f"parallel.dp_engine: horovod needs Horovod built with MPI and "
+                f"PyTorch; run `make setup` ({err})"
+            ) from None
         if grid.dp_comm is None:
-            raise UserError("parallel.dp_engine: horovod needs a launcher (mpirun or srun "
-                            "--mpi=pmix), even for one rank")
+            raise UserError(
+                "parallel.dp_engine: horovod needs a launcher (mpirun or srun "
+                "--mpi=pmix), even for one rank"
+            )
         hvd.init(comm=grid.dp_comm)
         if hvd.size() != grid.dp:
-            raise UserError(f"Horovod sees {hvd.size()} ranks in the data-parallel group, "
-                            f"the grid has d = {grid.dp}")
+            raise UserError(
+                f"Horovod sees {hvd.size()} ranks in the data-parallel group, "
+                f"the grid has d = {grid.dp}"
+            )
         self.hvd = hvd
-        self.compression = hvd.Compression.fp16 if compression == "fp16" else \
-            hvd.Compression.none
+        self.compression = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         if compression == "bf16":
-            raise UserError("Horovod compresses to fp16 only; use parallel.dp_compression: "
-                            "fp16 or none")
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer,
-                         accumulation: int) -> torch.optim.Optimizer:
+            raise UserError(
+                "Horovod compresses to fp16 only; use parallel.dp_compression: fp16 or none"
+            )
+
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, accumulation: int
+    ) -> torch.optim.Optimizer:
         # A new optimizer object of the same class and groups: load checkpointed state into
         # the returned one, not into the one given.
         return self.hvd.DistributedOptimizer(
-            optimizer, named_parameters=self.model.named_parameters(),
-            backward_passes_per_step=accumulation, compression=self.compression,
-            op=self.hvd.Average)
+            optimizer,
+            named_parameters=self.model.named_parameters(),
+            backward_passes_per_step=accumulation,
+            compression=self.compression,
+            op=self.hvd.Average,
+        )
 
     def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
         # Every replica starts from rank 0's weights, whatever the init, as Horovod users
@@ -256,13 +293,13 @@ class HorovodEngine(Engine):
         optimizer.synchronize()  # waits for the all-reduces the backward hooks started
         self.comm_wait_s += time.perf_counter() - started
 
-    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-             clip: float) -> tuple[float, bool]:
+    def step(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip: float
+    ) -> tuple[float, bool]:
         # Gradients are already averaged (synchronize); unscale and clip those, then step
         # without Horovod synchronising a second time.
         with optimizer.skip_synchronize():
-            return _local_step(self.model, optimizer, scaler, clip, self.tp_group,
-                               self.pp_group)
+            return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
 
 
 class ParameterServerEngine(Engine):
@@ -292,7 +329,7 @@ class ParameterServerEngine(Engine):
         offset = 0
         for target in targets:
             n = target.numel()
-            target.copy_(flat[offset:offset + n].view_as(target))
+            target.copy_(flat[offset : offset + n].view_as(target))
             offset += n
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -310,19 +347,21 @@ class ParameterServerEngine(Engine):
             self._unflatten(flat, [p.grad for p in self.params])
         self.comm_wait_s += time.perf_counter() - started
 
-    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-             clip: float) -> tuple[float, bool]:
+    def step(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip: float
+    ) -> tuple[float, bool]:
         if self.grid.dp == 1:
-            return _local_step(self.model, optimizer, scaler, clip, self.tp_group,
-                               self.pp_group)
+            return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
         device = self.params[0].device  # nccl moves CUDA tensors only
         result = torch.zeros(3, device=device)  # grad norm, skipped, new loss scale
         if self.is_root:
-            norm, skipped = _local_step(self.model, optimizer, scaler, clip, self.tp_group,
-                                        self.pp_group)
-            result = torch.tensor([norm, float(skipped),
-                                   scaler.get_scale() if scaler.is_enabled() else 1.0],
-                                  device=device)
+            norm, skipped = _local_step(
+                self.model, optimizer, scaler, clip, self.tp_group, self.pp_group
+            )
+            result = torch.tensor(
+                [norm, float(skipped), scaler.get_scale() if scaler.is_enabled() else 1.0],
+                device=device,
+            )
         started = time.perf_counter()
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -343,11 +382,17 @@ class ParameterServerEngine(Engine):
 def build_engine(name: str, model: nn.Module, grid: Any, parallel: Any) -> Engine:
     """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``."""
     if name == "ddp":
-        return DDPEngine(model, grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view,
-                         parallel.dp_compression)
+        return DDPEngine(
+            model, grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression
+        )
     if name == "horovod":
-        return HorovodEngine(model, grid, parallel.horovod_fusion_mb,
-                             parallel.horovod_cycle_ms, parallel.dp_compression)
+        return HorovodEngine(
+            model,
+            grid,
+            parallel.horovod_fusion_mb,
+            parallel.horovod_cycle_ms,
+            parallel.dp_compression,
+        )
     if name == "ps":
         if parallel.dp_compression != "none":
             raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")

@@ -48,8 +48,9 @@ class _Tracker:
 _TRACKER = _Tracker()
 
 
-def seed_streams(seed: int, tp_rank: int = 0, pp_rank: int = 0,
-                 device: torch.device | None = None) -> None:
+def seed_streams(
+    seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | None = None
+) -> None:
     """Seed the default stream (same on tp ranks) and the tensor-parallel one (per tp rank).
 
     Pipeline stages get different streams; data-parallel replicas share them, as in
@@ -60,8 +61,7 @@ def seed_streams(seed: int, tp_rank: int = 0, pp_rank: int = 0,
     tp_seed = default_seed + TP_SEED_OFFSET + tp_rank
     on_cuda = device is not None and device.type == "cuda"
     torch.manual_seed(tp_seed)  # seeds the CPU and every CUDA generator
-    _TRACKER.restore((torch.get_rng_state(),
-                      torch.cuda.get_rng_state() if on_cuda else None))
+    _TRACKER.restore((torch.get_rng_state(), torch.cuda.get_rng_state() if on_cuda else None))
     torch.manual_seed(default_seed)
 
 
@@ -76,8 +76,9 @@ def tp_rng(group: Any) -> Iterator[None]:
         yield
         return
     if not _TRACKER.seeded:
-        raise RuntimeError("dropout in a tensor-parallel region needs "
-                           "hpcllm.parallel.random.seed_streams() first")
+        raise RuntimeError(
+            "dropout in a tensor-parallel region needs hpcllm.parallel.random.seed_streams() first"
+        )
     cpu, cuda = torch.get_rng_state(), _cuda_state()
     torch.set_rng_state(_TRACKER.cpu)
     if cuda is not None and _TRACKER.cuda is not None:
@@ -110,8 +111,9 @@ class _Replay:
         _TRACKER.restore(self.now.pop())
 
 
-def recompute_context() -> tuple[contextlib.AbstractContextManager[None],
-                                 contextlib.AbstractContextManager[None]]:
+def recompute_context() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
     """``context_fn`` for ``torch.utils.checkpoint``: recompute with the tp stream's state then.
 
     Called when the checkpointed forward starts; every recomputation in backward draws the

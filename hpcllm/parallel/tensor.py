@@ -55,13 +55,19 @@ class CommLog:
 
     def total(self, op: str | None = None, direction: str | None = None) -> int:
         """Return the bytes of the calls matching ``op`` and ``direction`` (None: any)."""
-        return sum(n for o, d, n in self.calls
-                   if (op is None or o == op) and (direction is None or d == direction))
+        return sum(
+            n
+            for o, d, n in self.calls
+            if (op is None or o == op) and (direction is None or d == direction)
+        )
 
     def count(self, op: str | None = None, direction: str | None = None) -> int:
         """Return how many calls match ``op`` and ``direction``."""
-        return sum(1 for o, d, _ in self.calls
-                   if (op is None or o == op) and (direction is None or d == direction))
+        return sum(
+            1
+            for o, d, _ in self.calls
+            if (op is None or o == op) and (direction is None or d == direction)
+        )
 
 
 _LOGS: list[CommLog] = []
@@ -125,8 +131,10 @@ def _gather(x: torch.Tensor, group: Any, backward: bool, dim: int = -1) -> torch
 def _reduce_scatter(x: torch.Tensor, group: Any, backward: bool, dim: int) -> torch.Tensor:
     size = _size(group)
     if x.shape[dim] % size:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over the "
-                         f"{size} tensor-parallel ranks")
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} does not split over the "
+            f"{size} tensor-parallel ranks"
+        )
     _record("reduce_scatter", x.numel() * x.element_size(), backward)
     parts = [c.contiguous() for c in x.chunk(size, dim=dim)]
     out = torch.empty_like(parts[0])
@@ -251,8 +259,9 @@ def weight_grads(deferred: list[tuple[Any, ...]]) -> list[tuple[torch.Tensor, to
     return out
 
 
-def _weight_grad_or_defer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                          grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _weight_grad_or_defer(
+    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if _WGRAD.queue is not None:
         _WGRAD.queue.append((weight, bias, x, grad))
         return None, None
@@ -264,8 +273,9 @@ class _Linear(torch.autograd.Function):
     """F.linear whose weight gradient a zero-bubble backward can defer to its W."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         # The parameters themselves, for W: under activation recomputation the saved weight
         # comes back as a recomputed alias, not the parameter its gradient belongs to.
         ctx.weight, ctx.bias = weight, bias
@@ -280,8 +290,7 @@ class _Linear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or under :func:`deferrable_weight_grads` one whose weight grad can wait."""
     if _WGRAD.deferrable and torch.is_grad_enabled():
         return _Linear.apply(x, weight, bias)
@@ -297,8 +306,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any
+    ) -> torch.Tensor:
         ctx.group, ctx.weight, ctx.bias = group, weight, bias
         ctx.save_for_backward(x, weight)
         return F.linear(_gather(x, group, False, SEQ_DIM), weight, bias)
@@ -348,8 +358,9 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
 
 
-def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: Any) -> torch.Tensor:
+def sequence_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any
+) -> torch.Tensor:
     """Return ``linear(all_gather_sequence(x), weight, bias)``, storing only x's part."""
     if _size(group) == 1:
         return linear(x, weight, bias)
@@ -358,9 +369,11 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 def normal_init(std: float) -> InitFn:
     """Return an initialiser that draws N(0, std²) from the given generator."""
+
     def init(weight: torch.Tensor, gen: torch.Generator) -> None:
         with torch.no_grad():
             weight.normal_(0.0, std, generator=gen)
+
     return init
 
 
@@ -396,19 +409,24 @@ def reduce_sequence_parallel_grads(model: nn.Module, group: Any) -> None:
     """
     if _size(group) == 1:
         return
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
-    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
-                             strict=True):
+    for grad, reduced in zip(
+        grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+    ):
         grad.copy_(reduced)
 
 
-def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
-                   tp_group: Any = None, pp_group: Any = None) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: list[torch.Tensor], max_norm: float, tp_group: Any = None, pp_group: Any = None
+) -> torch.Tensor:
     """Clip gradients by the model's global norm across tp and pp; return that norm.
 
     Sliced parameters contribute their squares from every tp rank (an all-reduce); whole
@@ -445,8 +463,7 @@ def clip_grad_norm(parameters: list[torch.Tensor], max_norm: float,
 def merge_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
     """Return the whole tensor whose tp slices (:func:`shard_of`) are ``shards``, in rank order."""
     blocks = [s.chunk(stride, dim=dim) for s in shards]
-    return torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(stride)],
-                     dim=dim)
+    return torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(stride)], dim=dim)
 
 
 def shard_of(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
@@ -459,8 +476,15 @@ def shard_of(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) ->
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
 
 
-def _init_shard(shard: torch.Tensor, full_shape: tuple[int, ...], dim: int, stride: int,
-                init: InitFn, gen: torch.Generator, group: Any) -> None:
+def _init_shard(
+    shard: torch.Tensor,
+    full_shape: tuple[int, ...],
+    dim: int,
+    stride: int,
+    init: InitFn,
+    gen: torch.Generator,
+    group: Any,
+) -> None:
     """Initialise the whole weight from ``gen`` and copy this rank's slice into ``shard``."""
     full = torch.empty(full_shape, dtype=torch.float32)
     init(full, gen)
@@ -471,9 +495,19 @@ def _init_shard(shard: torch.Tensor, full_shape: tuple[int, ...], dim: int, stri
 class ColumnParallelLinear(nn.Module):
     """Y = X·Aᵀ + b with A split by output rows: each rank computes its columns of Y."""
 
-    def __init__(self, in_features: int, out_features: int, *, group: Any, gen: torch.Generator,
-                 init: InitFn, bias: bool = True, gather_output: bool = False,
-                 stride: int = 1, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: Any,
+        gen: torch.Generator,
+        init: InitFn,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         t = _size(group)
         if out_features % (t * stride):
@@ -506,9 +540,18 @@ class RowParallelLinear(nn.Module):
     fused bias-dropout-add can take it.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, group: Any, gen: torch.Generator,
-                 init: InitFn, bias: bool = True, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: Any,
+        gen: torch.Generator,
+        init: InitFn,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         t = _size(group)
         if in_features % t:
@@ -535,9 +578,17 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split over the tp group."""
 
-    def __init__(self, num_embeddings: int, dim: int, *, group: Any, gen: torch.Generator,
-                 init: InitFn, real_rows: int | None = None,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        *,
+        group: Any,
+        gen: torch.Generator,
+        init: InitFn,
+        real_rows: int | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         t = _size(group)
         if num_embeddings % t:
@@ -581,8 +632,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any,
-                vocab_start: int, vocab_size: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        group: Any,
+        vocab_start: int,
+        vocab_size: int,
+    ) -> torch.Tensor:
         from hpcllm import kernels
 
         rows, flat = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
@@ -591,8 +648,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _record("all_reduce", global_top.numel() * global_top.element_size(), False)
         dist.all_reduce(global_top, op=dist.ReduceOp.MAX, group=group)
         # A slice that holds only padding has max -inf and sum 0: it adds nothing.
-        scaled = torch.where(sumexp > 0, sumexp * torch.exp(top - global_top),
-                             torch.zeros_like(sumexp))
+        scaled = torch.where(
+            sumexp > 0, sumexp * torch.exp(top - global_top), torch.zeros_like(sumexp)
+        )
         sums = _all_reduce(torch.stack([scaled, target]), group, backward=False)
         lse = global_top + sums[0].log()
         ctx.save_for_backward(rows, flat, lse)
@@ -604,13 +662,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         from hpcllm import kernels
 
         rows, flat, lse = ctx.saved_tensors
-        d_logits = kernels.vocab_ce_backward(rows, flat, lse, grad / flat.numel(),
-                                             ctx.vocab_start, ctx.vocab_size)
+        d_logits = kernels.vocab_ce_backward(
+            rows, flat, lse, grad / flat.numel(), ctx.vocab_start, ctx.vocab_size
+        )
         return d_logits.view(ctx.shape), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any,
-                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group: Any, vocab_start: int, vocab_size: int
+) -> torch.Tensor:
     """Return the mean token cross-entropy of vocabulary-split logits, never gathering them.
 
     ``logits`` is this rank's (..., V_padded / t) slice starting at ``vocab_start``; columns at

@@ -21,8 +21,9 @@ from hpcllm.train.optim import autocast, build_optimizer
 from hpcllm.train.trainer import Trainer
 
 
-def _plain_loop(cfg: Config, vocab: int, device: torch.device, batches: list[Any],
-                accumulation: int) -> Any:
+def _plain_loop(
+    cfg: Config, vocab: int, device: torch.device, batches: list[Any], accumulation: int
+) -> Any:
     """Return a closure running one step of a textbook PyTorch training loop."""
     t = cfg.train
     model = GPT(cfg.model, vocab, seed=t.seed).to(device).train()
@@ -57,8 +58,7 @@ def bench_overhead(cfg: Config, steps: int, rounds: int, warmup: int = 3) -> dic
     # The plain loop gets the same batch shapes, read up front (it does no data loading).
     sample = [next(batches) for _ in range(8)]
     plain_batches = [(b.input_ids.to(device), b.labels.to(device)) for b in sample]
-    plain = _plain_loop(cfg, trainer.model.vocab_size, device, plain_batches,
-                        trainer.accumulation)
+    plain = _plain_loop(cfg, trainer.model.vocab_size, device, plain_batches, trainer.accumulation)
 
     def ours() -> None:
         # The loop's per-step work too: the stop-signal agreement (an all-reduce).
@@ -79,7 +79,11 @@ def bench_overhead(cfg: Config, steps: int, rounds: int, warmup: int = 3) -> dic
                 times[name].append(time.perf_counter() - start)
     batches.close()
     medians = {k: statistics.median(v) for k, v in times.items()}
-    return {"steps_each": steps * rounds, "median_step_s": medians,
-            "ratio": medians["hpcllm"] / medians["plain"],
-            "tokens_per_step": trainer.tokens_per_step, "device": str(device),
-            "precision": cfg.train.precision}
+    return {
+        "steps_each": steps * rounds,
+        "median_step_s": medians,
+        "ratio": medians["hpcllm"] / medians["plain"],
+        "tokens_per_step": trainer.tokens_per_step,
+        "device": str(device),
+        "precision": cfg.train.precision,
+    }

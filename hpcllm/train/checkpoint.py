@@ -43,8 +43,11 @@ def shard_file(tp_rank: int, pp_rank: int) -> str:
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """Return every RNG state a step may draw from."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -59,8 +62,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save(run_dir: Path, step: int, grid: Any, shard: dict[str, Any], meta: dict[str, Any],
-         config_yaml: str) -> Path:
+def save(
+    run_dir: Path,
+    step: int,
+    grid: Any,
+    shard: dict[str, Any],
+    meta: dict[str, Any],
+    config_yaml: str,
+) -> Path:
     """Write the checkpoint of ``step`` (a collective: every rank calls it); return its path."""
     root = run_dir / "checkpoints"
     final = root / _name(step)
@@ -76,8 +85,12 @@ def save(run_dir: Path, step: int, grid: Any, shard: dict[str, Any], meta: dict[
         _fsync(path)
     dist.barrier()
     if grid.rank == 0:
-        _publish(root, step, {**meta, "step": step, "tp": grid.tp, "pp": grid.pp,
-                              "dp": grid.dp}, config_yaml)
+        _publish(
+            root,
+            step,
+            {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp},
+            config_yaml,
+        )
     dist.barrier()
     return final
 
@@ -100,9 +113,17 @@ def _publish(root: Path, step: int, meta: dict[str, Any], config_yaml: str) -> N
     _fsync(root)
 
 
-def write_offline(run_dir: Path, step: int, shards: dict[tuple[int, int], dict[str, Any]],
-                  meta: dict[str, Any], config_yaml: str, *, tp: int, pp: int,
-                  dp: int | None) -> Path:
+def write_offline(
+    run_dir: Path,
+    step: int,
+    shards: dict[tuple[int, int], dict[str, Any]],
+    meta: dict[str, Any],
+    config_yaml: str,
+    *,
+    tp: int,
+    pp: int,
+    dp: int | None,
+) -> Path:
     """Write a whole checkpoint from one process (conversion tools); return its folder."""
     root = run_dir / "checkpoints"
     tmp = root / f".{_name(step)}.partial"
@@ -146,9 +167,11 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
     """Return this rank's shard of a checkpoint, after checking the grid it was saved with."""
     meta = read_meta(folder)
     if (meta["tp"], meta["pp"]) != (tp, pp):
-        raise UserError(f"{folder} was saved with tp={meta['tp']}, pp={meta['pp']} and this "
-                        f"run has tp={tp}, pp={pp}; hpcllm convert --tp N re-cuts tensor-"
-                        "parallel shards (pipeline stages must match)")
+        raise UserError(
+            f"{folder} was saved with tp={meta['tp']}, pp={meta['pp']} and this "
+            f"run has tp={tp}, pp={pp}; hpcllm convert --tp N re-cuts tensor-"
+            "parallel shards (pipeline stages must match)"
+        )
     path = folder / shard_file(tp_rank, pp_rank)
     if not path.is_file():
         raise UserError(f"checkpoint shard {path} is missing")

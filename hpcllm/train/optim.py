@@ -38,18 +38,22 @@ def lr_at(step: int, train: TrainConfig, global_batch: int) -> float:
     return bottom + 0.5 * (top - bottom) * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig,
-                    device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, train: TrainConfig, device: torch.device
+) -> torch.optim.AdamW:
     """Return AdamW over ``model``: weight decay on matrices (≥ 2-D) only, fused on CUDA."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     fast: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2),
-                             eps=train.adam_eps, **fast)
+    return torch.optim.AdamW(
+        groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.adam_eps, **fast
+    )
 
 
 def build_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:

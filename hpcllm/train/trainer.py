@@ -63,17 +63,21 @@ def _check_pipeline(cfg: Config, accumulation: int) -> None:
             raise UserError("parallel.vpp > 1 needs a pipeline (parallel.pp > 1)")
         return
     if p.schedule == "interleaved" and p.vpp < 2:
-        raise UserError("parallel.schedule: interleaved needs parallel.vpp >= 2 virtual "
-                        "stages per rank")
+        raise UserError(
+            "parallel.schedule: interleaved needs parallel.vpp >= 2 virtual stages per rank"
+        )
     if p.schedule != "interleaved" and p.vpp > 1:
-        raise UserError(f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved "
-                        f"(not {p.schedule})")
+        raise UserError(
+            f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved (not {p.schedule})"
+        )
     try:
         check_sizes(p.schedule, p.pp, accumulation, p.vpp)
         split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
     except ValueError as err:
-        raise UserError(f"{err} (the micro-batches per step are train.global_batch_size / "
-                        f"(micro_batch_size x d) = {accumulation})") from None
+        raise UserError(
+            f"{err} (the micro-batches per step are train.global_batch_size / "
+            f"(micro_batch_size x d) = {accumulation})"
+        ) from None
 
 
 class Trainer:
@@ -85,8 +89,9 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
         # A stop signal during set-up (minutes on a big model) is honoured at the first step.
         self._stop_signal: int | None = None
-        self._previous_handlers = {s: signal.signal(s, self._on_signal)
-                                   for s in (signal.SIGTERM, signal.SIGUSR1)}
+        self._previous_handlers = {
+            s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)
+        }
         self.grid = topology.init(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
         self.device = self.grid.device
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -96,8 +101,10 @@ class Trainer:
         self.manifest = load_manifest(cfg.data.path)
         vocab = self.vocab_size = cfg.model.vocab_size or self.manifest.vocab_size
         if vocab < self.manifest.vocab_size:
-            raise UserError(f"model.vocab_size {vocab} is smaller than the data's tokenizer "
-                            f"({self.manifest.vocab_size})")
+            raise UserError(
+                f"model.vocab_size {vocab} is smaller than the data's tokenizer "
+                f"({self.manifest.vocab_size})"
+            )
         kernels.set_enabled(kernels.resolve_fused(cfg.model.fused_kernels, self.device))
         if self.device.type == "cuda":
             # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
@@ -122,14 +129,26 @@ class Trainer:
         tp_group = self.grid.tp_group if p.tp > 1 else None
         self.pipelined = p.pp > 1
         if self.pipelined:
-            self.model = build_chunks(cfg.model, vocab, p=p.pp, rank=self.grid.pp_rank,
-                                      v=p.vpp, tp_group=tp_group, seed=t.seed,
-                                      sequence_parallel=p.sequence_parallel,
-                                      layers=p.pipeline_layers).to(self.device)
+            self.model = build_chunks(
+                cfg.model,
+                vocab,
+                p=p.pp,
+                rank=self.grid.pp_rank,
+                v=p.vpp,
+                tp_group=tp_group,
+                seed=t.seed,
+                sequence_parallel=p.sequence_parallel,
+                layers=p.pipeline_layers,
+            ).to(self.device)
             self._setup_pipeline()
         else:
-            self.model = GPT(cfg.model, vocab, tp_group=tp_group, seed=t.seed,
-                             sequence_parallel=p.sequence_parallel).to(self.device)
+            self.model = GPT(
+                cfg.model,
+                vocab,
+                tp_group=tp_group,
+                seed=t.seed,
+                sequence_parallel=p.sequence_parallel,
+            ).to(self.device)
         self.padded_vocab = padded_vocab(vocab, p.tp)
         self.timeline: list[Interval] = []
         self.scaler = build_scaler(t.precision, self.device)
@@ -140,50 +159,81 @@ class Trainer:
         # loaded into it, then makes every replica hold what rank 0 holds.
         self.engine = build_engine(p.dp_engine, self.model, self.grid, p)
         self.optimizer = self.engine.attach_optimizer(
-            build_optimizer(self.model, t, self.device), self.accumulation)
+            build_optimizer(self.model, t, self.device), self.accumulation
+        )
         self._resume()
         self.engine.broadcast_state(self.optimizer)
         self.reader = MicroBatchReader(
-            self.manifest, seq_len=cfg.model.seq_len, micro_batch_size=t.micro_batch_size,
-            dp_rank=self.grid.dp_rank, dp_size=self.grid.dp, seed=cfg.data.seed,
-            consumed_samples=self.consumed_samples, prefetch=cfg.data.prefetch)
+            self.manifest,
+            seq_len=cfg.model.seq_len,
+            micro_batch_size=t.micro_batch_size,
+            dp_rank=self.grid.dp_rank,
+            dp_size=self.grid.dp,
+            seed=cfg.data.seed,
+            consumed_samples=self.consumed_samples,
+            prefetch=cfg.data.prefetch,
+        )
         self.val_reader = self._val_reader()
         self.flops_per_step = observe.step_flops(
-            self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
-            self.padded_vocab, cfg.model.recompute)
+            self.global_batch,
+            cfg.model.seq_len,
+            cfg.model.n_layer,
+            cfg.model.d_model,
+            self.padded_vocab,
+            cfg.model.recompute,
+        )
         self.model_flops_per_step = observe.step_flops(
-            self.global_batch, cfg.model.seq_len, cfg.model.n_layer, cfg.model.d_model,
-            self.padded_vocab, "none")
+            self.global_batch,
+            cfg.model.seq_len,
+            cfg.model.n_layer,
+            cfg.model.d_model,
+            self.padded_vocab,
+            "none",
+        )
         self.peak = observe.peak_tflops(self.device, t.precision, t.peak_tflops)
         self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
 
     def _setup_pipeline(self) -> None:
         """The schedule, the channel to the neighbouring stages and the embedding group."""
         p, m = self.cfg.parallel, self.cfg.model
-        self.actions = rank_actions(p.schedule, p.pp, self.grid.pp_rank, self.accumulation,
-                                    p.vpp)
+        self.actions = rank_actions(p.schedule, p.pp, self.grid.pp_rank, self.accumulation, p.vpp)
         sp = p.sequence_parallel and p.tp > 1
-        shape = (self.cfg.train.micro_batch_size, m.seq_len // p.tp if sp else m.seq_len,
-                 m.d_model)
-        self.channel = Channel(prev=self.grid.pp_prev, next=self.grid.pp_next, shape=shape,
-                               dtype=torch.float32, device=self.device,
-                               tp_group=self.grid.tp_group if p.tp > 1 else None,
-                               scatter_gather=p.scatter_gather, sequence_parallel=sp)
+        shape = (self.cfg.train.micro_batch_size, m.seq_len // p.tp if sp else m.seq_len, m.d_model)
+        self.channel = Channel(
+            prev=self.grid.pp_prev,
+            next=self.grid.pp_next,
+            shape=shape,
+            dtype=torch.float32,
+            device=self.device,
+            tp_group=self.grid.tp_group if p.tp > 1 else None,
+            scatter_gather=p.scatter_gather,
+            sequence_parallel=sp,
+        )
         self.embedding_group = embedding_group(self.grid)
 
     def _val_reader(self) -> MicroBatchReader | None:
         """Return the validation reader, None (with a warning) if the data has no val split."""
         if self.manifest.n_tokens("val") == 0:
             if self.grid.rank == 0:
-                print("hpcllm: warning: the data has no validation split; val_loss is not "
-                      "computed (prepare with --val-fraction > 0)", file=sys.stderr, flush=True)
+                print(
+                    "hpcllm: warning: the data has no validation split; val_loss is not "
+                    "computed (prepare with --val-fraction > 0)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
         # Built now so that a validation split too small for one global micro-batch stops the
         # run before training, not after it.
-        return MicroBatchReader(self.manifest, split="val", seq_len=self.cfg.model.seq_len,
-                                micro_batch_size=self.cfg.train.micro_batch_size,
-                                dp_rank=self.grid.dp_rank, dp_size=self.grid.dp,
-                                seed=self.cfg.data.seed, prefetch=2)
+        return MicroBatchReader(
+            self.manifest,
+            split="val",
+            seq_len=self.cfg.model.seq_len,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            dp_rank=self.grid.dp_rank,
+            dp_size=self.grid.dp,
+            seed=self.cfg.data.seed,
+            prefetch=2,
+        )
 
     def _check_run_dir(self, vocab: int) -> None:
         """Refuse a checkpoint of another model shape; clear old checkpoints on resume: none."""
@@ -201,8 +251,11 @@ class Trainer:
         saved_cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
         saved, mine = saved_cfg.model, self.cfg.model
         keys = ("n_layer", "n_head", "d_model", "seq_len")
-        different = [f"{k} {getattr(saved, k)} vs {getattr(mine, k)}" for k in keys
-                     if getattr(saved, k) != getattr(mine, k)]
+        different = [
+            f"{k} {getattr(saved, k)} vs {getattr(mine, k)}"
+            for k in keys
+            if getattr(saved, k) != getattr(mine, k)
+        ]
         if self.cfg.parallel.pp > 1 and saved_cfg.parallel.pp == self.cfg.parallel.pp:
             # Same p but another cut of the blocks: each rank's shard holds other layers.
             for key in ("vpp", "pipeline_layers"):
@@ -213,9 +266,11 @@ class Trainer:
         if saved_vocab not in (None, vocab):
             different.append(f"vocabulary {saved_vocab} vs {vocab}")
         if different:
-            raise UserError(f"{folder} holds another model ({', '.join(different)}); train "
-                            f"with --config {folder / 'config.yaml'} (and your data.path), or "
-                            "set run.resume=none to start over")
+            raise UserError(
+                f"{folder} holds another model ({', '.join(different)}); train "
+                f"with --config {folder / 'config.yaml'} (and your data.path), or "
+                "set run.resume=none to start over"
+            )
 
     # -- state ---------------------------------------------------------------------------
 
@@ -225,8 +280,9 @@ class Trainer:
         folder = checkpoint.latest(self.run_dir)
         if folder is None:
             return
-        shard = checkpoint.load_shard(folder, self.grid.tp_rank, self.grid.pp_rank,
-                                      self.grid.tp, self.grid.pp)
+        shard = checkpoint.load_shard(
+            folder, self.grid.tp_rank, self.grid.pp_rank, self.grid.tp, self.grid.pp
+        )
         self.model.load_state_dict(shard["model"])
         if shard.get("optimizer") is not None:
             self.optimizer.load_state_dict(shard["optimizer"])
@@ -239,20 +295,36 @@ class Trainer:
         self.consumed_samples = meta.get("consumed_samples", 0)
         self.skipped_steps = meta.get("skipped_steps", 0)
         if meta.get("global_batch") not in (None, self.global_batch):
-            raise UserError(f"{folder} was trained with global batch {meta['global_batch']}; "
-                            f"this run has {self.global_batch}, so the data position would "
-                            "not line up")
+            raise UserError(
+                f"{folder} was trained with global batch {meta['global_batch']}; "
+                f"this run has {self.global_batch}, so the data position would "
+                "not line up"
+            )
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (every rank must call this)."""
         import yaml
 
-        shard = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scaler": self.scaler.state_dict(), "rng": checkpoint.rng_state(self.device)}
-        meta = {"consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
-                "global_batch": self.global_batch, "vocab_size": self.vocab_size}
-        return checkpoint.save(self.run_dir, self.step, self.grid, shard, meta,
-                               yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        shard = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": checkpoint.rng_state(self.device),
+        }
+        meta = {
+            "consumed_samples": self.consumed_samples,
+            "skipped_steps": self.skipped_steps,
+            "global_batch": self.global_batch,
+            "vocab_size": self.vocab_size,
+        }
+        return checkpoint.save(
+            self.run_dir,
+            self.step,
+            self.grid,
+            shard,
+            meta,
+            yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+        )
 
     # -- one step ------------------------------------------------------------------------
 
@@ -288,8 +360,7 @@ class Trainer:
             last = micro == self.accumulation - 1
             computed = time.perf_counter()
             with self.engine.accumulate(last):
-                with observe.nvtx_range(f"forward mb{micro}"), autocast(t.precision,
-                                                                         self.device):
+                with observe.nvtx_range(f"forward mb{micro}"), autocast(t.precision, self.device):
                     loss = self.engine.module(ids, labels)
                 with observe.nvtx_range(f"backward mb{micro}"):
                     self.scaler.scale(loss / self.accumulation).backward()
@@ -319,10 +390,17 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - started
-        return {"step": self.step, "loss": loss_mean.item(), "lr": lr,
-                "grad_norm": grad_norm, "step_time_s": step_time,
-                "data_time_s": data_time, "compute_s": compute_time,
-                "comm_wait_s": self.engine.comm_wait_s, "skipped": bool(skipped)}
+        return {
+            "step": self.step,
+            "loss": loss_mean.item(),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": step_time,
+            "data_time_s": data_time,
+            "compute_s": compute_time,
+            "comm_wait_s": self.engine.comm_wait_s,
+            "skipped": bool(skipped),
+        }
 
     def _pipeline_step(self, batches: Any, timed: bool) -> tuple[torch.Tensor, float, float]:
         """Run the step's micro-batches through the pipeline schedule.
@@ -336,23 +414,34 @@ class Trainer:
         micro = []
         for _ in range(self.accumulation):
             batch = next(batches)
-            micro.append((batch.input_ids.to(self.device, non_blocking=True),
-                          batch.labels.to(self.device, non_blocking=True)))
+            micro.append(
+                (
+                    batch.input_ids.to(self.device, non_blocking=True),
+                    batch.labels.to(self.device, non_blocking=True),
+                )
+            )
         data_time = time.perf_counter() - fetched
         # Only the last stage scales a loss; every stage's scaler must hold the scale, since
         # each unscales its own gradients and all of them update it together.
         self.scaler.scale(torch.zeros((), device=self.device))
-        work = GPTStageWork(self.model, self.engine, micro,
-                            autocast=lambda: autocast(t.precision, self.device),
-                            scale=self.scaler.scale,
-                            split_backward=self.cfg.parallel.schedule == "zb-h1")
+        work = GPTStageWork(
+            self.model,
+            self.engine,
+            micro,
+            autocast=lambda: autocast(t.precision, self.device),
+            scale=self.scaler.scale,
+            split_backward=self.cfg.parallel.schedule == "zb-h1",
+        )
         # Stages start together, so that the recorded timelines share one origin.
         dist.barrier(group=self.grid.pp_group)
         with observe.nvtx_range(f"pipeline {self.cfg.parallel.schedule}"):
             sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else None
             self.timeline = Runtime(self.channel).run(
-                self.actions, work, split_backward=self.cfg.parallel.schedule == "zb-h1",
-                synchronize=sync)
+                self.actions,
+                work,
+                split_backward=self.cfg.parallel.schedule == "zb-h1",
+                synchronize=sync,
+            )
         compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
         loss_sum = torch.zeros((), device=self.device)
         for loss in work.losses.values():
@@ -368,9 +457,11 @@ class Trainer:
         """
         from hpcllm.parallel.tensor import is_split
 
-        count = sum(p.numel() * (self.grid.tp if is_split(p) else 1)
-                    for p in self.model.parameters()
-                    if not getattr(p, "pipeline_duplicate", False))
+        count = sum(
+            p.numel() * (self.grid.tp if is_split(p) else 1)
+            for p in self.model.parameters()
+            if not getattr(p, "pipeline_duplicate", False)
+        )
         if self.grid.pp > 1:
             total = torch.tensor([count], dtype=torch.int64, device=self.device)
             dist.all_reduce(total, group=self.grid.pp_group)
@@ -384,12 +475,20 @@ class Trainer:
         folder = self.run_dir / "timeline"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.grid.rank:05d}.json"
-        record = {"rank": self.grid.rank, "pp_rank": self.grid.pp_rank,
-                  "tp_rank": self.grid.tp_rank, "dp_rank": self.grid.dp_rank,
-                  "step": self.step, "schedule": self.cfg.parallel.schedule,
-                  "pp": self.grid.pp, "vpp": self.grid.vpp, "microbatches": self.accumulation,
-                  "intervals": [[i.kind.value, i.microbatch, i.chunk, i.start, i.end]
-                                for i in self.timeline]}
+        record = {
+            "rank": self.grid.rank,
+            "pp_rank": self.grid.pp_rank,
+            "tp_rank": self.grid.tp_rank,
+            "dp_rank": self.grid.dp_rank,
+            "step": self.step,
+            "schedule": self.cfg.parallel.schedule,
+            "pp": self.grid.pp,
+            "vpp": self.grid.vpp,
+            "microbatches": self.accumulation,
+            "intervals": [
+                [i.kind.value, i.microbatch, i.chunk, i.start, i.end] for i in self.timeline
+            ],
+        }
         partial = folder / f".{path.name}.partial"
         partial.write_text(json.dumps(record))
         os.replace(partial, path)
@@ -410,19 +509,20 @@ class Trainer:
             for _ in range(iters):
                 batch = next(batches)
                 micro.append((batch.input_ids.to(self.device), batch.labels.to(self.device)))
-            work = GPTStageWork(self.model, self.engine, micro,
-                                autocast=lambda: autocast(t.precision, self.device))
+            work = GPTStageWork(
+                self.model, self.engine, micro, autocast=lambda: autocast(t.precision, self.device)
+            )
             p = self.cfg.parallel
-            Runtime(self.channel).run(forward_only(p.pp, self.grid.pp_rank, iters, p.vpp),
-                                      work)
+            Runtime(self.channel).run(forward_only(p.pp, self.grid.pp_rank, iters, p.vpp), work)
             for loss in work.losses.values():
                 total += loss.float()
             dist.all_reduce(total, group=self.grid.pp_group)
         for _ in range(0 if self.pipelined else iters):
             batch = next(batches)
             with autocast(t.precision, self.device):
-                total += self.model(batch.input_ids.to(self.device),
-                                    batch.labels.to(self.device)).float()
+                total += self.model(
+                    batch.input_ids.to(self.device), batch.labels.to(self.device)
+                ).float()
         batches.close()
         total /= iters
         if self.grid.dp > 1:
@@ -446,16 +546,18 @@ class Trainer:
 
         Synchronous updates wait for the slowest rank: it computes longest and waits least.
         """
-        mine = (record["compute_s"], record["comm_wait_s"],
-                observe.gpu_utilisation(self.device))
+        mine = (record["compute_s"], record["comm_wait_s"], observe.gpu_utilisation(self.device))
         rows: list[Any] = [None] * self.grid.world_size
         dist.all_gather_object(rows, mine)
         compute = [r[0] for r in rows]
-        return {"rank_compute_s": compute, "rank_comm_wait_s": [r[1] for r in rows],
-                "rank_busy_share": [c / record["step_time_s"] for c in compute],
-                "rank_gpu_util": [r[2] for r in rows],
-                "slowest_rank": max(range(len(compute)), key=compute.__getitem__),
-                "dp_engine": self.engine.name}
+        return {
+            "rank_compute_s": compute,
+            "rank_comm_wait_s": [r[1] for r in rows],
+            "rank_busy_share": [c / record["step_time_s"] for c in compute],
+            "rank_gpu_util": [r[2] for r in rows],
+            "slowest_rank": max(range(len(compute)), key=compute.__getitem__),
+            "dp_engine": self.engine.name,
+        }
 
     def _metrics(self, record: dict[str, Any], step_times: list[float]) -> dict[str, Any]:
         record.update(self._per_rank(record))
@@ -478,12 +580,22 @@ class Trainer:
         """Train to ``train.steps`` (or a stop signal); return the run's summary."""
         t = self.cfg.train
         is_root = self.grid.rank == 0
-        log = observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard, self.step) \
-            if is_root else None
+        log = (
+            observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard, self.step)
+            if is_root
+            else None
+        )
         from tqdm import tqdm
 
-        bar = tqdm(total=t.steps, initial=self.step, disable=not (progress and is_root),
-                   desc="train", unit="step", dynamic_ncols=True, mininterval=2.0)
+        bar = tqdm(
+            total=t.steps,
+            initial=self.step,
+            disable=not (progress and is_root),
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=2.0,
+        )
         batches = iter(self.reader)
         step_times: list[float] = []
         summary: dict[str, Any] = {"start_step": self.step, "stopped_by": None}
@@ -504,12 +616,19 @@ class Trainer:
                 # Save before evaluating: a stop signal or an error in evaluation must not
                 # cost the step's checkpoint.
                 stop = self._stop_requested()
-                if (t.save_interval and self.step % t.save_interval == 0) or stop \
-                        or self.step == t.steps:
+                if (
+                    (t.save_interval and self.step % t.save_interval == 0)
+                    or stop
+                    or self.step == t.steps
+                ):
                     self.save()
-                evaluate = self.val_reader is not None and not stop and (
-                    t.eval_interval and self.step % t.eval_interval == 0
-                    or self.step == t.steps)
+                evaluate = (
+                    self.val_reader is not None
+                    and not stop
+                    and (
+                        t.eval_interval and self.step % t.eval_interval == 0 or self.step == t.steps
+                    )
+                )
                 if evaluate:
                     record["val_loss"] = summary["val_loss"] = self.evaluate()
                 if self.step % t.log_interval == 0 or self.step == t.steps or evaluate or stop:
@@ -517,14 +636,18 @@ class Trainer:
                     step_times = []
                     if log:
                         log.write(record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                    tok_s=f"{record['tokens_per_s']:.0f}")
-                    summary.update({k: record[k] for k in ("tokens_per_s", "tflops_per_gpu",
-                                                           "mfu", "step_time_s")})
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
+                    )
+                    summary.update(
+                        {
+                            k: record[k]
+                            for k in ("tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s")
+                        }
+                    )
                 bar.update(1)
                 if stop:
-                    summary["stopped_by"] = signal.Signals(self._stop_signal or
-                                                           signal.SIGTERM).name
+                    summary["stopped_by"] = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
         finally:
             bar.close()
@@ -534,7 +657,12 @@ class Trainer:
                 signal.signal(sig, handler)
             if log:
                 log.close()
-        summary.update(step=self.step, skipped_steps=self.skipped_steps,
-                       parameters=self._model_parameters(), world_size=self.grid.world_size,
-                       global_batch=self.global_batch, run_dir=str(self.run_dir))
+        summary.update(
+            step=self.step,
+            skipped_steps=self.skipped_steps,
+            parameters=self._model_parameters(),
+            world_size=self.grid.world_size,
+            global_batch=self.global_batch,
+            run_dir=str(self.run_dir),
+        )
         return summary

@@ -18,10 +18,16 @@ from hpcllm import topology
 
 def report(tp: int, pp: int, dp: int) -> dict:
     grid = topology.init(tp=tp, pp=pp, dp=dp)
-    out = {"layout": [tp, pp, dp], "rank": grid.rank,
-           "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
-           "pp_prev": grid.pp_prev, "pp_next": grid.pp_next,
-           "torch": {}, "mpi": {}, "sum": {}}
+    out = {
+        "layout": [tp, pp, dp],
+        "rank": grid.rank,
+        "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
+        "pp_prev": grid.pp_prev,
+        "pp_next": grid.pp_next,
+        "torch": {},
+        "mpi": {},
+        "sum": {},
+    }
     for axis in ("tp", "pp", "dp", "mp"):
         group = getattr(grid, f"{axis}_group")
         comm = getattr(grid, f"{axis}_comm")

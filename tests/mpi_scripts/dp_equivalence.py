@@ -29,8 +29,15 @@ def model_config() -> ModelConfig:
 
 
 def train_config(precision: str):
-    return load_config(None, ["train.lr=1e-2", "train.weight_decay=0.1", "train.grad_clip=1.0",
-                              f"train.precision={precision}"]).train
+    return load_config(
+        None,
+        [
+            "train.lr=1e-2",
+            "train.weight_decay=0.1",
+            "train.grad_clip=1.0",
+            f"train.precision={precision}",
+        ],
+    ).train
 
 
 def make_optimizer(kind: str, model: torch.nn.Module, precision: str) -> torch.optim.Optimizer:
@@ -72,8 +79,10 @@ def main() -> None:
                 engine.finish_gradients(optimizer)
                 engine.step(optimizer, scaler, train.grad_clip)
                 optimizer.zero_grad()
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                       out / f"{name}-a{accumulation}-rank{grid.rank}.pt")
+            torch.save(
+                {k: v.detach().clone() for k, v in model.state_dict().items()},
+                out / f"{name}-a{accumulation}-rank{grid.rank}.pt",
+            )
     topology.shutdown()
 
 

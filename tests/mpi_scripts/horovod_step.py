@@ -24,8 +24,13 @@ def batch_for(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     grid = topology.init(tp=int(sys.argv[1]))
     hvd.init(comm=grid.dp_comm)
-    out = {"rank": grid.rank, "hvd_rank": hvd.rank(), "hvd_size": hvd.size(),
-           "mpi_built": hvd.mpi_built(), "mpi_enabled": hvd.mpi_enabled()}
+    out = {
+        "rank": grid.rank,
+        "hvd_rank": hvd.rank(),
+        "hvd_size": hvd.size(),
+        "mpi_built": hvd.mpi_built(),
+        "mpi_enabled": hvd.mpi_enabled(),
+    }
 
     value = torch.tensor([float(grid.rank + 1)])
     out["sum"] = hvd.allreduce(value, op=hvd.Sum, name="sum").item()
@@ -40,8 +45,9 @@ def main() -> None:
     model = torch.nn.Linear(4, 3)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     out["initial"] = {k: v.tolist() for k, v in model.state_dict().items()}
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     x, y = batch_for(grid.dp_rank)
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()

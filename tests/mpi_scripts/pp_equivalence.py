@@ -33,9 +33,15 @@ from hpcllm.parallel.tensor import clip_grad_norm, reduce_sequence_parallel_grad
 from hpcllm.train.optim import build_optimizer
 
 VOCAB, SEQ, MICRO = 250, 16, 2
-SPLIT = {"wte.weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
-         "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1),
-         "mlp.proj.weight": (1, 1)}
+SPLIT = {
+    "wte.weight": (0, 1),
+    "attn.qkv.weight": (0, 3),
+    "attn.qkv.bias": (0, 3),
+    "attn.proj.weight": (1, 1),
+    "mlp.fc.weight": (0, 1),
+    "mlp.fc.bias": (0, 1),
+    "mlp.proj.weight": (1, 1),
+}
 
 
 def expected_shard(name: str, full: torch.Tensor, grid, padded: int) -> torch.Tensor:
@@ -84,32 +90,57 @@ def main() -> None:
             # This replica's rows, cut into m micro-batches.
             rows = m * MICRO
             mine = slice(grid.dp_rank * rows, (grid.dp_rank + 1) * rows)
-            batches = [(i[k * MICRO:(k + 1) * MICRO], y[k * MICRO:(k + 1) * MICRO])
-                       for i, y in [(ids[mine], labels[mine])] for k in range(m)]
+            batches = [
+                (i[k * MICRO : (k + 1) * MICRO], y[k * MICRO : (k + 1) * MICRO])
+                for i, y in [(ids[mine], labels[mine])]
+                for k in range(m)
+            ]
             for engine_name in engines:
                 for sg in sgs:
-                    chunks = build_chunks(cfg, VOCAB, p=pp, rank=grid.pp_rank, v=v,
-                                          tp_group=grid.tp_group if tp > 1 else None,
-                                          seed=11, sequence_parallel=sp)
-                    engine = (Engine(chunks, grid) if engine_name == "none"
-                              else build_engine(engine_name, chunks, grid, parallel_cfg))
+                    chunks = build_chunks(
+                        cfg,
+                        VOCAB,
+                        p=pp,
+                        rank=grid.pp_rank,
+                        v=v,
+                        tp_group=grid.tp_group if tp > 1 else None,
+                        seed=11,
+                        sequence_parallel=sp,
+                    )
+                    engine = (
+                        Engine(chunks, grid)
+                        if engine_name == "none"
+                        else build_engine(engine_name, chunks, grid, parallel_cfg)
+                    )
                     optimizer = engine.attach_optimizer(
-                        build_optimizer(chunks, train_cfg, torch.device("cpu")), m)
-                    work = GPTStageWork(chunks, engine, batches,
-                                        split_backward=schedule == "zb-h1")
+                        build_optimizer(chunks, train_cfg, torch.device("cpu")), m
+                    )
+                    work = GPTStageWork(chunks, engine, batches, split_backward=schedule == "zb-h1")
                     shape = (MICRO, SEQ // tp if sp and tp > 1 else SEQ, cfg.d_model)
-                    channel = Channel(prev=grid.pp_prev, next=grid.pp_next, shape=shape,
-                                      dtype=torch.float32, device=torch.device("cpu"),
-                                      tp_group=grid.tp_group if tp > 1 else None,
-                                      scatter_gather=sg, sequence_parallel=sp) \
-                        if pp > 1 else None
+                    channel = (
+                        Channel(
+                            prev=grid.pp_prev,
+                            next=grid.pp_next,
+                            shape=shape,
+                            dtype=torch.float32,
+                            device=torch.device("cpu"),
+                            tp_group=grid.tp_group if tp > 1 else None,
+                            scatter_gather=sg,
+                            sequence_parallel=sp,
+                        )
+                        if pp > 1
+                        else None
+                    )
                     actions = rank_actions(schedule, pp, grid.pp_rank, m, v)
                     Runtime(channel).run(actions, work, split_backward=schedule == "zb-h1")
                     engine.finish_gradients(optimizer)
                     reduce_sequence_parallel_grads(chunks, grid.tp_group if tp > 1 else None)
                     sync_tied_embedding(chunks, emb_group)
-                    loss = torch.stack(list(work.losses.values())).mean() if work.losses \
+                    loss = (
+                        torch.stack(list(work.losses.values())).mean()
+                        if work.losses
                         else torch.zeros(())
+                    )
                     if pp > 1:
                         dist.all_reduce(loss, group=grid.pp_group)
                     if d > 1:
@@ -118,21 +149,38 @@ def main() -> None:
                     worst, worst_name = 0.0, ""
                     for chunk in chunks:
                         for name, param in chunk.named_parameters():
-                            expected = expected_shard(name, serial_grads[name], grid,
-                                                      chunk.padded_vocab)
+                            expected = expected_shard(
+                                name, serial_grads[name], grid, chunk.padded_vocab
+                            )
                             error = rel(param.grad, expected)
                             if error > worst:
                                 worst, worst_name = error, name
-                    norm = clip_grad_norm(list(chunks.parameters()), 0.0,
-                                          grid.tp_group if tp > 1 else None,
-                                          grid.pp_group if pp > 1 else None)
-                    print(json.dumps({
-                        "rank": grid.rank, "schedule": schedule, "m": m, "v": v,
-                        "engine": engine_name, "sg": sg, "sp": sp,
-                        "loss": rel(loss, serial_loss.detach()), "grad": worst,
-                        "grad_worst": worst_name, "norm": rel(norm, serial_norm),
-                        "sent": channel.bytes_sent if channel else 0,
-                        "params": sum(p.numel() for p in chunks.parameters())}), flush=True)
+                    norm = clip_grad_norm(
+                        list(chunks.parameters()),
+                        0.0,
+                        grid.tp_group if tp > 1 else None,
+                        grid.pp_group if pp > 1 else None,
+                    )
+                    print(
+                        json.dumps(
+                            {
+                                "rank": grid.rank,
+                                "schedule": schedule,
+                                "m": m,
+                                "v": v,
+                                "engine": engine_name,
+                                "sg": sg,
+                                "sp": sp,
+                                "loss": rel(loss, serial_loss.detach()),
+                                "grad": worst,
+                                "grad_worst": worst_name,
+                                "norm": rel(norm, serial_norm),
+                                "sent": channel.bytes_sent if channel else 0,
+                                "params": sum(p.numel() for p in chunks.parameters()),
+                            }
+                        ),
+                        flush=True,
+                    )
                     if engine_name == "horovod":
                         optimizer.zero_grad()
     topology.shutdown()

@@ -15,9 +15,19 @@ from hpcllm.train.trainer import Trainer
 
 def main() -> None:
     data, run, small = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    cfg = load_config(None, [*small, f"data.path={data}", f"run.dir={run}", "train.steps=4",
-                             "train.precision=fp16", "train.eval_interval=0",
-                             "parallel.pp=2", "model.n_layer=4"])
+    cfg = load_config(
+        None,
+        [
+            *small,
+            f"data.path={data}",
+            f"run.dir={run}",
+            "train.steps=4",
+            "train.precision=fp16",
+            "train.eval_interval=0",
+            "parallel.pp=2",
+            "model.n_layer=4",
+        ],
+    )
     before = {}
     trainer = None
 
@@ -33,9 +43,18 @@ def main() -> None:
     before[4] = after
     unchanged = all(torch.equal(a, b) for a, b in zip(before[2], before[3], strict=True))
     moved = not all(torch.equal(a, b) for a, b in zip(before[3], before[4], strict=True))
-    print(json.dumps({"rank": trainer.grid.rank, "skipped_steps": trainer.skipped_steps,
-                      "step2_unchanged": unchanged, "moved_after": moved,
-                      "scale": trainer.scaler.get_scale()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": trainer.grid.rank,
+                "skipped_steps": trainer.skipped_steps,
+                "step2_unchanged": unchanged,
+                "moved_after": moved,
+                "scale": trainer.scaler.get_scale(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ from hpcllm.errors import UserError, run_reporting_errors
 def main() -> None:
     grid = topology.init()
     if grid.rank == 1:
-        raise UserError("shard data/train-0001.h5 is missing on this node",
-                        same_on_all_ranks=False)
+        raise UserError("shard data/train-0001.h5 is missing on this node", same_on_all_ranks=False)
     grid.world_comm.Barrier()
 
 

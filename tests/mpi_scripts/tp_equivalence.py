@@ -23,9 +23,15 @@ from hpcllm.train.optim import build_optimizer, build_scaler
 
 VOCAB = 250
 # How each parameter is split over tp ranks: (dim, stride), or None when replicated.
-SPLIT = {"wte.weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
-         "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1),
-         "mlp.proj.weight": (1, 1)}
+SPLIT = {
+    "wte.weight": (0, 1),
+    "attn.qkv.weight": (0, 3),
+    "attn.qkv.bias": (0, 3),
+    "attn.proj.weight": (1, 1),
+    "mlp.fc.weight": (0, 1),
+    "mlp.fc.bias": (0, 1),
+    "mlp.proj.weight": (1, 1),
+}
 
 
 def split_of(name: str):
@@ -68,7 +74,7 @@ def main() -> None:
     def mine(batch: torch.Tensor) -> torch.Tensor:
         """This data-parallel replica's rows of a global batch."""
         rows = batch.shape[0] // d
-        return batch[grid.dp_rank * rows:(grid.dp_rank + 1) * rows]
+        return batch[grid.dp_rank * rows : (grid.dp_rank + 1) * rows]
 
     def parallel_backward(loss: torch.Tensor, optimizer) -> None:
         loss.backward()
@@ -83,20 +89,30 @@ def main() -> None:
             value /= d
         return value
 
-    optimizers = [build_optimizer(serial, train, torch.device("cpu")),
-                  build_optimizer(parallel, train, torch.device("cpu"))]
+    optimizers = [
+        build_optimizer(serial, train, torch.device("cpu")),
+        build_optimizer(parallel, train, torch.device("cpu")),
+    ]
     if engine:
         optimizers[1] = engine.attach_optimizer(optimizers[1], 1)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (4 * d, 16), generator=gen)
     labels = torch.randint(0, VOCAB, (4 * d, 16), generator=gen)
-    out = {"rank": grid.rank, "tp": grid.tp, "dp": d, "sp": parallel.sequence_parallel,
-           "padded_vocab": parallel.padded_vocab, "vocab_rows": parallel.wte.weight.shape[0]}
+    out = {
+        "rank": grid.rank,
+        "tp": grid.tp,
+        "dp": d,
+        "sp": parallel.sequence_parallel,
+        "padded_vocab": parallel.padded_vocab,
+        "vocab_rows": parallel.wte.weight.shape[0],
+    }
     with torch.no_grad():
         out["logits"] = rel(parallel(mine(ids)), serial(mine(ids)))
         full = dict(serial.named_parameters())
-        out["init"] = max(rel(p, expected_shard(n, full[n], grid, parallel.padded_vocab))
-                          for n, p in parallel.named_parameters())
+        out["init"] = max(
+            rel(p, expected_shard(n, full[n], grid, parallel.padded_vocab))
+            for n, p in parallel.named_parameters()
+        )
     serial_loss = serial(ids, labels)
     with count_comm() as comm:
         parallel_loss = module(mine(ids), mine(labels))

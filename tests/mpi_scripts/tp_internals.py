@@ -43,8 +43,11 @@ def all_equal(parts: list[torch.Tensor]) -> bool:
 
 
 def all_different(parts: list[torch.Tensor]) -> bool:
-    return all(not torch.equal(parts[i], parts[j])
-               for i in range(len(parts)) for j in range(i + 1, len(parts)))
+    return all(
+        not torch.equal(parts[i], parts[j])
+        for i in range(len(parts))
+        for j in range(i + 1, len(parts))
+    )
 
 
 def rng_checks(grid) -> dict:
@@ -55,10 +58,12 @@ def rng_checks(grid) -> dict:
     after = torch.rand(16)
     seed_streams(42, grid.tp_rank)
     reference = torch.rand(32)  # the default stream with no tp draw in between
-    return {"outside_equal": all_equal(gathered(before, grid.tp_group))
-            and all_equal(gathered(after, grid.tp_group)),
-            "inside_differ": all_different(gathered(inside, grid.tp_group)),
-            "default_undisturbed": torch.equal(torch.cat([before, after]), reference)}
+    return {
+        "outside_equal": all_equal(gathered(before, grid.tp_group))
+        and all_equal(gathered(after, grid.tp_group)),
+        "inside_differ": all_different(gathered(inside, grid.tp_group)),
+        "default_undisturbed": torch.equal(torch.cat([before, after]), reference),
+    }
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,17 +74,24 @@ def recompute_checks(grid, cfg: ModelConfig, sp: bool, ids, labels) -> dict:
     """Loss and grads with recomputation against none, dropout on, same streams."""
     results = {}
     for mode in ("none", "full", "selective"):
-        model = GPT(replace(cfg, recompute=mode), VOCAB, seed=3, tp_group=grid.tp_group,
-                    sequence_parallel=sp)
+        model = GPT(
+            replace(cfg, recompute=mode),
+            VOCAB,
+            seed=3,
+            tp_group=grid.tp_group,
+            sequence_parallel=sp,
+        )
         seed_streams(9, grid.tp_rank)
         loss = model(ids, labels)
         loss.backward()
         reduce_sequence_parallel_grads(model, grid.tp_group)
         results[mode] = (loss.detach(), [p.grad for p in model.parameters()])
     loss0, grads0 = results["none"]
-    return {mode: max([rel(loss, loss0)] + [rel(g, g0) for g, g0 in zip(grads, grads0,
-                                                                     strict=True)])
-            for mode, (loss, grads) in results.items() if mode != "none"}
+    return {
+        mode: max([rel(loss, loss0)] + [rel(g, g0) for g, g0 in zip(grads, grads0, strict=True)])
+        for mode, (loss, grads) in results.items()
+        if mode != "none"
+    }
 
 
 def block_comm(grid, cfg: ModelConfig, sp: bool) -> dict:
@@ -88,9 +100,11 @@ def block_comm(grid, cfg: ModelConfig, sp: bool) -> dict:
     x = torch.randn(B, s, H, requires_grad=True)
     with count_comm() as log:
         block(x).sum().backward()
-    return {f"{op}_{direction}": log.total(op, direction)
-            for op in ("all_reduce", "all_gather", "reduce_scatter")
-            for direction in ("forward", "backward")}
+    return {
+        f"{op}_{direction}": log.total(op, direction)
+        for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for direction in ("forward", "backward")
+    }
 
 
 def saved_bytes(grid, cfg: ModelConfig, sp: bool) -> dict:
@@ -102,9 +116,14 @@ def saved_bytes(grid, cfg: ModelConfig, sp: bool) -> dict:
     s = S // grid.tp if sp else S
     x = torch.randn(B, s, H, requires_grad=True)
     where = ["region"]
-    for module, label in ((block.attn, "tp"), (block.mlp, "tp"), (block.attn.qkv, "region"),
-                          (block.mlp.fc, "region"), (block.attn.proj, "tp"),
-                          (block.mlp.proj, "tp")):
+    for module, label in (
+        (block.attn, "tp"),
+        (block.mlp, "tp"),
+        (block.attn.qkv, "region"),
+        (block.mlp.fc, "region"),
+        (block.attn.proj, "tp"),
+        (block.mlp.proj, "tp"),
+    ):
         module.register_forward_pre_hook(lambda *_, label=label: where.append(label))
         module.register_forward_hook(lambda *_: where.pop() and None)
     seen: dict[int, tuple[int, str]] = {}
@@ -117,8 +136,10 @@ def saved_bytes(grid, cfg: ModelConfig, sp: bool) -> dict:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
-    return {"total": sum(n for n, _ in seen.values()),
-            "region": sum(n for n, label in seen.values() if label == "region")}
+    return {
+        "total": sum(n for n, _ in seen.values()),
+        "region": sum(n for n, label in seen.values() if label == "region"),
+    }
 
 
 def main() -> None:
@@ -136,27 +157,31 @@ def main() -> None:
     seed_streams(9, grid.tp_rank)
     hidden = model.run_blocks(model.embed(ids)).detach()
     out["replicated_equal"] = all_equal(gathered(hidden, grid.tp_group))
-    out["replicated_dropped"] = not torch.equal(hidden, model.eval().run_blocks(
-        model.embed(ids)).detach())
+    out["replicated_dropped"] = not torch.equal(
+        hidden, model.eval().run_blocks(model.embed(ids)).detach()
+    )
 
     # Sequence-parallel regions: each rank draws its own masks (p = 0.5 so they show).
-    sp_model = GPT(replace(cfg, dropout=0.5), VOCAB, seed=3, tp_group=grid.tp_group,
-                   sequence_parallel=True)
+    sp_model = GPT(
+        replace(cfg, dropout=0.5), VOCAB, seed=3, tp_group=grid.tp_group, sequence_parallel=True
+    )
     seed_streams(9, grid.tp_rank)
     same_ids = ids[:, :1].expand(B, S).contiguous()  # equal tokens, so only masks differ...
     embedded = sp_model.embed(same_ids)
     clean = sp_model.eval().embed(same_ids)
     # ...but positions differ per rank, so compare where each rank dropped, not the values.
-    out["sp_masks_differ"] = all_different(gathered((embedded == 0) & (clean != 0),
-                                                    grid.tp_group))
+    out["sp_masks_differ"] = all_different(gathered((embedded == 0) & (clean != 0), grid.tp_group))
 
-    out["recompute"] = {"tp": recompute_checks(grid, cfg, False, ids, labels),
-                        "tp+sp": recompute_checks(grid, cfg, True, ids, labels)}
+    out["recompute"] = {
+        "tp": recompute_checks(grid, cfg, False, ids, labels),
+        "tp+sp": recompute_checks(grid, cfg, True, ids, labels),
+    }
     out["comm"] = {"tp": block_comm(grid, cfg, False), "tp+sp": block_comm(grid, cfg, True)}
     serial_block = Block(cfg, None, torch.Generator().manual_seed(1))
-    out["params"] = {"rank": sum(p.numel() for p in Block(cfg, grid.tp_group,
-                                                          torch.Generator()).parameters()),
-                     "serial": sum(p.numel() for p in serial_block.parameters())}
+    out["params"] = {
+        "rank": sum(p.numel() for p in Block(cfg, grid.tp_group, torch.Generator()).parameters()),
+        "serial": sum(p.numel() for p in serial_block.parameters()),
+    }
     out["saved"] = {"tp": saved_bytes(grid, cfg, False), "tp+sp": saved_bytes(grid, cfg, True)}
     print(json.dumps(out), flush=True)
     topology.shutdown()

@@ -73,8 +73,7 @@ class SleepWork:
         self.alive -= 1
 
 
-def _gpt_work(grid: Any, v: int, m: int, split: bool,
-              seed: int = 1) -> tuple[Any, tuple[int, ...]]:
+def _gpt_work(grid: Any, v: int, m: int, split: bool, seed: int = 1) -> tuple[Any, tuple[int, ...]]:
     """Return (factory of GPT stage work for one step, activation shape) for the tiny GPT."""
     from hpcllm.config import load_config
     from hpcllm.parallel.data import Engine
@@ -169,7 +168,10 @@ def run(
                 dist.barrier()
                 origin = time.perf_counter()
                 intervals = runtime.run(
-                    actions, work, split_backward=schedule == "zb-h1", origin=origin,
+                    actions,
+                    work,
+                    split_backward=schedule == "zb-h1",
+                    origin=origin,
                     synchronize=sync,
                 )
                 elapsed = torch.tensor([time.perf_counter() - origin])

@@ -109,9 +109,14 @@ class Runtime:
         self.channel = channel
         self._sending: list[tuple[Any, torch.Tensor]] = []
 
-    def run(self, actions: Sequence[Action], work: StageWork, split_backward: bool = False,
-            origin: float | None = None,
-            synchronize: Callable[[], None] | None = None) -> list[Interval]:
+    def run(
+        self,
+        actions: Sequence[Action],
+        work: StageWork,
+        split_backward: bool = False,
+        origin: float | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> list[Interval]:
         """Execute ``actions``; return the intervals of its compute and communication.
 
         ``split_backward`` (zb-h1) makes B compute only input gradients, W the weights'.
@@ -142,8 +147,9 @@ class Runtime:
             elif action.kind == Kind.B:
                 grad = self._arrived(received_b, key)
                 started = time.perf_counter()
-                grad = work.backward(action.chunk, action.microbatch, grad,
-                                     weights=not split_backward)
+                grad = work.backward(
+                    action.chunk, action.microbatch, grad, weights=not split_backward
+                )
                 if grad is not None:
                     outbox_b[key] = grad
                 i += 1
@@ -161,20 +167,35 @@ class Runtime:
             if synchronize is not None and action.kind.is_compute:
                 synchronize()
             finished = time.perf_counter()
-            intervals.append(Interval(action.kind, action.microbatch, action.chunk,
-                                      started - origin, finished - origin))
+            intervals.append(
+                Interval(
+                    action.kind,
+                    action.microbatch,
+                    action.chunk,
+                    started - origin,
+                    finished - origin,
+                )
+            )
             # Forget the sends that have completed, and their buffers with them.
             self._sending = [(r, t) for r, t in self._sending if not r.is_completed()]
         for request, _ in self._sending:
             request.wait()
         self._sending = []
         if outbox_f or outbox_b or received_f or received_b:
-            raise RuntimeError("pipeline schedule left messages unsent or unused: "
-                               f"{sorted(outbox_f) + sorted(outbox_b)}")
+            raise RuntimeError(
+                "pipeline schedule left messages unsent or unused: "
+                f"{sorted(outbox_f) + sorted(outbox_b)}"
+            )
         return intervals
 
-    def _post(self, batch: Sequence[Action], received_f: dict, received_b: dict,
-              outbox_f: dict, outbox_b: dict) -> None:
+    def _post(
+        self,
+        batch: Sequence[Action],
+        received_f: dict,
+        received_b: dict,
+        outbox_f: dict,
+        outbox_b: dict,
+    ) -> None:
         """Post a batch of sends and receives; receives are waited for where they are used."""
         channel = self.channel
         if channel is None:
@@ -185,16 +206,26 @@ class Runtime:
             if action.kind in (Kind.SEND_F, Kind.SEND_B):
                 forward = action.kind == Kind.SEND_F
                 tensor = channel.outgoing((outbox_f if forward else outbox_b).pop(key))
-                ops.append(dist.P2POp(dist.isend, tensor,
-                                      channel.next if forward else channel.prev,
-                                      tag=_ACTIVATION if forward else _GRADIENT))
+                ops.append(
+                    dist.P2POp(
+                        dist.isend,
+                        tensor,
+                        channel.next if forward else channel.prev,
+                        tag=_ACTIVATION if forward else _GRADIENT,
+                    )
+                )
                 targets.append(tensor)
             else:
                 forward = action.kind == Kind.RECV_F
                 buffer = channel.buffer()
-                ops.append(dist.P2POp(dist.irecv, buffer,
-                                      channel.prev if forward else channel.next,
-                                      tag=_ACTIVATION if forward else _GRADIENT))
+                ops.append(
+                    dist.P2POp(
+                        dist.irecv,
+                        buffer,
+                        channel.prev if forward else channel.next,
+                        tag=_ACTIVATION if forward else _GRADIENT,
+                    )
+                )
                 targets.append((received_f if forward else received_b, key, buffer))
         requests = dist.batch_isend_irecv(ops)
         if len(requests) != len(ops):  # a backend that returns one request for the batch
@@ -206,8 +237,9 @@ class Runtime:
             else:
                 self._sending.append((request, target))
 
-    def _arrived(self, store: dict[tuple[int, int], Any],
-                 key: tuple[int, int]) -> torch.Tensor | None:
+    def _arrived(
+        self, store: dict[tuple[int, int], Any], key: tuple[int, int]
+    ) -> torch.Tensor | None:
         """Return the tensor received for ``key`` (waiting for it), or None if none is due."""
         if key not in store:
             return None

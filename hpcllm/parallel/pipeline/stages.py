@@ -130,10 +130,15 @@ class GPTStageWork:
     parameter's gradient hook (DDP, Horovod) fires once per micro-batch, in W.
     """
 
-    def __init__(self, chunks: nn.ModuleList, engine: Any, batches: Sequence[tuple],
-                 autocast: Callable[[], Any] = contextlib.nullcontext,
-                 scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
-                 split_backward: bool = False) -> None:
+    def __init__(
+        self,
+        chunks: nn.ModuleList,
+        engine: Any,
+        batches: Sequence[tuple],
+        autocast: Callable[[], Any] = contextlib.nullcontext,
+        scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+        split_backward: bool = False,
+    ) -> None:
         self.chunks, self.engine, self.batches = chunks, engine, batches
         self.m = len(batches)
         self.autocast, self.scale = autocast, scale
@@ -150,8 +155,11 @@ class GPTStageWork:
         inputs = ids if part.pre else x
         if inputs is None:
             raise RuntimeError(f"stage {part.stage} got no input for micro-batch {microbatch}")
-        with self.engine.pipeline_forward(chunk), self.autocast(), \
-                deferrable_weight_grads(self.split_backward):
+        with (
+            self.engine.pipeline_forward(chunk),
+            self.autocast(),
+            deferrable_weight_grads(self.split_backward),
+        ):
             module = self.engine.pipeline_modules[chunk]
             hidden = module(inputs, labels) if part.post else module(inputs)
         keep = torch.is_grad_enabled()  # evaluation keeps nothing for a backward
@@ -164,8 +172,9 @@ class GPTStageWork:
             self._saved[(microbatch, chunk)] = (x, hidden)
         return hidden.detach()
 
-    def backward(self, chunk: int, microbatch: int, grad: torch.Tensor | None,
-                 weights: bool) -> torch.Tensor | None:
+    def backward(
+        self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
+    ) -> torch.Tensor | None:
         x, out = self._saved.pop((microbatch, chunk))
         if weights:
             self._backward(chunk, [out], [grad])
@@ -194,11 +203,11 @@ class GPTStageWork:
         # Through autograd (expand_as feeds each parameter's AccumulateGrad), so the engines'
         # gradient hooks see every parameter once.
         params = [p for p, _ in summed.values()]
-        self._backward(chunk, [p.expand_as(p) for p in params],
-                       [g for _, g in summed.values()])
+        self._backward(chunk, [p.expand_as(p) for p in params], [g for _, g in summed.values()])
 
-    def _backward(self, chunk: int, outs: list[torch.Tensor],
-                  grads: list[torch.Tensor | None]) -> None:
+    def _backward(
+        self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> None:
         self._left[chunk] -= 1
         self.engine.pipeline_backward(chunk, outs, grads, last=self._left[chunk] == 0)
 
