@@ -74,7 +74,7 @@ class _World:
     """The MPI world when launched by mpirun/srun, or a single process without MPI."""
 
     def __init__(self) -> None:
-        from hpcllm.topology import detect_launcher, start_mpi
+        from hpcllm.launcher import detect_launcher, start_mpi
 
         launch = detect_launcher()
         self.comm = start_mpi().COMM_WORLD if launch.world_size > 1 else None

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
+
+from hpcllm.launcher import LaunchError, detect_launcher, error_comm, launch_rank
 
 USER_ERROR_EXIT = 2
 
@@ -26,26 +27,15 @@ class UserError(Exception):
         self.same_on_all_ranks = same_on_all_ranks
 
 
-def _env_rank() -> int:
-    """Return this process's world rank as the launcher's environment gives it (0 if none)."""
-    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(key)
-        if value is not None and value.isdigit():
-            return int(value)
-    return 0
-
-
 def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
     """Return once every MPI rank got here; abort the job if they do not within ``timeout_s``.
 
     An error that was meant to be seen by every rank but was not (a bug) then ends the job
     instead of leaving the other ranks waiting forever.
     """
-    from hpcllm.topology import detect_launcher, error_comm
-
     try:
         launch = detect_launcher()
-    except UserError:  # srun without PMI: MPI cannot start, and srun waits for every task
+    except LaunchError:  # srun without PMI: MPI cannot start, and srun waits for every task
         return
     if launch.world_size == 1:
         return
@@ -70,8 +60,21 @@ def _abort_mpi_job(code: int) -> None:
         mpi.COMM_WORLD.Abort(code)
 
 
+def _report_user_error(message: str, same_on_all_ranks: bool) -> int:
+    """Print ``message`` once per job (or with its rank) and return exit code 2."""
+    rank = launch_rank()
+    if not same_on_all_ranks:
+        print(f"hpcllm: error (rank {rank}): {message}", file=sys.stderr, flush=True)
+        _abort_mpi_job(USER_ERROR_EXIT)
+    else:
+        if rank == 0:
+            print(f"hpcllm: error: {message}", file=sys.stderr, flush=True)
+        _wait_for_all_ranks()
+    return USER_ERROR_EXIT
+
+
 def run_reporting_errors(main: Callable[[], int | None]) -> int:
-    """Run ``main`` and turn a UserError into one stderr line and exit code 2.
+    """Run ``main`` and turn a UserError or LaunchError into one stderr line and exit code 2.
 
     Any other exception prints its traceback and, under MPI with several ranks, aborts the job
     so that ranks blocked in a collective do not hang forever.
@@ -79,15 +82,9 @@ def run_reporting_errors(main: Callable[[], int | None]) -> int:
     try:
         return int(main() or 0)
     except UserError as err:
-        rank = _env_rank()
-        if not err.same_on_all_ranks:
-            print(f"hpcllm: error (rank {rank}): {err}", file=sys.stderr, flush=True)
-            _abort_mpi_job(USER_ERROR_EXIT)
-        else:
-            if rank == 0:
-                print(f"hpcllm: error: {err}", file=sys.stderr, flush=True)
-            _wait_for_all_ranks()
-        return USER_ERROR_EXIT
+        return _report_user_error(str(err), err.same_on_all_ranks)
+    except LaunchError as err:  # every rank reads the same launcher environment
+        return _report_user_error(str(err), same_on_all_ranks=True)
     except KeyboardInterrupt:
         return 130
     except Exception:

@@ -1,4 +1,4 @@
-"""Where each process sits: launcher detection, the tp × pp × dp grid, MPI and torch groups.
+"""Where each process sits: the tp × pp × dp grid, its MPI communicators and torch groups.
 
 Rank order follows Megatron-LM: tensor-parallel rank varies fastest, then data-parallel, then
 pipeline-parallel,
@@ -8,12 +8,9 @@ pipeline-parallel,
 so the t ranks of a tensor-parallel group are consecutive and, with t ≤ GPUs per node, share a
 node and its NVLink, while pipeline stages are the furthest apart (across nodes).
 
-Three layers, each usable alone:
+Two layers, each usable alone, on top of :mod:`hpcllm.launcher` (who started the process):
 
 * :class:`Layout` is pure arithmetic (coordinates, group members), tested without MPI or torch;
-* :func:`detect_launcher` reads the environment that mpirun, Hydra or srun set, without
-  importing mpi4py, so a plain ``python`` run needs no MPI and ``srun`` without PMI is caught
-  before MPI would abort;
 * :func:`init` starts MPI and torch.distributed and returns a :class:`Grid` holding this
   rank's coordinates, its mpi4py sub-communicators and the matching torch process groups.
 """
@@ -27,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcllm.errors import UserError
+from hpcllm.launcher import Launch, detect_launcher, start_mpi
 
 # ---------------------------------------------------------------------------------------------
 # The grid as arithmetic
@@ -127,76 +125,6 @@ class Layout:
 
 
 # ---------------------------------------------------------------------------------------------
-# Who started us
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher's environment says about this process, read before MPI starts."""
-
-    launcher: str  # "openmpi" | "hydra" | "slurm" | "single"
-    rank: int
-    world_size: int
-    local_rank: int
-    local_size: int
-
-
-def _int_env(env: Mapping[str, str], *keys: str) -> int | None:
-    for key in keys:
-        value = env.get(key)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return None
-
-
-def detect_launcher(env: Mapping[str, str] | None = None) -> Launch:
-    """Return how this process was started, from the launcher's environment variables.
-
-    Open MPI's mpirun sets ``OMPI_COMM_WORLD_*``; MPICH/Intel MPI's Hydra sets ``PMI_RANK`` and
-    ``PMI_SIZE``; ``srun --mpi=pmix`` sets ``SLURM_PROCID`` with ``PMIX_RANK``. Open MPI is
-    checked first because mpirun inside an sbatch allocation also inherits Slurm variables.
-    ``srun`` with several tasks and no PMI raises a UserError here, before mpi4py is imported:
-    MPI_Init would otherwise either abort or start every task as its own world of one.
-    """
-    env = os.environ if env is None else env
-    rank = _int_env(env, "OMPI_COMM_WORLD_RANK")
-    if rank is not None:
-        return Launch(
-            launcher="openmpi",
-            rank=rank,
-            world_size=_int_env(env, "OMPI_COMM_WORLD_SIZE") or 1,
-            local_rank=_int_env(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
-            local_size=_int_env(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
-        )
-    slurm_rank = _int_env(env, "SLURM_PROCID")
-    in_srun_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    slurm_tasks = _int_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1
-    if slurm_rank is not None and in_srun_step and "PMIX_RANK" in env:
-        return Launch(
-            launcher="slurm",
-            rank=slurm_rank,
-            world_size=slurm_tasks,
-            local_rank=_int_env(env, "SLURM_LOCALID") or 0,
-            local_size=_int_env(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE") or 1,
-        )
-    rank = _int_env(env, "PMI_RANK")
-    if rank is not None:
-        return Launch(
-            launcher="hydra",
-            rank=rank,
-            world_size=_int_env(env, "PMI_SIZE") or 1,
-            local_rank=_int_env(env, "MPI_LOCALRANKID", "SLURM_LOCALID") or 0,
-            local_size=_int_env(env, "MPI_LOCALNRANKS") or 1,
-        )
-    if slurm_rank is not None and in_srun_step and slurm_tasks > 1:
-        raise UserError(
-            f"srun started {slurm_tasks} tasks without PMI, so MPI cannot connect them; "
-            "run `srun --mpi=pmix ...` (see `srun --mpi=list`)"
-        )
-    return Launch(launcher="single", rank=0, world_size=1, local_rank=0, local_size=1)
-
-
-# ---------------------------------------------------------------------------------------------
 # The running grid
 
 
@@ -293,31 +221,6 @@ class Grid:
             "local_rank": self.local_rank,
             "device": str(self.device),
         }
-
-
-_ERROR_COMM: list[Any] = []
-
-
-def start_mpi() -> Any:
-    """Return the mpi4py.MPI module, initialising MPI with settings that suit torch and Horovod."""
-    import mpi4py
-
-    # Horovod's background thread calls MPI while the main thread may too, and Horovod expects
-    # MPI_THREAD_MULTIPLE when it finds MPI already initialised.
-    mpi4py.rc.thread_level = "multiple"
-    from mpi4py import MPI
-
-    if not _ERROR_COMM:
-        # Made here, where every rank passes together, so that the error path never needs a
-        # collective of its own and its barrier cannot match one of the program's.
-        _ERROR_COMM.append(MPI.COMM_WORLD.Dup())
-    return MPI
-
-
-def error_comm() -> Any:
-    """Return the communicator reserved for agreeing on errors (MPI started first)."""
-    start_mpi()
-    return _ERROR_COMM[0]
 
 
 def _rendezvous(world: Any, launch: Launch) -> tuple[str, int, Any]:

@@ -1,21 +1,23 @@
 """Run a command under ``mpirun -np N`` and return each rank's output.
 
-Every multi-rank test goes through :func:`run_mpi`: it is root-safe, oversubscribes the two
-cores of a CI machine, pins one torch thread per rank, and kills the whole process group when
-the timeout passes, so a hung collective fails the test instead of hanging CI.
+Every multi-rank test goes through :func:`run_mpi`: it starts mpirun as hpcllm does
+(:func:`hpcllm.launcher.mpirun_command`: root-safe, oversubscribing the two cores of a CI
+machine), pins one torch thread per rank, and kills the whole process group when the timeout
+passes, so a hung collective fails the test instead of hanging CI.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpcllm.launcher import mpirun_command, mpirun_env
 
 REPO = Path(__file__).resolve().parent.parent
 _RANK_DIR = re.compile(r"^rank\.(\d+)$")
@@ -44,20 +46,18 @@ class MpiTimeout(AssertionError):
 
 def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Return an environment for mpirun on a small shared machine, as root or not."""
-    env = dict(os.environ)
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        # Ranks outnumber cores: one thread each keeps them from fighting.
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        # Containers often forbid the cross-memory-attach syscalls the shared-memory BTL uses.
-        OMPI_MCA_btl_vader_single_copy_mechanism="none",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        PYTHONUNBUFFERED="1",
+    return mpirun_env(
+        {
+            # Ranks outnumber cores: one thread each keeps them from fighting.
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            # Containers often forbid the cross-memory-attach syscalls the shared-memory BTL uses.
+            "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+            **(extra or {}),
+        }
     )
-    env.update(extra or {})
-    return env
 
 
 def run_mpi(
@@ -68,22 +68,9 @@ def run_mpi(
     cwd: str | Path | None = None,
 ) -> MpiResult:
     """Run ``command`` on ``np`` ranks and return the result; kill the job after ``timeout`` s."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        raise AssertionError("mpirun not found: run `make setup`")
     with tempfile.TemporaryDirectory(prefix="hpcllm-mpi-") as outdir:
         # Per-rank files, because --tag-output interleaves tags mid-line in Open MPI 4.1.
-        argv = [
-            mpirun,
-            "-np",
-            str(np),
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-            "--output-filename",
-            outdir,
-            *command,
-        ]
+        argv = mpirun_command(np, command, options=["--output-filename", outdir])
         proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,

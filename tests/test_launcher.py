@@ -1,7 +1,15 @@
+import os
+
 import pytest
 
-from hpcllm.errors import UserError
-from hpcllm.topology import Launch, detect_launcher
+from hpcllm.launcher import (
+    Launch,
+    LaunchError,
+    detect_launcher,
+    launch_rank,
+    mpirun_command,
+    mpirun_env,
+)
 
 
 def test_no_launcher_is_a_single_process():
@@ -56,8 +64,10 @@ def test_srun_without_pmi_names_the_fix():
         "SLURM_STEP_NUM_TASKS": "4",
         "SLURM_LOCALID": "1",
     }
-    with pytest.raises(UserError, match="--mpi=pmix"):
+    with pytest.raises(LaunchError, match="--mpi=pmix"):
         detect_launcher(env)
+    # The tasks still know their ranks, so that only rank 0 prints the error.
+    assert launch_rank(env) == 1
 
 
 def test_single_process_in_an_sbatch_script_is_not_mistaken_for_srun():
@@ -69,3 +79,53 @@ def test_single_process_in_an_sbatch_script_is_not_mistaken_for_srun():
 def test_one_task_srun_without_pmi_runs_as_a_single_process():
     env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "1"}
     assert detect_launcher(env).launcher == "single"
+
+
+def test_launch_rank_follows_detect_launchers_precedence():
+    # mpirun inside an sbatch allocation: Open MPI's rank, not the batch step's SLURM_PROCID.
+    env = {"OMPI_COMM_WORLD_RANK": "3", "SLURM_PROCID": "0", "PMIX_RANK": "0"}
+    assert launch_rank(env) == detect_launcher(env).rank == 3
+    env = {"SLURM_PROCID": "6", "SLURM_STEP_ID": "0", "PMIX_RANK": "6", "PMI_RANK": "1"}
+    assert launch_rank(env) == detect_launcher(env).rank == 6
+    assert launch_rank({"PMI_RANK": "2", "PMI_SIZE": "3"}) == 2
+    assert launch_rank({}) == 0
+
+
+def test_mpirun_command_oversubscribes_and_exports(monkeypatch, tmp_path):
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cmd = mpirun_command(
+        3, ["python", "x.py"], export=["OMP_NUM_THREADS"], options=["--output-filename", "d"]
+    )
+    assert cmd == [
+        str(fake),
+        "-np",
+        "3",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-x",
+        "OMP_NUM_THREADS",
+        "--output-filename",
+        "d",
+        "python",
+        "x.py",
+    ]
+
+
+def test_missing_mpirun_names_make_setup(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError, match="make setup"):
+        mpirun_command(2, ["true"])
+
+
+def test_mpirun_env_lets_root_run_mpirun(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    env = mpirun_env({"OMP_NUM_THREADS": "2"})
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT", raising=False)
+    assert "OMPI_ALLOW_RUN_AS_ROOT" not in mpirun_env()
