@@ -6,7 +6,6 @@ The format is documented in ``datasets/README.md``; ``FORMAT_VERSION`` changes w
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from hpcllm.errors import UserError
+from hpcllm.files import atomic_write, durable_replace, partial_path
 
 FORMAT = "hpcllm-shards"
 FORMAT_VERSION = 1
@@ -26,22 +26,6 @@ SPLITS = ("train", "val")
 CHUNK_TOKENS = 1 << 16
 # Buffered tokens before an append to the HDF5 dataset.
 _FLUSH_TOKENS = 1 << 22
-
-
-def durable_replace(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst`` after its data reached the disk, and make the rename durable.
-
-    Without the fsyncs a node crash (not just a killed process) could leave ``dst`` pointing
-    at data that never left the page cache.
-    """
-    with open(src, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(src, dst)
-    fd = os.open(dst.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -74,7 +58,7 @@ class ShardWriter:
         import h5py
 
         self.path = out_dir / shard_name(split, index)
-        self._partial = out_dir / f".{self.path.name}.partial-{os.getpid()}"
+        self._partial = partial_path(self.path)
         self._dtype = token_dtype(vocab_size)
         self._eos = eos_id
         self._file = h5py.File(self._partial, "w")
@@ -167,9 +151,7 @@ class ShardWriter:
 def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> Path:
     """Write ``manifest.json`` atomically; it is the last file prepare writes."""
     path = out_dir / MANIFEST
-    tmp = out_dir / f".{MANIFEST}.partial-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    durable_replace(tmp, path)
+    atomic_write(path, json.dumps(manifest, indent=2) + "\n")
     return path
 
 

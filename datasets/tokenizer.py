@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hpcllm.errors import UserError
+from hpcllm.files import atomic_write
 
 EOS_TOKEN = "<|endoftext|>"
 BYTE_VOCAB = 257  # 256 byte values, then EOS
@@ -62,9 +63,7 @@ class Tokenizer:
 
     def save(self, path: Path) -> None:
         """Write the tokenizer's JSON to ``path`` atomically."""
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.spec)
-        tmp.replace(path)
+        atomic_write(path, self.spec)
 
 
 def byte_tokenizer() -> Tokenizer:

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from hpcllm.errors import UserError
+from hpcllm.files import atomic_write
 
 # Model sizes. gpt2-124m/350m are GPT-2 small/medium (Radford et al., 2019); 760m and 1.3b are
 # the GPT-3 paper's sizes with Megatron-LM's head counts (head dim 96 and 128).
@@ -127,9 +128,7 @@ class Config:
 
     def dump(self, path: Path) -> None:
         """Write the config as YAML, atomically."""
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        tmp.replace(path)
+        atomic_write(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 _CHOICES = {

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm.errors import UserError
+from hpcllm.files import atomic_write, fsync_path
 
 LATEST = "latest"
 
@@ -82,7 +83,7 @@ def save(
     if grid.dp_rank == 0:
         path = tmp / shard_file(grid.tp_rank, grid.pp_rank)
         torch.save(shard, path)
-        _fsync(path)
+        fsync_path(path)
     dist.barrier()
     if grid.rank == 0:
         _publish(
@@ -102,15 +103,12 @@ def _publish(root: Path, step: int, meta: dict[str, Any], config_yaml: str) -> N
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     (tmp / "config.yaml").write_text(config_yaml)
     for path in (tmp / "meta.json", tmp / "config.yaml", tmp):
-        _fsync(path)
+        fsync_path(path)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    pointer = root / f".{LATEST}.partial"
-    pointer.write_text(_name(step) + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / LATEST)
-    _fsync(root)
+    # Last, and durably (the rename of the folder above is flushed with it).
+    atomic_write(root / LATEST, _name(step) + "\n")
 
 
 def write_offline(
@@ -133,18 +131,9 @@ def write_offline(
     for (tp_rank, pp_rank), shard in shards.items():
         path = tmp / shard_file(tp_rank, pp_rank)
         torch.save(shard, path)
-        _fsync(path)
+        fsync_path(path)
     _publish(root, step, {**meta, "step": step, "tp": tp, "pp": pp, "dp": dp}, config_yaml)
     return root / _name(step)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or folder to disk, so a renamed checkpoint survives a node crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def latest(run_dir: Path) -> Path | None:

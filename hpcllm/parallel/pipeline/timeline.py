@@ -7,13 +7,14 @@ kind one of F, B, W, SEND_F, RECV_F, SEND_B, RECV_B). Files are written atomical
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from hpcllm.files import atomic_write
 from hpcllm.parallel.pipeline.schedule import Interval, Kind
 
 COLOURS = {Kind.F: "#1f5fa8", Kind.B: "#2e8b3e", Kind.W: "#7b3fa0"}
@@ -111,8 +112,11 @@ def draw(
     )
     if title:
         ax.set_title(title, fontsize=10)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight")
     path = Path(path_png)
-    _write_atomically(path, lambda f: fig.savefig(f, format="png", bbox_inches="tight"), "wb")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, png.getvalue())
     return path
 
 
@@ -143,8 +147,8 @@ def chrome_trace(
                 }
             )
     path = Path(path_json)
-    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
-    _write_atomically(path, lambda f: f.write(text), "w")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path
 
 
@@ -171,17 +175,3 @@ def _shade(colour: str, chunk: int, chunks: int) -> str:
     mix = 0.6 * chunk / (chunks - 1)
     rgb = [int(colour[k : k + 2], 16) for k in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
-
-
-def _write_atomically(path: Path, write: Callable[[IO], None], mode: str) -> None:
-    """Write ``path`` through a temporary file in the same folder, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
