@@ -164,12 +164,12 @@ def test_missing_horovod_names_make_setup(monkeypatch):
     from types import SimpleNamespace
 
     from hpcllm.errors import UserError
-    from hpcllm.parallel.data import HorovodEngine
+    from hpcllm.parallel.data_parallel import HorovodEngine
 
     monkeypatch.setitem(sys.modules, "horovod.torch", None)  # import now fails
     grid = SimpleNamespace(dp_comm=object(), dp=2)
     with pytest.raises(UserError, match="make setup"):
-        HorovodEngine(torch.nn.Linear(2, 2), grid)
+        HorovodEngine(grid)
 
 
 def test_bench_dp_writes_its_table_chart_and_json(tmp_path):

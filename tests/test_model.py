@@ -200,8 +200,9 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
     import types
 
     from hpcllm.config import ModelConfig
-    from hpcllm.parallel.data import Engine
-    from hpcllm.parallel.pipeline.stages import GPTStageWork, build_chunks
+    from hpcllm.model.stages import build_chunks
+    from hpcllm.parallel.data_parallel import Engine
+    from hpcllm.train.stage_work import GPTStageWork
 
     cfg = ModelConfig(preset=None, n_layer=2, n_head=2, d_model=32, seq_len=16, recompute=recompute)
     gen = torch.Generator().manual_seed(0)
@@ -215,7 +216,7 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
         cfg, 100, p=1, rank=0, v=1, tp_group=None, seed=3, sequence_parallel=False
     )
     grid = types.SimpleNamespace(tp=1, pp=1, dp=1)
-    work = GPTStageWork(chunks, Engine(chunks, grid), batches, split_backward=True)
+    work = GPTStageWork(chunks, Engine(grid), batches, split_backward=True)
     for micro in range(len(batches)):
         work.forward(0, micro, None)
         assert work.backward(0, micro, None, weights=False) is None

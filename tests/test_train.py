@@ -149,7 +149,9 @@ def test_signal_saves_a_loadable_checkpoint_and_exits_0(stdlib, tmp_path, launch
     if launcher == "mpirun":
         from mpirun import mpi_env
 
-        cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", *cmd]
+        from hpcllm.launcher import mpirun_command
+
+        cmd = mpirun_command(2, cmd)
         env = mpi_env()
     else:
         env = None
@@ -248,3 +250,27 @@ def test_every_evaluation_reads_the_same_validation_batches(stdlib, tmp_path):
     trainer = Trainer(_cfg(stdlib, tmp_path / "run", "train.steps=1"))
     first = trainer.evaluate()
     assert trainer.evaluate() == first  # same weights, same batches
+
+
+def test_the_trainer_hands_the_process_back_as_it_found_it(stdlib, tmp_path, monkeypatch):
+    # Signal handlers, torch threads, the fused-kernel switch and the random states are the
+    # run's while it lasts and the process's again after close() (run() closes too).
+    from hpcllm import kernels
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    handler = signal.getsignal(signal.SIGUSR1)
+    torch.set_num_threads(1)
+    torch.manual_seed(42)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(42)
+    trainer = Trainer(_cfg(stdlib, tmp_path / "run", "train.steps=1", "train.eval_interval=0"))
+    assert signal.getsignal(signal.SIGUSR1) != handler
+    trainer.train_step(iter(trainer.reader))
+    with trainer:
+        pass
+    assert signal.getsignal(signal.SIGUSR1) == handler
+    assert torch.get_num_threads() == 1
+    assert kernels.enabled() is False
+    assert torch.equal(torch.rand(3), expected_draw)
+    trainer.close()  # a second close changes nothing
+    assert signal.getsignal(signal.SIGUSR1) == handler

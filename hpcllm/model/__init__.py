@@ -1,1 +1,1 @@
-"""The GPT model, built from the layers of :mod:`hpcllm.parallel.tensor`."""
+"""The GPT model, built from :mod:`hpcllm.parallel.tensor.layers`, and its cut into stages."""

@@ -1,9 +1,11 @@
 """GPT-2: learned positions, pre-LayerNorm blocks, tanh GeLU, tied input/output embeddings.
 
-Built from the tensor-parallel layers (:mod:`hpcllm.parallel.tensor`) and the fused-op dispatch
-points (:mod:`hpcllm.kernels`); with a tensor-parallel group of one rank they are plain layers.
-The model knows nothing of pipelines or data-parallel engines: :meth:`GPT.embed`, the
-``blocks`` and :meth:`GPT.head` are the pieces a pipeline stage takes.
+Built from the tensor-parallel layers (:mod:`hpcllm.parallel.tensor.layers`) and the fused-op
+dispatch points (:mod:`hpcllm.kernels`); with a tensor-parallel group of one rank they are
+plain layers.
+The model knows nothing of pipeline schedules or data-parallel engines: a stage is a GPT that
+holds some of the blocks, the embedding if it comes first and the output layer if it comes
+last (:mod:`hpcllm.model.stages` cuts them); the whole model is the one stage holding all.
 """
 
 from __future__ import annotations
@@ -18,19 +20,18 @@ from torch.utils.checkpoint import checkpoint
 
 from hpcllm import kernels
 from hpcllm.config import ModelConfig, padded_vocab
+from hpcllm.parallel.pipeline.zero_bubble import linear
 from hpcllm.parallel.random import recompute_context, tp_rng
-from hpcllm.parallel.tensor import (
+from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from hpcllm.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp,
-    gather_from_tp,
-    linear,
     mark_sequence_parallel,
     normal_init,
     sequence_parallel_linear,
-    vocab_parallel_cross_entropy,
 )
+from hpcllm.parallel.tensor.mappings import copy_to_tp, gather_from_tp
 
 
 def _tp_size(group: Any) -> int:
@@ -294,9 +295,24 @@ class GPT(nn.Module):
             return kernels.cross_entropy(logits, labels, vocab_size=self.vocab_size)
         return logits[..., : self.vocab_size]
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the mean cross-entropy against ``labels``, or the logits when none."""
-        return self.head(self.run_blocks(self.embed(ids)), labels)
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the mean cross-entropy against ``labels``, or the logits when none.
+
+        A stage without the embedding (not ``pre``) takes the previous stage's activation as
+        ``inputs``; one without the output layer (not ``post``) returns its activation.
+        """
+        hidden = self.embed(inputs) if self.pre else inputs
+        hidden = self.run_blocks(hidden)
+        return self.head(hidden, labels) if self.post else hidden
+
+    def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
+        """Return the shape of the activation this stage passes on (b, s, h), per tp rank.
+
+        Under sequence parallelism each tp rank holds its 1/t of the sequence.
+        """
+        t = _tp_size(self.tp_group)
+        seq = self.cfg.seq_len // t if self.sequence_parallel else self.cfg.seq_len
+        return (micro_batch_size, seq, self.cfg.d_model)
 
     @torch.no_grad()
     def generate(

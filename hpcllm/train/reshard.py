@@ -18,7 +18,7 @@ import yaml
 from hpcllm.config import config_from_dict, padded_vocab
 from hpcllm.errors import UserError
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.tensor import merge_shards, shard_of
+from hpcllm.parallel.tensor.layers import merge_shards, shard_of
 from hpcllm.train import checkpoint
 
 

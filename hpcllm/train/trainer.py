@@ -1,7 +1,11 @@
 """The training loop: the one place that wires grid, data, model, engine and optimizer.
 
-A step: ``accumulation`` micro-batches forward and backward (gradient reduction only on the
-last), unscale, clip by the global norm, optimizer step under the AMP scaler, then metrics.
+Every layout takes one path. :func:`~hpcllm.train.parallelize.parallelize` gives this rank's
+model chunks (one, the whole GPT, with p = v = 1), wrapped by the data-parallel engine, and
+its schedule; a step runs the schedule's forwards and backwards over ``accumulation``
+micro-batches through the pipeline runtime (with one stage, plain gradient accumulation),
+finishes the gradients and steps the optimizer (:mod:`hpcllm.train.grads`), then records
+metrics. Evaluation runs the forward-only schedule the same way.
 SIGTERM or SIGUSR1 finishes the step in flight, saves a checkpoint and ends the run cleanly.
 """
 
@@ -31,73 +35,50 @@ from hpcllm.config import (
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
-from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data import build_engine
-from hpcllm.parallel.pipeline.runtime import Channel, Runtime, forward_only
-from hpcllm.parallel.pipeline.schedule import Interval, check_sizes, rank_actions
-from hpcllm.parallel.pipeline.stages import (
-    GPTStageWork,
-    build_chunks,
-    embedding_group,
-    split_layers,
-    sync_tied_embedding,
-)
-from hpcllm.parallel.random import seed_streams
-from hpcllm.parallel.tensor import reduce_sequence_parallel_grads
-from hpcllm.train import checkpoint
-from hpcllm.train.optim import (
-    autocast,
-    build_optimizer,
-    build_scaler,
-    lr_at,
-)
+from hpcllm.files import atomic_write
+from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
+from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
+from hpcllm.parallel.pipeline.schedule import Interval
+from hpcllm.parallel.tensor.layers import is_split
+from hpcllm.train import checkpoint, grads
+from hpcllm.train.optim import autocast, build_scaler, lr_at
+from hpcllm.train.parallelize import parallelize
+from hpcllm.train.process import ProcessSettings
+from hpcllm.train.stage_work import GPTStageWork
 
 GradHook = Callable[[int, torch.nn.Module], None]
 
 
-def _check_pipeline(cfg: Config, accumulation: int) -> None:
-    """Refuse, in one line, a pipeline the schedule cannot run."""
-    p = cfg.parallel
-    if p.pp == 1:
-        if p.vpp > 1:
-            raise UserError("parallel.vpp > 1 needs a pipeline (parallel.pp > 1)")
-        return
-    if p.schedule == "interleaved" and p.vpp < 2:
-        raise UserError(
-            "parallel.schedule: interleaved needs parallel.vpp >= 2 virtual stages per rank"
-        )
-    if p.schedule != "interleaved" and p.vpp > 1:
-        raise UserError(
-            f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved (not {p.schedule})"
-        )
-    try:
-        check_sizes(p.schedule, p.pp, accumulation, p.vpp)
-        split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
-    except ValueError as err:
-        raise UserError(
-            f"{err} (the micro-batches per step are train.global_batch_size / "
-            f"(micro_batch_size x d) = {accumulation})"
-        ) from None
-
-
 class Trainer:
-    """Sets up a run from its config on this rank's grid position, then trains it."""
+    """Sets up a run from its config on this rank's grid position, then trains it.
+
+    The trainer changes process-wide state (signal handlers, threads, kernels, TF32, random
+    generators) through one :class:`ProcessSettings`; :meth:`run` hands it back when it ends,
+    and so do :meth:`close` and leaving a ``with Trainer(cfg) as trainer:`` block.
+    """
 
     def __init__(self, cfg: Config, grad_hooks: list[GradHook] | None = None) -> None:
         self.cfg = cfg
         self.grad_hooks = grad_hooks or []
-        p, t = cfg.parallel, cfg.train
+        self.process = ProcessSettings()
+        try:
+            self._set_up()
+        except BaseException:
+            self.process.restore()
+            raise
+
+    def _set_up(self) -> None:
+        cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         # A stop signal during set-up (minutes on a big model) is honoured at the first step.
         self._stop_signal: int | None = None
-        self._previous_handlers = {
-            s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)
-        }
+        self.process.handle_signals(self._on_signal, signal.SIGTERM, signal.SIGUSR1)
         self.grid = topology.init(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
         self.device = self.grid.device
+        self.process.keep_rng_state(self.device)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Ranks sharing a node share its cores; torch would start a thread per core each.
             cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, cores // self.grid.launch.local_size))
+            self.process.torch_threads(max(1, cores // self.grid.launch.local_size))
         self.manifest = load_manifest(cfg.data.path)
         vocab = self.vocab_size = cfg.model.vocab_size or self.manifest.vocab_size
         if vocab < self.manifest.vocab_size:
@@ -105,62 +86,27 @@ class Trainer:
                 f"model.vocab_size {vocab} is smaller than the data's tokenizer "
                 f"({self.manifest.vocab_size})"
             )
-        kernels.set_enabled(kernels.resolve_fused(cfg.model.fused_kernels, self.device))
+        self.process.fused_kernels(kernels.resolve_fused(cfg.model.fused_kernels, self.device))
         if self.device.type == "cuda":
             # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
             # assumes it.
-            torch.set_float32_matmul_precision("high")
+            self.process.float32_matmul_precision("high")
         self.run_dir = Path(cfg.run.dir)
-        self._check_run_dir(vocab)
-        if self.grid.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.dump(self.run_dir / "config.yaml")
-            # The run keeps its tokenizer, so generate and convert need not find the data.
-            shutil.copy(self.manifest.tokenizer_path, self.run_dir / "tokenizer.json")
-        dist.barrier()
+        self._prepare_run_dir(vocab)
 
         self.accumulation = accumulation_steps(t, self.grid.dp)
-        _check_pipeline(cfg, self.accumulation)
         self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
-        # Same weights on every rank from the seed. Dropout streams differ per pipeline stage,
-        # and per tp rank in regions whose activations are split over the tp group.
-        seed_streams(t.seed, self.grid.tp_rank, self.grid.pp_rank, self.device)
-        tp_group = self.grid.tp_group if p.tp > 1 else None
-        self.pipelined = p.pp > 1
-        if self.pipelined:
-            self.model = build_chunks(
-                cfg.model,
-                vocab,
-                p=p.pp,
-                rank=self.grid.pp_rank,
-                v=p.vpp,
-                tp_group=tp_group,
-                seed=t.seed,
-                sequence_parallel=p.sequence_parallel,
-                layers=p.pipeline_layers,
-            ).to(self.device)
-            self._setup_pipeline()
-        else:
-            self.model = GPT(
-                cfg.model,
-                vocab,
-                tp_group=tp_group,
-                seed=t.seed,
-                sequence_parallel=p.sequence_parallel,
-            ).to(self.device)
+        self.parallel = parallelize(cfg, self.grid, vocab, self.accumulation)
+        self.model = self.parallel.chunks
+        self.engine = self.parallel.engine
+        self.optimizer = self.parallel.optimizer
         self.padded_vocab = padded_vocab(vocab, p.tp)
         self.timeline: list[Interval] = []
         self.scaler = build_scaler(t.precision, self.device)
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
-        # The engine wraps the optimizer (Horovod builds a new one) before any state is
-        # loaded into it, then makes every replica hold what rank 0 holds.
-        self.engine = build_engine(p.dp_engine, self.model, self.grid, p)
-        self.optimizer = self.engine.attach_optimizer(
-            build_optimizer(self.model, t, self.device), self.accumulation
-        )
         self._resume()
         self.engine.broadcast_state(self.optimizer)
         self.reader = MicroBatchReader(
@@ -193,23 +139,15 @@ class Trainer:
         self.peak = observe.peak_tflops(self.device, t.precision, t.peak_tflops)
         self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
 
-    def _setup_pipeline(self) -> None:
-        """The schedule, the channel to the neighbouring stages and the embedding group."""
-        p, m = self.cfg.parallel, self.cfg.model
-        self.actions = rank_actions(p.schedule, p.pp, self.grid.pp_rank, self.accumulation, p.vpp)
-        sp = p.sequence_parallel and p.tp > 1
-        shape = (self.cfg.train.micro_batch_size, m.seq_len // p.tp if sp else m.seq_len, m.d_model)
-        self.channel = Channel(
-            prev=self.grid.pp_prev,
-            next=self.grid.pp_next,
-            shape=shape,
-            dtype=torch.float32,
-            device=self.device,
-            tp_group=self.grid.tp_group if p.tp > 1 else None,
-            scatter_gather=p.scatter_gather,
-            sequence_parallel=sp,
-        )
-        self.embedding_group = embedding_group(self.grid)
+    def close(self) -> None:
+        """Give the process back its signal handlers, threads, kernels and random states."""
+        self.process.restore()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def _val_reader(self) -> MicroBatchReader | None:
         """Return the validation reader, None (with a warning) if the data has no val split."""
@@ -235,8 +173,21 @@ class Trainer:
             prefetch=2,
         )
 
+    def _prepare_run_dir(self, vocab: int) -> None:
+        """Check the run folder against this run, clear what it replaces, write its config.
+
+        Refuses a checkpoint of another model shape; clears old checkpoints on resume: none
+        and an earlier run's timelines; writes the resolved config and the tokenizer, so
+        generate and convert need not find the data.
+        """
+        self._check_run_dir(vocab)
+        if self.grid.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.cfg.dump(self.run_dir / "config.yaml")
+            shutil.copy(self.manifest.tokenizer_path, self.run_dir / "tokenizer.json")
+        dist.barrier()
+
     def _check_run_dir(self, vocab: int) -> None:
-        """Refuse a checkpoint of another model shape; clear old checkpoints on resume: none."""
         if self.grid.rank == 0:  # timelines of an earlier run would mix with this one's
             shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
         if self.cfg.run.resume == "none":
@@ -283,7 +234,7 @@ class Trainer:
         shard = checkpoint.load_shard(
             folder, self.grid.tp_rank, self.grid.pp_rank, self.grid.tp, self.grid.pp
         )
-        self.model.load_state_dict(shard["model"])
+        load_chunks_state_dict(self.model, self.grid.pp, shard["model"])
         if shard.get("optimizer") is not None:
             self.optimizer.load_state_dict(shard["optimizer"])
         if shard.get("scaler"):
@@ -306,7 +257,7 @@ class Trainer:
         import yaml
 
         shard = {
-            "model": self.model.state_dict(),
+            "model": chunks_state_dict(self.model, self.grid.pp),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng": checkpoint.rng_state(self.device),
@@ -337,48 +288,37 @@ class Trainer:
     def train_step(self, batches: Any, timed: bool = False) -> dict[str, Any]:
         """Run one optimizer step over ``accumulation`` micro-batches; return its metrics.
 
-        ``timed`` (on logged steps) waits for the GPU after each backward, so that the
-        per-rank compute time measures the device's work, not kernel launches.
+        ``timed`` (on logged steps) waits for the GPU after each forward and backward, so that
+        the per-rank compute time measures the device's work, not kernel launches.
         """
         t = self.cfg.train
         started = time.perf_counter()
         lr = self._set_lr()
         self.model.train()
         self.engine.reset_timers()
-        loss_sum = torch.zeros((), device=self.device)
-        data_time = 0.0
-        compute_time = 0.0
-        if self.pipelined:
-            loss_sum, data_time, compute_time = self._pipeline_step(batches, timed)
-        for micro in range(0 if self.pipelined else self.accumulation):
-            with observe.nvtx_range(f"data mb{micro}"):
-                fetched = time.perf_counter()
-                batch = next(batches)
-                ids = batch.input_ids.to(self.device, non_blocking=True)
-                labels = batch.labels.to(self.device, non_blocking=True)
-                data_time += time.perf_counter() - fetched
-            last = micro == self.accumulation - 1
-            computed = time.perf_counter()
-            with self.engine.accumulate(last):
-                with observe.nvtx_range(f"forward mb{micro}"), autocast(t.precision, self.device):
-                    loss = self.engine.module(ids, labels)
-                with observe.nvtx_range(f"backward mb{micro}"):
-                    self.scaler.scale(loss / self.accumulation).backward()
-            if timed and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            compute_time += time.perf_counter() - computed
-            loss_sum += loss.detach()
+        loss_sum, data_time, compute_time = self._run_schedule(batches, timed)
         with observe.nvtx_range("gradient communication"):
-            self.engine.finish_gradients(self.optimizer)
-            reduce_sequence_parallel_grads(self.model, self.grid.tp_group)
-            if self.pipelined:
-                sync_tied_embedding(self.model, self.embedding_group)
+            grads.finish_gradients(
+                self.model,
+                self.engine,
+                self.optimizer,
+                self.parallel.tp_group,
+                self.parallel.embedding_group,
+            )
         if self.engine.waits_in_backward:
             compute_time -= self.engine.comm_wait_s
         for hook in self.grad_hooks:
             hook(self.step, self.model)
         with observe.nvtx_range("optimizer"):
-            grad_norm, skipped = self.engine.step(self.optimizer, self.scaler, t.grad_clip)
+            grad_norm, skipped = grads.step(
+                self.engine,
+                self.parallel.parameters,
+                self.optimizer,
+                self.scaler,
+                t.grad_clip,
+                self.parallel.tp_group,
+                self.parallel.pp_group,
+            )
             self.optimizer.zero_grad()
         self.skipped_steps += int(skipped)
         self.consumed_samples += self.global_batch
@@ -402,24 +342,30 @@ class Trainer:
             "skipped": bool(skipped),
         }
 
-    def _pipeline_step(self, batches: Any, timed: bool) -> tuple[torch.Tensor, float, float]:
-        """Run the step's micro-batches through the pipeline schedule.
+    def _micro_batches(self, batches: Any, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Return the next ``count`` micro-batches as (ids, labels) on this rank's device."""
+        micro = []
+        for index in range(count):
+            with observe.nvtx_range(f"data mb{index}"):
+                batch = next(batches)
+                micro.append(
+                    (
+                        batch.input_ids.to(self.device, non_blocking=True),
+                        batch.labels.to(self.device, non_blocking=True),
+                    )
+                )
+        return micro
+
+    def _run_schedule(self, batches: Any, timed: bool) -> tuple[torch.Tensor, float, float]:
+        """Run the step's micro-batches through this rank's schedule.
 
         Returns the sum of the micro-batch losses (on every stage), the data time and this
         rank's compute time; keeps the step's intervals in ``self.timeline``. On a GPU,
         ``timed`` steps wait for each action's kernels, so their intervals time the device.
         """
-        t = self.cfg.train
+        t, parallel = self.cfg.train, self.parallel
         fetched = time.perf_counter()
-        micro = []
-        for _ in range(self.accumulation):
-            batch = next(batches)
-            micro.append(
-                (
-                    batch.input_ids.to(self.device, non_blocking=True),
-                    batch.labels.to(self.device, non_blocking=True),
-                )
-            )
+        micro = self._micro_batches(batches, self.accumulation)
         data_time = time.perf_counter() - fetched
         # Only the last stage scales a loss; every stage's scaler must hold the scale, since
         # each unscales its own gradients and all of them update it together.
@@ -428,26 +374,30 @@ class Trainer:
             self.model,
             self.engine,
             micro,
+            modules=parallel.modules,
             autocast=lambda: autocast(t.precision, self.device),
             scale=self.scaler.scale,
-            split_backward=self.cfg.parallel.schedule == "zb-h1",
+            split_backward=parallel.split_backward,
         )
-        # Stages start together, so that the recorded timelines share one origin.
-        dist.barrier(group=self.grid.pp_group)
-        with observe.nvtx_range(f"pipeline {self.cfg.parallel.schedule}"):
+        if parallel.pp_group is not None:
+            # Stages start together, so that the recorded timelines share one origin.
+            dist.barrier(group=parallel.pp_group)
+        with observe.nvtx_range(f"schedule {parallel.schedule}"):
             sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else None
-            self.timeline = Runtime(self.channel).run(
-                self.actions,
-                work,
-                split_backward=self.cfg.parallel.schedule == "zb-h1",
-                synchronize=sync,
+            self.timeline = Runtime(parallel.channel).run(
+                parallel.actions, work, split_backward=parallel.split_backward, synchronize=sync
             )
         compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
+        return self._stage_loss_sum(work), data_time, compute
+
+    def _stage_loss_sum(self, work: GPTStageWork) -> torch.Tensor:
+        """Return the sum of the losses of ``work``'s micro-batches, on every pipeline stage."""
         loss_sum = torch.zeros((), device=self.device)
         for loss in work.losses.values():
             loss_sum += loss.float()
-        dist.all_reduce(loss_sum, group=self.grid.pp_group)  # only the last stage has it
-        return loss_sum, data_time, compute
+        if self.parallel.pp_group is not None:  # only the last stage has the losses
+            dist.all_reduce(loss_sum, group=self.parallel.pp_group)
+        return loss_sum
 
     def _model_parameters(self) -> int:
         """Return the whole model's parameter count (padded vocabulary), summed over the grid.
@@ -455,8 +405,6 @@ class Trainer:
         Tensor-parallel slices count t times, whole parameters once, and pipeline stages add
         up, leaving out the last stage's copy of the tied embedding.
         """
-        from hpcllm.parallel.tensor import is_split
-
         count = sum(
             p.numel() * (self.grid.tp if is_split(p) else 1)
             for p in self.model.parameters()
@@ -469,12 +417,13 @@ class Trainer:
         return count
 
     def write_timeline(self) -> Path | None:
-        """Write this rank's last recorded pipeline step to RUN_DIR/timeline/ (atomically)."""
-        if not self.timeline:
+        """Write this rank's last recorded pipeline step to RUN_DIR/timeline/ (atomically).
+
+        Runs of one stage write none: their timeline is a row of forwards and backwards.
+        """
+        if not self.timeline or self.grid.pp == 1:
             return None
-        folder = self.run_dir / "timeline"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"rank{self.grid.rank:05d}.json"
+        path = self.run_dir / "timeline" / f"rank{self.grid.rank:05d}.json"
         record = {
             "rank": self.grid.rank,
             "pp_rank": self.grid.pp_rank,
@@ -489,42 +438,34 @@ class Trainer:
                 [i.kind.value, i.microbatch, i.chunk, i.start, i.end] for i in self.timeline
             ],
         }
-        partial = folder / f".{path.name}.partial"
-        partial.write_text(json.dumps(record))
-        os.replace(partial, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(record))
         return path
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
-        t = self.cfg.train
+        t, p = self.cfg.train, self.cfg.parallel
         self.model.eval()
         reader = self.val_reader
         reader.consumed_samples = 0  # the same validation batches every time
         batches = iter(reader)
-        total = torch.zeros((), device=self.device)
         iters = min(t.eval_iters, reader.steps_per_epoch)
-        if self.pipelined:
-            micro = []
-            for _ in range(iters):
-                batch = next(batches)
-                micro.append((batch.input_ids.to(self.device), batch.labels.to(self.device)))
-            work = GPTStageWork(
-                self.model, self.engine, micro, autocast=lambda: autocast(t.precision, self.device)
-            )
-            p = self.cfg.parallel
-            Runtime(self.channel).run(forward_only(p.pp, self.grid.pp_rank, iters, p.vpp), work)
-            for loss in work.losses.values():
-                total += loss.float()
-            dist.all_reduce(total, group=self.grid.pp_group)
-        for _ in range(0 if self.pipelined else iters):
-            batch = next(batches)
-            with autocast(t.precision, self.device):
-                total += self.model(
-                    batch.input_ids.to(self.device), batch.labels.to(self.device)
-                ).float()
-        batches.close()
-        total /= iters
+        try:
+            micro = self._micro_batches(batches, iters)
+        finally:
+            batches.close()
+        work = GPTStageWork(
+            self.model,
+            self.engine,
+            micro,
+            modules=self.parallel.modules,
+            autocast=lambda: autocast(t.precision, self.device),
+        )
+        actions = forward_only(p.pp, self.grid.pp_rank, iters, p.vpp)
+        with observe.nvtx_range("evaluation"):
+            Runtime(self.parallel.channel).run(actions, work)
+        total = self._stage_loss_sum(work) / iters
         if self.grid.dp > 1:
             dist.all_reduce(total, group=self.grid.dp_group)
             total /= self.grid.dp
@@ -653,8 +594,7 @@ class Trainer:
             bar.close()
             batches.close()
             self.write_timeline()
-            for sig, handler in self._previous_handlers.items():
-                signal.signal(sig, handler)
+            self.close()
             if log:
                 log.close()
         summary.update(

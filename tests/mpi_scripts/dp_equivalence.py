@@ -18,7 +18,8 @@ import torch
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data import build_engine
+from hpcllm.parallel.data_parallel import build_engine
+from hpcllm.train import grads
 from hpcllm.train.optim import autocast, build_optimizer, build_scaler
 
 STEPS, MICRO, SEQ, VOCAB = 3, 2, 16, 100
@@ -63,7 +64,8 @@ def main() -> None:
             model = GPT(model_config(), VOCAB, seed=7)
             optimizer = make_optimizer(kind, model, precision)
             scaler = build_scaler(precision, grid.device)
-            engine = build_engine(name, model, grid, parallel)
+            engine = build_engine(name, grid, parallel)
+            (module,) = engine.wrap([model])
             optimizer = engine.attach_optimizer(optimizer, accumulation)
             per_rank = MICRO * accumulation
             for step in range(STEPS):
@@ -72,12 +74,13 @@ def main() -> None:
                 ids, labels = ids[mine], labels[mine]
                 for micro in range(accumulation):
                     part = slice(micro * MICRO, (micro + 1) * MICRO)
-                    with engine.accumulate(micro == accumulation - 1):
-                        with autocast(precision, grid.device):
-                            loss = engine.module(ids[part], labels[part])
-                        scaler.scale(loss / accumulation).backward()
+                    with engine.forward_context(0), autocast(precision, grid.device):
+                        loss = module(ids[part], labels[part])
+                    last = micro == accumulation - 1
+                    engine.backward(0, [scaler.scale(loss / accumulation)], [None], last)
                 engine.finish_gradients(optimizer)
-                engine.step(optimizer, scaler, train.grad_clip)
+                params = list(model.parameters())
+                grads.step(engine, params, optimizer, scaler, train.grad_clip)
                 optimizer.zero_grad()
             torch.save(
                 {k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -20,17 +20,15 @@ import torch.distributed as dist
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data import Engine, build_engine
+from hpcllm.model.stages import build_chunks
+from hpcllm.parallel.data_parallel import Engine, build_engine
 from hpcllm.parallel.pipeline.runtime import Channel, Runtime
 from hpcllm.parallel.pipeline.schedule import rank_actions
-from hpcllm.parallel.pipeline.stages import (
-    GPTStageWork,
-    build_chunks,
-    embedding_group,
-    sync_tied_embedding,
-)
-from hpcllm.parallel.tensor import clip_grad_norm, reduce_sequence_parallel_grads, shard_of
+from hpcllm.parallel.tensor.layers import shard_of
+from hpcllm.train.grads import clip_grad_norm, reduce_sequence_parallel_grads, sync_tied_embedding
 from hpcllm.train.optim import build_optimizer
+from hpcllm.train.parallelize import embedding_group
+from hpcllm.train.stage_work import GPTStageWork
 
 VOCAB, SEQ, MICRO = 250, 16, 2
 SPLIT = {
@@ -108,14 +106,17 @@ def main() -> None:
                         sequence_parallel=sp,
                     )
                     engine = (
-                        Engine(chunks, grid)
+                        Engine(grid)
                         if engine_name == "none"
-                        else build_engine(engine_name, chunks, grid, parallel_cfg)
+                        else build_engine(engine_name, grid, parallel_cfg)
                     )
+                    modules = engine.wrap(chunks)
                     optimizer = engine.attach_optimizer(
                         build_optimizer(chunks, train_cfg, torch.device("cpu")), m
                     )
-                    work = GPTStageWork(chunks, engine, batches, split_backward=schedule == "zb-h1")
+                    work = GPTStageWork(
+                        chunks, engine, batches, modules, split_backward=schedule == "zb-h1"
+                    )
                     shape = (MICRO, SEQ // tp if sp and tp > 1 else SEQ, cfg.d_model)
                     channel = (
                         Channel(

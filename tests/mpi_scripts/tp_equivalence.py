@@ -17,8 +17,11 @@ import torch
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data import build_engine
-from hpcllm.parallel.tensor import count_comm, reduce_sequence_parallel_grads, shard_of
+from hpcllm.parallel.data_parallel import build_engine
+from hpcllm.parallel.tensor.layers import shard_of
+from hpcllm.parallel.tensor.mappings import count_comm
+from hpcllm.train.grads import reduce_sequence_parallel_grads
+from hpcllm.train.grads import step as engine_step
 from hpcllm.train.optim import build_optimizer, build_scaler
 
 VOCAB = 250
@@ -66,8 +69,8 @@ def main() -> None:
     serial = GPT(cfg, VOCAB, seed=11)
     parallel = GPT(cfg, VOCAB, seed=11, tp_group=grid.tp_group, sequence_parallel=sp)
     parallel_config = load_config(None, []).parallel
-    engine = build_engine(engine_name, parallel, grid, parallel_config) if engine_name else None
-    module = engine.module if engine else parallel
+    engine = build_engine(engine_name, grid, parallel_config) if engine_name else None
+    module = engine.wrap([parallel])[0] if engine else parallel
     train = load_config(None, ["train.lr=1e-2"]).train
     scaler = build_scaler("fp32", torch.device("cpu"))
 
@@ -142,7 +145,7 @@ def main() -> None:
         loss = module(mine(x), mine(y))
         parallel_backward(loss, optimizers[1])
         if engine:
-            engine.step(optimizers[1], scaler, 0.0)
+            engine_step(engine, list(parallel.parameters()), optimizers[1], scaler, 0.0)
         else:
             optimizers[1].step()
         optimizers[1].zero_grad()

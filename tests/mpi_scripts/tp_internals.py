@@ -25,7 +25,8 @@ from hpcllm import topology
 from hpcllm.config import ModelConfig
 from hpcllm.model.gpt import GPT, Block
 from hpcllm.parallel.random import seed_streams, tp_rng
-from hpcllm.parallel.tensor import count_comm, reduce_sequence_parallel_grads
+from hpcllm.parallel.tensor.mappings import count_comm
+from hpcllm.train.grads import reduce_sequence_parallel_grads
 
 # TP_SHAPE=b,s,h,heads measures another shape (docs/benchmarks.md uses GPT-2 small's).
 B, S, H, HEADS = (int(v) for v in os.environ.get("TP_SHAPE", "2,32,64,4").split(","))

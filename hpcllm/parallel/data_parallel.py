@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,38 +30,54 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcllm.errors import UserError
-from hpcllm.parallel.tensor import clip_grad_norm
 
 ENGINES = ("ddp", "horovod", "ps")
 
+StepFn = Callable[[], tuple[float, bool]]
+
 
 class Engine:
-    """What the trainer needs from a data-parallel engine."""
+    """What the trainer needs from a data-parallel engine, and the engine of one replica.
+
+    The protocol, in the order the trainer uses it: :meth:`wrap` the stage modules (one per
+    model chunk; what it returns runs the forwards), :meth:`attach_optimizer`,
+    :meth:`broadcast_state` after a resume; in each step :meth:`forward_context` around each
+    forward, :meth:`backward` for each backward, :meth:`finish_gradients` after the last, and
+    :meth:`step`, which is handed the default optimizer step. Engines move gradients; only an
+    engine whose algorithm needs the step itself overrides :meth:`step`.
+    """
 
     name = "none"
     waits_in_backward = False  # whether comm_wait_s was spent inside the last backward
 
-    def __init__(self, model: nn.Module, grid: Any) -> None:
-        self.model = model
-        self.module: nn.Module = model
+    def __init__(self, grid: Any) -> None:
         self.grid = grid
         self.comm_wait_s = 0.0
-        # The global gradient norm spans the tensor-parallel slices and pipeline stages.
-        self.tp_group = grid.tp_group if getattr(grid, "tp", 1) > 1 else None
-        self.pp_group = grid.pp_group if getattr(grid, "pp", 1) > 1 else None
-        # A pipeline rank's model is a ModuleList of chunks, each run as one module.
-        self.pipelined = isinstance(model, nn.ModuleList)
-        self.pipeline_modules: list[nn.Module] = []
-        if self.pipelined:
-            from hpcllm.parallel.pipeline.stages import StageForward
+        self.modules: list[nn.Module] = []
 
-            self.pipeline_modules = [StageForward(chunk) for chunk in model]
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Return the wrapped modules' trainable parameters, in module order."""
+        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
 
-    def pipeline_forward(self, chunk: int) -> Any:
-        """Return the context for a pipeline forward of ``chunk``."""
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Return the wrapped modules' parameters with names unique across modules."""
+        return [
+            (f"{i}.{name}", p)
+            for i, m in enumerate(self.modules)
+            for name, p in m.named_parameters()
+        ]
+
+    def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
+        """Take this rank's stage modules; return the modules that run their forwards."""
+        self.modules = list(modules)
+        return list(modules)
+
+    def forward_context(self, chunk: int) -> Any:
+        """Return the context for a forward of ``chunk``."""
         return contextlib.nullcontext()
 
-    def pipeline_backward(
+    def backward(
         self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None], last: bool
     ) -> None:
         """Backward from ``chunk``'s outputs; ``last`` marks the chunk's last of the step."""
@@ -75,45 +92,22 @@ class Engine:
     def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Make every replica hold rank 0's weights and optimizer state (after a resume)."""
 
-    def accumulate(self, last_micro_batch: bool) -> Any:
-        """Return the context for one micro-batch's forward and backward."""
-        return contextlib.nullcontext()
-
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the reduced (averaged) gradients available where the optimizer steps."""
 
     def step(
-        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip: float
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
     ) -> tuple[float, bool]:
-        """Unscale, clip, step and update the scaler; return (grad norm, step skipped)."""
-        return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
+        """Run the optimizer step; return (grad norm, step skipped).
+
+        ``local_step`` is the default step on this rank's gradients (unscale, clip, step,
+        update the scale); engines run it as it is unless their algorithm steps elsewhere.
+        """
+        return local_step()
 
     def reset_timers(self) -> None:
         """Start a new step's communication timing."""
         self.comm_wait_s = 0.0
-
-
-def _local_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    clip: float,
-    tp_group: Any = None,
-    pp_group: Any = None,
-) -> tuple[float, bool]:
-    scaler.unscale_(optimizer)
-    norm = clip_grad_norm(list(model.parameters()), clip, tp_group, pp_group)
-    if scaler.is_enabled() and not torch.isfinite(norm):
-        # The norm spans every tp and pp rank, so an overflow anywhere makes it inf or NaN
-        # everywhere: every rank then skips the step and backs off its scale together, as
-        # Megatron-LM does by all-reducing found-inf. Each rank's own check sees only its
-        # gradients (GradScaler keeps that flag per optimizer; it has no public setter).
-        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            found.fill_(1.0)
-    scale = scaler.get_scale()
-    scaler.step(optimizer)
-    scaler.update()
-    return float(norm), bool(scaler.is_enabled() and scaler.get_scale() < scale)
 
 
 class _AllReduceTimer:
@@ -147,67 +141,68 @@ def _timed_hook(inner: Any) -> Any:
 
 
 class DDPEngine(Engine):
-    """PyTorch DistributedDataParallel over the grid's data-parallel group."""
+    """PyTorch DistributedDataParallel over the grid's data-parallel group, one per chunk.
+
+    Each chunk's DDP reduces after that chunk's last backward of the step, so with several
+    chunks (interleaved pipelines) the reductions overlap the remaining backwards.
+    """
 
     name = "ddp"
     waits_in_backward = True
 
     def __init__(
         self,
-        model: nn.Module,
         grid: Any,
         bucket_mb: float = 25.0,
         gradient_as_bucket_view: bool = True,
         compression: str = "none",
     ) -> None:
-        super().__init__(model, grid)
+        super().__init__(grid)
         self.timer = _AllReduceTimer(grid.dp_group)
-        if grid.dp > 1:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            from torch.nn.parallel import DistributedDataParallel
+        self.bucket_mb = bucket_mb
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.compression = compression
+        self.wrapped: list[nn.Module] = []
 
-            inner = {
-                "none": default_hooks.allreduce_hook,
-                "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook,
-            }[compression]
+    def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
+        super().wrap(modules)
+        if self.grid.dp == 1:
+            self.wrapped = list(modules)
+            return self.wrapped
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
 
-            def wrap(module: nn.Module) -> DistributedDataParallel:
-                ddp = DistributedDataParallel(
-                    module,
-                    device_ids=[grid.device] if grid.device.type == "cuda" else None,
-                    process_group=grid.dp_group,
-                    bucket_cap_mb=bucket_mb,
-                    gradient_as_bucket_view=gradient_as_bucket_view,
-                )
-                ddp.register_comm_hook(self.timer, _timed_hook(inner))
-                return ddp
+        inner = {
+            "none": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+        }[self.compression]
+        self.wrapped = []
+        for module in modules:
+            ddp = DistributedDataParallel(
+                module,
+                device_ids=[self.grid.device] if self.grid.device.type == "cuda" else None,
+                process_group=self.grid.dp_group,
+                bucket_cap_mb=self.bucket_mb,
+                gradient_as_bucket_view=self.gradient_as_bucket_view,
+            )
+            ddp.register_comm_hook(self.timer, _timed_hook(inner))
+            self.wrapped.append(ddp)
+        return self.wrapped
 
-            if self.pipelined:
-                # One DDP per chunk: each reduces after its own last backward of the step.
-                self.pipeline_modules = [wrap(m) for m in self.pipeline_modules]
-            else:
-                self.module = wrap(model)
+    def forward_context(self, chunk: int) -> Any:
+        # Forwards never arm DDP's reducer: other micro-batches' backwards may run between a
+        # forward and its own backward. backward() arms it for the chunk's last one.
+        return self.wrapped[chunk].no_sync() if self.grid.dp > 1 else contextlib.nullcontext()
 
-    def pipeline_forward(self, chunk: int) -> Any:
-        # Forwards never arm DDP's reducer: other micro-batches' backwards run between a
-        # forward and its own backward. pipeline_backward arms it for the last one.
-        module = self.pipeline_modules[chunk]
-        return module.no_sync() if self.grid.dp > 1 else contextlib.nullcontext()
-
-    def pipeline_backward(
+    def backward(
         self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None], last: bool
     ) -> None:
         if last and self.grid.dp > 1:
             # What DDP's forward does when it will sync, done for the backward that ends the
             # chunk's step (torch.distributed.pipelining does the same).
-            self.pipeline_modules[chunk].reducer.prepare_for_backward(list(outs))
+            self.wrapped[chunk].reducer.prepare_for_backward(list(outs))
         torch.autograd.backward(outs, grads)
-
-    def accumulate(self, last_micro_batch: bool) -> Any:
-        if last_micro_batch or self.module is self.model:
-            return contextlib.nullcontext()
-        return self.module.no_sync()
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # DDP finished the reduction inside the last backward; what it waited for there is
@@ -227,13 +222,12 @@ class HorovodEngine(Engine):
 
     def __init__(
         self,
-        model: nn.Module,
         grid: Any,
         fusion_mb: float | None = None,
         cycle_ms: float | None = None,
         compression: str = "none",
     ) -> None:
-        super().__init__(model, grid)
+        super().__init__(grid)
         # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes
         # there. Fusion buffer and cycle time are read once, by hvd.init.
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
@@ -270,10 +264,11 @@ class HorovodEngine(Engine):
         self, optimizer: torch.optim.Optimizer, accumulation: int
     ) -> torch.optim.Optimizer:
         # A new optimizer object of the same class and groups: load checkpointed state into
-        # the returned one, not into the one given.
+        # the returned one, not into the one given. Its gradient hooks all-reduce each
+        # parameter once it has accumulated ``accumulation`` backward passes.
         return self.hvd.DistributedOptimizer(
             optimizer,
-            named_parameters=self.model.named_parameters(),
+            named_parameters=self.named_parameters(),
             backward_passes_per_step=accumulation,
             compression=self.compression,
             op=self.hvd.Average,
@@ -282,7 +277,10 @@ class HorovodEngine(Engine):
     def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
         # Every replica starts from rank 0's weights, whatever the init, as Horovod users
         # expect.
-        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        state = {
+            f"{i}.{k}": v for i, m in enumerate(self.modules) for k, v in m.state_dict().items()
+        }
+        self.hvd.broadcast_parameters(state, root_rank=0)
         if optimizer.state:
             # Only real state (a resumed run): on empty state Horovod initialises it by
             # stepping with zero gradients, which would apply AdamW's weight decay once.
@@ -294,12 +292,12 @@ class HorovodEngine(Engine):
         self.comm_wait_s += time.perf_counter() - started
 
     def step(
-        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip: float
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
     ) -> tuple[float, bool]:
-        # Gradients are already averaged (synchronize); unscale and clip those, then step
-        # without Horovod synchronising a second time.
+        # The gradients are averaged already (finish_gradients synchronised): the step must
+        # not make Horovod synchronise a second time.
         with optimizer.skip_synchronize():
-            return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
+            return local_step()
 
 
 class ParameterServerEngine(Engine):
@@ -312,25 +310,23 @@ class ParameterServerEngine(Engine):
 
     name = "ps"
 
-    def __init__(self, model: nn.Module, grid: Any) -> None:
-        super().__init__(model, grid)
+    def __init__(self, grid: Any) -> None:
+        super().__init__(grid)
         self.group = grid.dp_group
         self.root = grid.layout.dp_group(grid.rank)[0]
         self.is_root = grid.dp_rank == 0
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params: list[nn.Parameter] = []
+
+    def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
+        super().wrap(modules)
+        self.params = self.parameters
+        # Every replica starts from the server's weights.
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-            if grid.dp > 1:
+            if self.grid.dp > 1:
                 dist.broadcast(flat, src=self.root, group=self.group)
-            self._unflatten(flat, [p.data for p in self.params])
-
-    @staticmethod
-    def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        offset = 0
-        for target in targets:
-            n = target.numel()
-            target.copy_(flat[offset : offset + n].view_as(target))
-            offset += n
+            _unflatten(flat, [p.data for p in self.params])
+        return list(modules)
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.grid.dp == 1:
@@ -344,20 +340,18 @@ class ParameterServerEngine(Engine):
             for p, g in zip(self.params, grads, strict=True):
                 if p.grad is None:
                     p.grad = g
-            self._unflatten(flat, [p.grad for p in self.params])
+            _unflatten(flat, [p.grad for p in self.params])
         self.comm_wait_s += time.perf_counter() - started
 
     def step(
-        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip: float
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
     ) -> tuple[float, bool]:
         if self.grid.dp == 1:
-            return _local_step(self.model, optimizer, scaler, clip, self.tp_group, self.pp_group)
+            return local_step()
         device = self.params[0].device  # nccl moves CUDA tensors only
         result = torch.zeros(3, device=device)  # grad norm, skipped, new loss scale
         if self.is_root:
-            norm, skipped = _local_step(
-                self.model, optimizer, scaler, clip, self.tp_group, self.pp_group
-            )
+            norm, skipped = local_step()
             result = torch.tensor(
                 [norm, float(skipped), scaler.get_scale() if scaler.is_enabled() else 1.0],
                 device=device,
@@ -368,7 +362,7 @@ class ParameterServerEngine(Engine):
             dist.broadcast(flat, src=self.root, group=self.group)
             dist.broadcast(result, src=self.root, group=self.group)
             if not self.is_root:
-                self._unflatten(flat, [p.data for p in self.params])
+                _unflatten(flat, [p.data for p in self.params])
         self.comm_wait_s += time.perf_counter() - started
         if not self.is_root:
             # Only the root stepped; the others drop their (unreduced) gradients and take the
@@ -379,22 +373,26 @@ class ParameterServerEngine(Engine):
         return float(result[0]), bool(result[1])
 
 
-def build_engine(name: str, model: nn.Module, grid: Any, parallel: Any) -> Engine:
+def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    for target in targets:
+        n = target.numel()
+        target.copy_(flat[offset : offset + n].view_as(target))
+        offset += n
+
+
+def build_engine(name: str, grid: Any, parallel: Any) -> Engine:
     """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``."""
     if name == "ddp":
         return DDPEngine(
-            model, grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression
+            grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression
         )
     if name == "horovod":
         return HorovodEngine(
-            model,
-            grid,
-            parallel.horovod_fusion_mb,
-            parallel.horovod_cycle_ms,
-            parallel.dp_compression,
+            grid, parallel.horovod_fusion_mb, parallel.horovod_cycle_ms, parallel.dp_compression
         )
     if name == "ps":
         if parallel.dp_compression != "none":
             raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")
-        return ParameterServerEngine(model, grid)
+        return ParameterServerEngine(grid)
     raise UserError(f"parallel.dp_engine must be one of {', '.join(ENGINES)}, got {name!r}")

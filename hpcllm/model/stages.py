@@ -1,0 +1,98 @@
+"""The GPT cut into pipeline stages: which blocks each stage holds, and the tied embedding.
+
+Stage k of S = p·v holds a contiguous run of blocks; the first also holds the embedding, the
+last the final LayerNorm and the output layer, which is tied to the embedding. When those
+two stages sit on different ranks each keeps a copy of the embedding and, as Megatron-LM
+does, their gradients are all-reduced between the two before the optimizer step, so the
+copies stay equal. The last stage's copy is marked ``pipeline_duplicate`` so the global
+gradient norm counts it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from hpcllm.config import ModelConfig
+from hpcllm.model.gpt import GPT
+
+
+def split_layers(n_layer: int, stages: int, given: Sequence[int] | None = None) -> list[range]:
+    """Return each stage's block indices: ``given`` counts per stage, or as even as can be.
+
+    With uneven division the earlier stages take one block fewer (the first holds the
+    embedding, the last the output layer, so the middle ones may take the extra blocks);
+    raises ValueError when the counts do not add up.
+    """
+    if given:
+        counts = list(given)
+        if len(counts) != stages or sum(counts) != n_layer or min(counts) < 1:
+            raise ValueError(
+                f"parallel.pipeline_layers {counts} must give each of the {stages} stages "
+                f"(p x vpp) at least one block, adding up to model.n_layer {n_layer}"
+            )
+    else:
+        if n_layer < stages:
+            raise ValueError(
+                f"model.n_layer {n_layer} is fewer than the {stages} pipeline "
+                f"stages (p x vpp); every stage needs a block"
+            )
+        base, extra = divmod(n_layer, stages)
+        counts = [base + (1 if k >= stages - extra else 0) for k in range(stages)]
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def build_chunks(
+    cfg: ModelConfig,
+    vocab_size: int,
+    *,
+    p: int,
+    rank: int,
+    v: int,
+    tp_group: Any,
+    seed: int,
+    sequence_parallel: bool,
+    layers: Sequence[int] | None = None,
+) -> nn.ModuleList:
+    """Return this pipeline rank's v model chunks (chunk c is stage c·p + rank)."""
+    stages = p * v
+    split = split_layers(cfg.n_layer, stages, layers)
+    chunks = []
+    for chunk in range(v):
+        stage = chunk * p + rank
+        part = GPT(
+            cfg,
+            vocab_size,
+            tp_group=tp_group,
+            seed=seed,
+            sequence_parallel=sequence_parallel,
+            layers=split[stage],
+            pre=stage == 0,
+            post=stage == stages - 1,
+        )
+        part.stage = stage
+        if part.post and not part.pre and p > 1:
+            part.wte.weight.pipeline_duplicate = True
+        chunks.append(part)
+    return nn.ModuleList(chunks)
+
+
+def chunks_state_dict(chunks: nn.ModuleList, pp: int) -> dict[str, Any]:
+    """Return the chunks' weights keyed as checkpoints hold them.
+
+    With one pipeline stage the keys are the whole GPT's (``blocks.3.attn.qkv.weight``), which
+    ``generate``, the Hugging Face export and ``convert --tp`` read; a pipeline rank's keys
+    start with the chunk's index (``0.blocks.3.attn.qkv.weight``).
+    """
+    return chunks[0].state_dict() if pp == 1 else chunks.state_dict()
+
+
+def load_chunks_state_dict(chunks: nn.ModuleList, pp: int, state: dict[str, Any]) -> None:
+    """Load weights that :func:`chunks_state_dict` gave into ``chunks``."""
+    (chunks[0] if pp == 1 else chunks).load_state_dict(state)

@@ -1,0 +1,6 @@
+"""Tensor and sequence parallelism along Megatron-LM's seams.
+
+``mappings``: the autograd collectives between tp ranks; ``layers``: column- and row-parallel
+linear layers and the vocab-parallel embedding built on them; ``cross_entropy``: the loss over
+vocabulary-split logits.
+"""

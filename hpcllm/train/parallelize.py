@@ -1,0 +1,161 @@
+"""Turn a config and a rank's place in the grid into its part of the model, ready to train.
+
+:func:`parallelize` applies, in this order, everything that makes a model parallel (the
+order torchtitan's ``parallelize`` keeps, and the one place to add a step such as
+compilation):
+
+1. the random streams, so that every rank draws the whole model's weights alike and each
+   pipeline stage (and, in split regions, each tp rank) its own dropout;
+2. the stage cut: this rank's v chunks, built with its tensor-parallel group (with p = v = 1
+   one chunk, the whole GPT); the last stage's copy of the tied embedding is marked as the
+   duplicate, so the gradient norm counts it once;
+3. the schedule of one training step and the channel to the neighbouring stages, sized by the
+   activation a stage declares it passes on (no channel with one stage);
+4. the data-parallel engine's wrap of the chunks;
+5. the optimizer, which the engine may wrap (Horovod).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpcllm.config import Config
+from hpcllm.errors import UserError
+from hpcllm.model.stages import build_chunks, split_layers
+from hpcllm.parallel.data_parallel import Engine, build_engine
+from hpcllm.parallel.pipeline.runtime import Channel
+from hpcllm.parallel.pipeline.schedule import Action, check_sizes, rank_actions
+from hpcllm.parallel.random import seed_streams
+from hpcllm.topology import Grid
+from hpcllm.train.optim import build_optimizer
+
+
+@dataclass
+class ParallelModel:
+    """One rank's part of the model and what trains it."""
+
+    chunks: nn.ModuleList  # the weights this rank holds; checkpoints save these
+    modules: list[nn.Module]  # what runs each chunk's forward (the engine's wrap)
+    engine: Engine
+    optimizer: torch.optim.Optimizer
+    schedule: str  # the schedule the actions follow (1f1b with one stage)
+    actions: list[Action]  # this rank's actions for one training step
+    channel: Channel | None  # point-to-point to the neighbouring stages (None if p = 1)
+    embedding_group: Any  # the first and last stage's group for the tied embedding
+    tp_group: Any  # None with one tp rank
+    pp_group: Any  # None with one stage
+
+    @property
+    def split_backward(self) -> bool:
+        """Return whether the schedule runs weight gradients apart (W actions, zb-h1)."""
+        return self.schedule == "zb-h1"
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Return this rank's parameters, in the optimizer's order of chunks."""
+        return list(self.chunks.parameters())
+
+
+def check_pipeline(cfg: Config, accumulation: int) -> None:
+    """Refuse, in one line, a pipeline the schedule cannot run."""
+    p = cfg.parallel
+    if p.pp == 1:
+        if p.vpp > 1:
+            raise UserError("parallel.vpp > 1 needs a pipeline (parallel.pp > 1)")
+        return
+    if p.schedule == "interleaved" and p.vpp < 2:
+        raise UserError(
+            "parallel.schedule: interleaved needs parallel.vpp >= 2 virtual stages per rank"
+        )
+    if p.schedule != "interleaved" and p.vpp > 1:
+        raise UserError(
+            f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved (not {p.schedule})"
+        )
+    try:
+        check_sizes(p.schedule, p.pp, accumulation, p.vpp)
+        split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
+    except ValueError as err:
+        raise UserError(
+            f"{err} (the micro-batches per step are train.global_batch_size / "
+            f"(micro_batch_size x d) = {accumulation})"
+        ) from None
+
+
+def embedding_group(grid: Grid) -> Any:
+    """Return the torch group of this rank's first and last pipeline stage (None if p = 1).
+
+    Every rank takes part in creating every such group, as ``new_group`` requires.
+    """
+    if grid.pp == 1:
+        return None
+    mine = None
+    for members in grid.layout.groups("pp"):
+        ranks = sorted({members[0], members[-1]})
+        group = dist.new_group(ranks)
+        if grid.rank in ranks:
+            mine = group
+    return mine
+
+
+def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> ParallelModel:
+    """Return this rank's chunks, wrapped for data parallelism, with schedule and optimizer.
+
+    ``accumulation`` is the number of micro-batches per step (m); with one pipeline stage
+    the schedule is 1f1b, which is then plain gradient accumulation whatever
+    ``parallel.schedule`` says.
+    """
+    p, t, device = cfg.parallel, cfg.train, grid.device
+    check_pipeline(cfg, accumulation)
+    tp_group = grid.tp_group if p.tp > 1 else None
+
+    seed_streams(t.seed, grid.tp_rank, grid.pp_rank, device)
+
+    chunks = build_chunks(
+        cfg.model,
+        vocab_size,
+        p=p.pp,
+        rank=grid.pp_rank,
+        v=p.vpp,
+        tp_group=tp_group,
+        seed=t.seed,
+        sequence_parallel=p.sequence_parallel,
+        layers=p.pipeline_layers,
+    ).to(device)
+
+    schedule = p.schedule if p.pp > 1 else "1f1b"
+    actions = rank_actions(schedule, p.pp, grid.pp_rank, accumulation, p.vpp)
+    channel = None
+    if p.pp > 1:
+        channel = Channel(
+            prev=grid.pp_prev,
+            next=grid.pp_next,
+            shape=chunks[0].boundary_shape(t.micro_batch_size),
+            dtype=torch.float32,
+            device=device,
+            tp_group=tp_group,
+            scatter_gather=p.scatter_gather,
+            sequence_parallel=chunks[0].sequence_parallel,
+        )
+    tied = embedding_group(grid)
+
+    engine = build_engine(p.dp_engine, grid, p)
+    modules = engine.wrap(chunks)
+
+    optimizer = engine.attach_optimizer(build_optimizer(chunks, t, device), accumulation)
+    return ParallelModel(
+        chunks=chunks,
+        modules=modules,
+        engine=engine,
+        optimizer=optimizer,
+        schedule=schedule,
+        actions=actions,
+        channel=channel,
+        embedding_group=tied,
+        tp_group=tp_group,
+        pp_group=grid.pp_group if p.pp > 1 else None,
+    )

@@ -1,0 +1,140 @@
+"""The GPT chunks of one rank doing the forwards and backwards a pipeline schedule asks for.
+
+:class:`GPTStageWork` is the :class:`~hpcllm.parallel.pipeline.runtime.StageWork` the trainer
+hands the runtime for every layout: with p = v = 1 it is one chunk holding the whole GPT and
+the schedule is plain gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcllm import observe
+from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.pipeline.zero_bubble import (
+    defer_weight_grads,
+    deferrable_weight_grads,
+    weight_grads,
+)
+
+
+class GPTStageWork:
+    """The GPT chunks of one rank doing a step's forwards and backwards for the runtime.
+
+    ``batches[i]`` is micro-batch i's (ids, labels); the loss of each micro-batch is divided
+    by m, so the gradients of a step are those of the mean loss over its micro-batches.
+    ``engine`` (a data-parallel engine) supplies each forward's context and runs each
+    backward, so that its gradient reduction starts with each chunk's last backward;
+    ``modules`` are what :meth:`Engine.wrap` returned for the chunks (the chunks themselves
+    by default). Each action runs inside an NVTX range named for it (``forward mb3``).
+
+    With ``split_backward`` (zb-h1) B computes the input gradient and every parameter's
+    gradient except the linear layers' weights, whose GEMMs it parks
+    (:func:`~hpcllm.parallel.pipeline.zero_bubble.defer_weight_grads`), and frees the graph;
+    W computes those GEMMs and hands all the micro-batch's parameter gradients to autograd at
+    once, so each parameter's gradient hook (DDP, Horovod) fires once per micro-batch, in W.
+    """
+
+    def __init__(
+        self,
+        chunks: nn.ModuleList,
+        engine: Engine,
+        batches: Sequence[tuple],
+        modules: Sequence[nn.Module] | None = None,
+        autocast: Callable[[], Any] = contextlib.nullcontext,
+        scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+        split_backward: bool = False,
+    ) -> None:
+        self.chunks, self.engine, self.batches = chunks, engine, batches
+        self.modules = list(chunks) if modules is None else list(modules)
+        # NVTX names say the chunk only when a rank holds several.
+        self._names = [f" chunk {c}" if len(chunks) > 1 else "" for c in range(len(chunks))]
+        self.m = len(batches)
+        self.autocast, self.scale = autocast, scale
+        self.split_backward = split_backward
+        self.losses: dict[int, torch.Tensor] = {}
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._deferred: dict[tuple[int, int], tuple[list, list]] = {}
+        # Backward passes still to come per chunk: the last one starts the dp reduction.
+        self._left = [self.m] * len(chunks)
+
+    def forward(self, chunk: int, microbatch: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        with observe.nvtx_range(f"forward mb{microbatch}{self._names[chunk]}"):
+            return self._forward(chunk, microbatch, x)
+
+    def backward(
+        self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
+    ) -> torch.Tensor | None:
+        with observe.nvtx_range(f"backward mb{microbatch}{self._names[chunk]}"):
+            return self._backward_pass(chunk, microbatch, grad, weights)
+
+    def backward_weight(self, chunk: int, microbatch: int) -> None:
+        with observe.nvtx_range(f"weight gradients mb{microbatch}{self._names[chunk]}"):
+            self._backward_weight(chunk, microbatch)
+
+    def _forward(self, chunk: int, microbatch: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        part = self.chunks[chunk]
+        ids, labels = self.batches[microbatch]
+        inputs = ids if part.pre else x
+        if inputs is None:
+            raise RuntimeError(f"stage {part.stage} got no input for micro-batch {microbatch}")
+        with (
+            self.engine.forward_context(chunk),
+            self.autocast(),
+            deferrable_weight_grads(self.split_backward),
+        ):
+            module = self.modules[chunk]
+            hidden = module(inputs, labels) if part.post else module(inputs)
+        keep = torch.is_grad_enabled()  # evaluation keeps nothing for a backward
+        if part.post:
+            self.losses[microbatch] = hidden.detach()
+            if keep:
+                self._saved[(microbatch, chunk)] = (x, self.scale(hidden / self.m))
+            return None
+        if keep:
+            self._saved[(microbatch, chunk)] = (x, hidden)
+        return hidden.detach()
+
+    def _backward_pass(
+        self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
+    ) -> torch.Tensor | None:
+        x, out = self._saved.pop((microbatch, chunk))
+        if weights:
+            self._backward(chunk, [out], [grad])
+            return None if x is None else x.grad
+        params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+        inputs = ([x] if x is not None else []) + params
+        # Recomputed blocks (model.recompute) must rebuild the forward's deferrable layers.
+        with defer_weight_grads() as parked, deferrable_weight_grads():
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        if x is not None:
+            gx, grads = grads[0], grads[1:]
+        else:
+            gx = None
+        ready = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        self._deferred[(microbatch, chunk)] = (parked, ready)
+        return gx
+
+    def _backward_weight(self, chunk: int, microbatch: int) -> None:
+        parked, ready = self._deferred.pop((microbatch, chunk))
+        summed: dict[int, list] = {}
+        for param, grad in ready + weight_grads(parked):
+            if id(param) in summed:
+                summed[id(param)][1] = summed[id(param)][1] + grad
+            else:
+                summed[id(param)] = [param, grad]
+        # Through autograd (expand_as feeds each parameter's AccumulateGrad), so the engines'
+        # gradient hooks see every parameter once.
+        params = [p for p, _ in summed.values()]
+        self._backward(chunk, [p.expand_as(p) for p in params], [g for _, g in summed.values()])
+
+    def _backward(
+        self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> None:
+        self._left[chunk] -= 1
+        self.engine.backward(chunk, outs, grads, last=self._left[chunk] == 0)
