@@ -552,7 +552,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         ),
         progress=not args.quiet,
     )
-    from hpcllm.topology import detect_launcher
+    from hpcllm.launcher import detect_launcher
 
     if not args.quiet and detect_launcher().rank == 0:
         from hpcllm.datasets.inspection import render_summary, summary
@@ -582,9 +582,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_bench_data(args: argparse.Namespace) -> int:
-    from hpcllm.datasets import bench
+    from hpcllm.bench import data
 
-    return bench.run(
+    return data.run(
         args.dir,
         seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size,
@@ -705,8 +705,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 def _run_bench_overhead(args: argparse.Namespace) -> int:
     import tempfile
 
+    from hpcllm.bench.overhead import bench_overhead
     from hpcllm.config import load_config
-    from hpcllm.train.bench import bench_overhead
 
     with tempfile.TemporaryDirectory(prefix="hpcllm-overhead-") as scratch:
         cfg = load_config(
@@ -731,8 +731,8 @@ def _run_bench_overhead(args: argparse.Namespace) -> int:
 def _run_bench_dp(args: argparse.Namespace) -> int:
     import torch
 
+    from hpcllm.bench import dp
     from hpcllm.errors import UserError
-    from hpcllm.parallel import bench_dp
 
     gpu = torch.cuda.is_available()
     devices = torch.cuda.device_count() if gpu else len(os.sched_getaffinity(0))
@@ -743,7 +743,7 @@ def _run_bench_dp(args: argparse.Namespace) -> int:
             "multi-node job, or run it on a node with more GPUs"
         )
     precisions = args.precisions or ["fp32", "fp16" if gpu else "bf16"]
-    return bench_dp.run(
+    return dp.run(
         args.config,
         args.overrides,
         dps,
@@ -756,9 +756,9 @@ def _run_bench_dp(args: argparse.Namespace) -> int:
 
 
 def _run_bench_pipeline(args: argparse.Namespace) -> int:
-    from hpcllm.parallel.pipeline import bench
+    from hpcllm.bench import pipeline
 
-    bench.run(
+    pipeline.run(
         args.schedules,
         args.microbatches,
         args.vpp,
@@ -773,26 +773,26 @@ def _run_bench_pipeline(args: argparse.Namespace) -> int:
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
-    from hpcllm.kernels import bench
+    from hpcllm.bench import kernels
 
-    return bench.main(list(args.kernel_args))
+    return kernels.main(list(args.kernel_args))
 
 
 def _run_bench_allreduce(args: argparse.Namespace) -> int:
-    from hpcllm.parallel import bench_dp
+    from hpcllm.bench import allreduce
 
-    result = bench_dp.bench_allreduce(args.bytes, args.iters, args.warmup)
+    result = allreduce.bench_allreduce(args.bytes, args.iters, args.warmup)
     if result is not None:
-        print(bench_dp.render_allreduce(result))
+        print(allreduce.render_allreduce(result))
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=2))
     return 0
 
 
 def _run_bench_prepare(args: argparse.Namespace) -> int:
-    from hpcllm.datasets import bench
+    from hpcllm.bench import prepare
 
-    return bench.run_prepare(
+    return prepare.run(
         args.corpus,
         args.out,
         tuple(args.ranks),

@@ -376,7 +376,7 @@ for name in ("triton", "mpi4py", "horovod"):
     sys.modules[name] = None  # importing it now raises ImportError
 import torch
 from hpcllm import kernels
-import hpcllm.kernels.bench, hpcllm.model.gpt
+import hpcllm.bench.kernels, hpcllm.model.gpt
 assert not kernels.triton_available()
 kernels.set_enabled(False)
 x = torch.randn(3, 5)
@@ -511,7 +511,7 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
         [
             sys.executable,
             "-m",
-            "hpcllm.kernels.bench",
+            "hpcllm.bench.kernels",
             "--cpu-smoke",
             "--iters",
             "1",

@@ -76,8 +76,9 @@ class SleepWork:
 def _gpt_work(grid: Any, v: int, m: int, split: bool, seed: int = 1) -> tuple[Any, tuple[int, ...]]:
     """Return (factory of GPT stage work for one step, activation shape) for the tiny GPT."""
     from hpcllm.config import load_config
-    from hpcllm.parallel.data import Engine
-    from hpcllm.parallel.pipeline.stages import GPTStageWork, build_chunks
+    from hpcllm.model.stages import build_chunks
+    from hpcllm.parallel.data_parallel import Engine
+    from hpcllm.train.stage_work import GPTStageWork
 
     tiny = load_config(None, ["model.preset=tiny"]).model
     cfg = replace(tiny, n_layer=max(tiny.n_layer, grid.pp * v), dropout=0.0)
@@ -92,7 +93,8 @@ def _gpt_work(grid: Any, v: int, m: int, split: bool, seed: int = 1) -> tuple[An
         seed=seed,
         sequence_parallel=False,
     )
-    engine = Engine(chunks, grid)
+    engine = Engine(grid)
+    engine.wrap(chunks)
     gen = torch.Generator().manual_seed(seed)
     batches = [
         (
@@ -122,8 +124,9 @@ def run(
 ) -> list[dict[str, Any]]:
     """Measure each schedule at each m; rank 0 prints the table and returns the rows."""
     from hpcllm import topology
+    from hpcllm.launcher import detect_launcher
 
-    world = topology.detect_launcher().world_size
+    world = detect_launcher().world_size
     if world < 2:
         raise UserError(
             "hpcllm bench pipeline runs under mpirun with p >= 2 ranks, all in "

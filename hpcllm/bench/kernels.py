@@ -14,7 +14,7 @@ come from different generators, so only the deterministic op can be compared ele
 torch.compile with its ``eager`` backend), to show that the script works; its times mean
 nothing. The script imports neither MPI nor Horovod.
 
-Run: ``python -m hpcllm.kernels.bench [--json PATH]``.
+Run: ``python -m hpcllm.bench.kernels [--json PATH]``.
 """
 
 from __future__ import annotations

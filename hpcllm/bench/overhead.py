@@ -48,17 +48,16 @@ def _plain_loop(
     return step
 
 
-def bench_overhead(cfg: Config, steps: int, rounds: int, warmup: int = 3) -> dict[str, Any]:
-    """Return median step times of hpcllm and the plain loop, and their ratio."""
-    trainer = Trainer(cfg)
-    if trainer.grid.world_size != 1:
-        raise ValueError("the overhead benchmark runs as one process")
+def _alternate(
+    trainer: Trainer, cfg: Config, steps: int, rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Return the step times of hpcllm's step and the plain loop, run in alternating blocks."""
     device = trainer.device
     batches = iter(trainer.reader)
     # The plain loop gets the same batch shapes, read up front (it does no data loading).
     sample = [next(batches) for _ in range(8)]
     plain_batches = [(b.input_ids.to(device), b.labels.to(device)) for b in sample]
-    plain = _plain_loop(cfg, trainer.model.vocab_size, device, plain_batches, trainer.accumulation)
+    plain = _plain_loop(cfg, trainer.vocab_size, device, plain_batches, trainer.accumulation)
 
     def ours() -> None:
         # The loop's per-step work too: the stop-signal agreement (an all-reduce).
@@ -78,12 +77,21 @@ def bench_overhead(cfg: Config, steps: int, rounds: int, warmup: int = 3) -> dic
                     torch.cuda.synchronize(device)
                 times[name].append(time.perf_counter() - start)
     batches.close()
+    return times
+
+
+def bench_overhead(cfg: Config, steps: int, rounds: int, warmup: int = 3) -> dict[str, Any]:
+    """Return median step times of hpcllm and the plain loop, and their ratio."""
+    with Trainer(cfg) as trainer:
+        if trainer.grid.world_size != 1:
+            raise ValueError("the overhead benchmark runs as one process")
+        times = _alternate(trainer, cfg, steps, rounds, warmup)
     medians = {k: statistics.median(v) for k, v in times.items()}
     return {
         "steps_each": steps * rounds,
         "median_step_s": medians,
         "ratio": medians["hpcllm"] / medians["plain"],
         "tokens_per_step": trainer.tokens_per_step,
-        "device": str(device),
+        "device": str(trainer.device),
         "precision": cfg.train.precision,
     }

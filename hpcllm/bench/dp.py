@@ -1,4 +1,4 @@
-"""``hpcllm bench dp`` and ``hpcllm bench allreduce``: the comparison of Bai (2022), as a command.
+"""``hpcllm bench dp``: the data-parallel engines compared as in Bai (2022), as a command.
 
 ``bench dp`` trains the config's model for a few steps as a single-rank baseline and with
 each engine (ddp, horovod, ps) at each data-parallel size d, in fp32 and in mixed precision,
@@ -8,16 +8,14 @@ reports throughput per rank and in total, speedup over the single rank, scaling 
 (total / (d x single)), each rank's busy share of the step (and NVML utilisation on GPUs),
 and the share of the step spent waiting for gradients.
 
-``bench allreduce`` is the transport underneath: one gradient-sized buffer all-reduced
-through mpi4py (MPI), torch.distributed (gloo or nccl) and Horovod, with nccl-tests'
-definitions: algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+Then ``bench allreduce`` (:mod:`hpcllm.bench.allreduce`) measures the transport underneath
+at the largest d, and its table goes under this one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcllm.errors import UserError
+from hpcllm.bench.allreduce import render_allreduce
+from hpcllm.launcher import mpirun_command, mpirun_env
 
 ALGORITHM = {  # what carries each engine's gradient reduction
     "ddp": "torch.distributed all-reduce in buckets, overlapped with backward (gloo: ring "
@@ -38,15 +37,6 @@ ALGORITHM = {  # what carries each engine's gradient reduction
 }
 
 
-def _mpi_env(threads: int | None = None) -> dict[str, str]:
-    env = dict(os.environ, HOROVOD_CPU_OPERATIONS=os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI"))
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
-
-
 def _launch(
     np_: int,
     args: list[str],
@@ -54,16 +44,16 @@ def _launch(
     force_mpirun: bool = False,
     threads: int | None = None,
 ) -> None:
+    """Run ``hpcllm ARGS`` on ``np_`` ranks (through mpirun when more than one, or forced)."""
+    # Horovod's CPU collectives go through MPI under mpirun (its gloo path crashes there).
+    settings = {"HOROVOD_CPU_OPERATIONS": os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI")}
+    if threads is not None:
+        settings["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "hpcllm", *args]
     if np_ > 1 or force_mpirun:
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            raise UserError("mpirun not found; `make setup` installs Open MPI")
-        cmd = [mpirun, "-np", str(np_), "--oversubscribe", "--bind-to", "none", *cmd]
-    if np_ > 1 or force_mpirun:
-        cmd[1:1] = ["-x", "OMP_NUM_THREADS"] if threads is not None else []
+        cmd = mpirun_command(np_, cmd, export=settings)
     subprocess.run(
-        cmd, check=True, env=_mpi_env(threads), timeout=timeout, stdout=subprocess.DEVNULL
+        cmd, check=True, env=mpirun_env(settings), timeout=timeout, stdout=subprocess.DEVNULL
     )
 
 
@@ -219,90 +209,6 @@ def plot_dp(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# The collective micro-benchmark (runs inside each rank of an mpirun job)
-
-
-def _time(fn: Any, iters: int, warmup: int, barrier: Any) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | None:
-    """All-reduce one float32 buffer of ``nbytes`` via MPI, torch and Horovod; rank 0 gets it."""
-    from hpcllm import topology
-
-    grid = topology.init()
-    comm = grid.world_comm
-    if comm is None:
-        raise UserError("hpcllm bench allreduce runs under mpirun with 2 or more ranks")
-    n = grid.world_size
-    count = nbytes // 4
-    results = {}
-    # In place everywhere, as the engines reduce gradients: no output buffer to allocate.
-    host = np.ones(count, dtype=np.float32)
-    from mpi4py import MPI
-
-    results["mpi"] = _time(
-        lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM), iters, warmup, comm.Barrier
-    )
-    import torch.distributed as dist
-
-    tensor = torch.ones(count, device=grid.device)
-    results[f"torch-{grid.backend}"] = _time(
-        lambda: dist.all_reduce(tensor), iters, warmup, comm.Barrier
-    )
-    # Horovod last: its background thread keeps polling once started, and on a machine with
-    # as many ranks as cores it would slow the other two measurements.
-    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
-    import horovod.torch as hvd
-
-    hvd.init(comm=comm)
-    hv_tensor = torch.ones(count, device=grid.device)
-    results["horovod"] = _time(
-        lambda: hvd.allreduce_(hv_tensor, op=hvd.Sum, name="bench"), iters, warmup, comm.Barrier
-    )
-    # Every rank's median; the slowest rank sets the collective's time.
-    gathered = comm.gather(results, root=0)
-    if grid.rank != 0:
-        return None
-    rows = {}
-    for name in results:
-        seconds = max(g[name] for g in gathered)
-        algbw = nbytes / seconds / 1e9
-        rows[name] = {
-            "seconds": seconds,
-            "algbw_GBps": algbw,
-            "busbw_GBps": algbw * 2 * (n - 1) / n,
-        }
-    mpi_bus = rows["mpi"]["busbw_GBps"]
-    for row in rows.values():
-        row["vs_mpi"] = row["busbw_GBps"] / mpi_bus
-    return {"ranks": n, "bytes": nbytes, "iters": iters, "results": rows}
-
-
-def render_allreduce(result: dict[str, Any]) -> str:
-    """Return the all-reduce micro-benchmark as a small table."""
-    lines = [
-        f"all-reduce of {result['bytes'] / 1e6:.1f} MB float32 on {result['ranks']} ranks "
-        f"(median of {result['iters']}; busbw = algbw x 2(n-1)/n):",
-        f"  {'transport':<12} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} {'vs MPI':>7}",
-    ]
-    for name, r in result["results"].items():
-        lines.append(
-            f"  {name:<12} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
-            f"{r['busbw_GBps']:>11.3f} {r['vs_mpi']:>7.2f}"
-        )
-    return "\n".join(lines)
 
 
 def gradient_bytes(config: Path | None, overrides: list[str]) -> int:

@@ -1,0 +1,1 @@
+"""Benchmarks, one module per `hpcllm bench <target>`."""
