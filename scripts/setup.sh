@@ -50,7 +50,7 @@ fi
 #    ready machine, which keeps a second set-up to a few seconds.
 REQS="$ROOT/scripts/requirements.txt"
 STAMP="$VENV/.hpcllm-setup"
-want=$( { cat "$REQS" "$ROOT/pyproject.toml"; echo "torch==$TORCH_VERSION horovod==$HOROVOD_VERSION"; } | sha256sum | cut -c1-16)
+want=$( { cat "$REQS" "$ROOT/pyproject.toml" "$ROOT/setup.py"; echo "torch==$TORCH_VERSION horovod==$HOROVOD_VERSION"; } | sha256sum | cut -c1-16)
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
   "$PY" -m venv "$VENV"

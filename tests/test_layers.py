@@ -1,0 +1,357 @@
+"""The import graph of the library: no cycles, and no import from a lower layer to a higher one.
+
+Every import of an hpcllm module counts, wherever it is written: at the top of a file, inside a
+function or a method, under `if TYPE_CHECKING`. A function-level import is still a dependency;
+it only moves the moment it runs.
+"""
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Import name of each package root -> its folder in the repository (as setup.py maps them).
+ROOTS = {"hpcllm": "hpcllm", "hpcllm.kernels": "kernels", "hpcllm.datasets": "datasets"}
+
+# Bottom to top. A module belongs to the first layer with a prefix that matches it: the prefix
+# itself or any module below it, except "hpcllm", which matches only the package's __init__.
+# A module may import from its own layer and the layers below; a module that no layer matches
+# fails the test, so that a new top-level module is placed on purpose.
+LAYERS = [
+    ("package", ["hpcllm"]),  # __init__: __version__ only
+    ("launcher", ["hpcllm.launcher", "hpcllm.files"]),
+    ("errors", ["hpcllm.errors"]),
+    ("topology", ["hpcllm.topology"]),
+    ("config", ["hpcllm.config"]),
+    ("observe", ["hpcllm.observe"]),
+    ("data+kernels", ["hpcllm.datasets", "hpcllm.kernels"]),
+    ("parallel", ["hpcllm.parallel"]),
+    ("model", ["hpcllm.model"]),
+    ("train", ["hpcllm.train"]),
+    ("tools", ["hpcllm.bench", "hpcllm.convert", "hpcllm.generate"]),
+    ("cli", ["hpcllm.cli", "hpcllm.__main__"]),
+]
+
+# The data-parallel engines wrap any model and optimizer; they know nothing of the model, the
+# trainer or pipelines.
+ENGINES = ["hpcllm.parallel.data_parallel"]
+ENGINES_MUST_NOT_IMPORT = ["hpcllm.model", "hpcllm.train", "hpcllm.parallel.pipeline"]
+
+TOP = "hpcllm"
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+
+
+@dataclass(frozen=True)
+class Edge:
+    importer: str
+    imported: str  # the deepest existing module the import names
+    path: Path
+    line: int
+    written: str  # for an import of a missing module: the name (resolved if relative); else ""
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def find_modules(base: Path, roots: dict[str, str]) -> dict[str, Module]:
+    """Every .py file inside a package (an __init__.py in each folder down from its root)."""
+    modules = {}
+    for root_name, folder in roots.items():
+        top = base / folder
+        for path in sorted(top.rglob("*.py")):
+            rel = path.relative_to(top)
+            if not all((top / p / "__init__.py").is_file() for p in rel.parents):
+                continue
+            parts = list(rel.with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            name = ".".join([root_name, *parts])
+            modules[name] = Module(name, path, is_package)
+    return modules
+
+
+def _deepest(name: str, modules: dict[str, Module]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_edges(modules: dict[str, Module], top: str = TOP) -> list[Edge]:
+    """Each import of a module under `top`, anywhere in each module's source."""
+    edges = []
+    for mod in modules.values():
+        tree = ast.parse(mod.path.read_text(), filename=str(mod.path))
+        package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            targets = []  # (name as written, candidates from deepest to shallowest)
+            if isinstance(node, ast.Import):
+                targets = [(alias.name, [alias.name]) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    if alias.name == "*":
+                        targets.append((source, [source]))
+                    else:  # `from a import b`: b may be the submodule a.b
+                        targets.append(
+                            (f"{source}.{alias.name}", [f"{source}.{alias.name}", source])
+                        )
+            for written, candidates in targets:
+                if not under(written, top):
+                    continue
+                found = next((c for c in candidates if c in modules), None)
+                imported = found or _deepest(candidates[-1], modules)
+                if imported is None or imported == mod.name:
+                    continue
+                missing = "" if found else candidates[-1]  # the module named after `from`
+                edge = Edge(mod.name, imported, mod.path, node.lineno, missing)
+                if edge not in edges:  # `from a import b, c` is one edge
+                    edges.append(edge)
+    return edges
+
+
+def layer_of(name: str, layers: list = LAYERS, top: str = TOP) -> int | None:
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if name == prefix or (prefix != top and under(name, prefix)):
+                return index
+    return None
+
+
+def _where(edge: Edge, base: Path) -> str:
+    try:
+        path = edge.path.relative_to(base)
+    except ValueError:
+        path = edge.path
+    return f"{path}:{edge.line}"
+
+
+def _layer_name(index: int, layers: list) -> str:
+    return f"{index} {layers[index][0]}"
+
+
+def upward_imports(edges: list[Edge], layers: list, base: Path) -> list[str]:
+    lines = []
+    for e in edges:
+        low, high = layer_of(e.importer, layers), layer_of(e.imported, layers)
+        if low is not None and high is not None and low < high:
+            lines.append(
+                f"{_where(e, base)}  {e.importer} (layer {_layer_name(low, layers)}) -> "
+                f"{e.imported} (layer {_layer_name(high, layers)})"
+            )
+    return lines
+
+
+def cycles(edges: list[Edge]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.importer, set()).add(e.imported)
+        graph.setdefault(e.imported, set())
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def cycle_report(edges: list[Edge], base: Path) -> list[str]:
+    lines = []
+    for component in cycles(edges):
+        members = set(component)
+        lines.append("cycle among " + ", ".join(component) + ":")
+        lines += [
+            f"    {_where(e, base)}  {e.importer} -> {e.imported}"
+            for e in edges
+            if e.importer in members and e.imported in members
+        ]
+    return lines
+
+
+# --- the real tree ---------------------------------------------------------------------------
+
+
+def _real_graph() -> tuple[dict[str, Module], list[Edge]]:
+    modules = find_modules(REPO, ROOTS)
+    assert "hpcllm.cli" in modules and "hpcllm.kernels" in modules, sorted(modules)
+    return modules, import_edges(modules)
+
+
+def test_every_module_has_a_layer():
+    modules, _ = _real_graph()
+    unplaced = sorted(m for m in modules if layer_of(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS in {__file__}): {unplaced}"
+
+
+def test_no_import_cycles():
+    _, edges = _real_graph()
+    report = cycle_report(edges, REPO)
+    assert not report, "import cycles (function-level imports included):\n" + "\n".join(report)
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    _, edges = _real_graph()
+    report = upward_imports(edges, LAYERS, REPO)
+    order = "\n".join(
+        f"  {_layer_name(i, LAYERS)}: {', '.join(p)}" for i, (_, p) in enumerate(LAYERS)
+    )
+    assert not report, (
+        f"{len(report)} imports from a lower layer to a higher one (function-level imports "
+        f"included):\n" + "\n".join(report) + f"\nlayers, bottom to top:\n{order}"
+    )
+
+
+def test_data_parallel_engines_know_no_model_trainer_or_pipeline():
+    modules, edges = _real_graph()
+    engines = [m for m in modules if any(under(m, p) for p in ENGINES)]
+    assert engines, f"no data-parallel engine module under {ENGINES}: update ENGINES"
+    bad = [
+        f"{_where(e, REPO)}  {e.importer} -> {e.imported}"
+        for e in edges
+        if e.importer in engines and any(under(e.imported, p) for p in ENGINES_MUST_NOT_IMPORT)
+    ]
+    assert not bad, "data-parallel engines importing model, trainer or pipeline:\n" + "\n".join(bad)
+
+
+def test_every_hpcllm_import_names_an_existing_module():
+    _, edges = _real_graph()
+    bad = [
+        f"{_where(e, REPO)}  {e.importer} imports {e.written}, which does not exist"
+        for e in edges
+        if e.written
+    ]
+    assert not bad, "\n".join(bad)
+
+
+# --- the walker itself, on a small fake package ---------------------------------------------
+
+
+def _write(base: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = base / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_walker_sees_function_level_relative_and_mapped_imports(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "__version__ = '0'\n",
+            "pkg/errors.py": (
+                "import os\n"
+                "\n"
+                "def report():\n"
+                "    from hpcllm.topology import Grid  # upward, inside a function\n"
+                "    return Grid\n"
+            ),
+            "pkg/topology.py": "from hpcllm import errors\n\nGrid = object\n",
+            "pkg/parallel/__init__.py": "",
+            "pkg/parallel/data_parallel.py": (
+                "class Engine:\n"
+                "    def wrap(self):\n"
+                "        import hpcllm.model.gpt as gpt\n"
+                "        from .. import kernels\n"
+                "        from . import tensor\n"
+                "        return gpt, kernels, tensor\n"
+            ),
+            "pkg/parallel/tensor.py": "from ..errors import report\nfrom hpcllm.gone import x\n",
+            "pkg/model/__init__.py": "",
+            "pkg/model/gpt.py": "from hpcllm.kernels import fused\n",
+            "pkg/notinpackage/helper.py": "import hpcllm.cli\n",
+            "kern/__init__.py": "def fused():\n    from hpcllm.model import gpt\n",
+        },
+    )
+    modules = find_modules(tmp_path, {"hpcllm": "pkg", "hpcllm.kernels": "kern"})
+    assert sorted(modules) == [
+        "hpcllm",
+        "hpcllm.errors",
+        "hpcllm.kernels",
+        "hpcllm.model",
+        "hpcllm.model.gpt",
+        "hpcllm.parallel",
+        "hpcllm.parallel.data_parallel",
+        "hpcllm.parallel.tensor",
+        "hpcllm.topology",
+    ]
+    edges = import_edges(modules)
+    got = {(e.importer, e.imported, e.line) for e in edges}
+    assert got == {
+        ("hpcllm.errors", "hpcllm.topology", 4),
+        ("hpcllm.topology", "hpcllm.errors", 1),
+        ("hpcllm.parallel.data_parallel", "hpcllm.model.gpt", 3),
+        ("hpcllm.parallel.data_parallel", "hpcllm.kernels", 4),
+        ("hpcllm.parallel.data_parallel", "hpcllm.parallel.tensor", 5),
+        ("hpcllm.parallel.tensor", "hpcllm.errors", 1),
+        ("hpcllm.parallel.tensor", "hpcllm", 2),
+        ("hpcllm.model.gpt", "hpcllm.kernels", 1),
+        ("hpcllm.kernels", "hpcllm.model.gpt", 2),
+    }
+    assert [e.written for e in edges if e.written] == ["hpcllm.gone"]
+
+    upward = upward_imports(edges, LAYERS, tmp_path)
+    assert sorted(upward) == [
+        "kern/__init__.py:2  hpcllm.kernels (layer 6 data+kernels) -> "
+        "hpcllm.model.gpt (layer 8 model)",
+        "pkg/errors.py:4  hpcllm.errors (layer 2 errors) -> hpcllm.topology (layer 3 topology)",
+        "pkg/parallel/data_parallel.py:3  hpcllm.parallel.data_parallel (layer 7 parallel) -> "
+        "hpcllm.model.gpt (layer 8 model)",
+    ]
+    assert cycles(edges) == [
+        ["hpcllm.errors", "hpcllm.topology"],
+        ["hpcllm.kernels", "hpcllm.model.gpt"],
+    ]
+    report = cycle_report(edges, tmp_path)
+    assert "    pkg/errors.py:4  hpcllm.errors -> hpcllm.topology" in report
+    assert "    kern/__init__.py:2  hpcllm.kernels -> hpcllm.model.gpt" in report
+
+
+def test_layer_table():
+    assert layer_of("hpcllm") == 0
+    assert layer_of("hpcllm.__main__") == layer_of("hpcllm.cli") == len(LAYERS) - 1
+    assert layer_of("hpcllm.parallel.pipeline.schedule") == layer_of("hpcllm.parallel")
+    assert layer_of("hpcllm.datasets.reader") == layer_of("hpcllm.kernels.reference") == 6
+    assert layer_of("hpcllm.somethingnew") is None
+    assert layer_of("hpcllm.errorsx") is None
