@@ -1,24 +1,25 @@
-"""Losses of short runs of the tiny config, recorded once and compared by the tests.
+"""Every layout gives the losses the trainer gave before all layouts took the pipeline runtime.
 
-``tests/recorded/losses_before_one_step_path.json`` holds the losses that the trainer gave before
-it ran every layout through the pipeline runtime (two step paths then: pipelined and not).
-The test re-runs the same cases and asserts the same training and validation losses, so a restructuring that changes
-what is computed, not only how the code is laid out, fails.
-
-Run as a script to record the file again from the code importable as ``hpcllm``:
-``python tests/loss_record.py OUT.json``.
+Until the step paths merged, the trainer had two: one for pipelines and one for everything
+else. ``tests/recorded/losses_before_one_step_path.json`` holds the training and validation
+losses that commit d60f3a4 (the last with two paths) gave for the cases below, run exactly
+as :func:`test_losses_equal_the_recorded_ones` runs them: the tiny preset at fp32 on a
+deterministic corpus, at d = 1, at d = 2 under each engine, at t = 2 with and without
+sequence parallelism, and at p = 2 with 1f1b and interleaved. A change that alters what is
+computed, not only how the code is laid out, fails here.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+import pytest
+from mpirun import python, run_mpi
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = REPO / "tests" / "recorded" / "losses_before_one_step_path.json"
@@ -60,13 +61,13 @@ def write_corpus(folder: Path) -> None:
         (folder / f"doc{i:02d}.txt").write_text(" ".join(words))
 
 
-def prepare_data(scratch: Path, python: str = sys.executable) -> Path:
+def prepare_data(scratch: Path) -> Path:
     """Write the corpus and its byte-level shards under ``scratch``; return the data folder."""
     write_corpus(scratch / "corpus")
     out = scratch / "data"
     subprocess.run(
         [
-            python,
+            sys.executable,
             "-m",
             "hpcllm",
             "prepare",
@@ -104,39 +105,22 @@ def read_losses(run_dir: Path) -> dict[str, list[float]]:
     }
 
 
-def _record(out: Path) -> None:
-    mpirun = shutil.which("mpirun")
-    env = dict(
-        os.environ,
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMP_NUM_THREADS="1",
-        HOROVOD_CPU_OPERATIONS="MPI",
-        OMPI_MCA_btl_vader_single_copy_mechanism="none",
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        scratch = Path(tmp)
-        data = prepare_data(scratch)
-        losses = {}
-        for name, (ranks, overrides) in CASES.items():
-            run_dir = scratch / name
-            cmd = [
-                mpirun,
-                "-np",
-                str(ranks),
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                sys.executable,
-                "-m",
-                "hpcllm",
-                *train_command(data, run_dir, overrides),
-            ]
-            subprocess.run(cmd, check=True, env=env)
-            losses[name] = read_losses(run_dir)
-            print(name, losses[name], flush=True)
-    out.write_text(json.dumps(losses, indent=2) + "\n")
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_data(tmp_path_factory.mktemp("one-step-path"))
 
 
-if __name__ == "__main__":
-    _record(Path(sys.argv[1]) if len(sys.argv) > 1 else RECORDED)
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_losses_equal_the_recorded_ones(case: str, data: Path, tmp_path: Path) -> None:
+    ranks, overrides = CASES[case]
+    run_dir = tmp_path / case
+    command = python("-m", "hpcllm", *train_command(data, run_dir, overrides))
+    run_mpi(ranks, command, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    recorded = json.loads(RECORDED.read_text())[case]
+    got = read_losses(run_dir)
+    assert len(got["loss"]) == len(recorded["loss"]) == 4
+    assert len(got["val_loss"]) == len(recorded["val_loss"]) == 1
+    for key in ("loss", "val_loss"):
+        for new, old in zip(got[key], recorded[key], strict=True):
+            assert math.isclose(new, old, rel_tol=1e-6), (key, got[key], recorded[key])
