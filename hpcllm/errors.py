@@ -1,4 +1,8 @@
-"""User errors: one clear line on stderr and exit code 2, on every rank, never a hang."""
+"""User errors: one clear line on stderr and exit code 2, on every rank, never a hang.
+
+:class:`UserError` itself is defined in :mod:`hpcllm.user_error`, below launcher detection,
+which raises it too; import it from here.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +11,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from hpcllm.launcher import LaunchError, detect_launcher, error_comm, launch_rank
-
-USER_ERROR_EXIT = 2
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for (config, sizes, paths), reported without a traceback.
-
-    ``same_on_all_ranks`` says whether every rank detects the error from the same inputs (a bad
-    grid size, say). Then only rank 0 prints it, so an 8-rank job shows one line, not eight,
-    and every rank exits on its own with no collective left waiting. An error that only some
-    ranks see (a file missing on one node) is printed with its rank and aborts the whole MPI
-    job, since the other ranks may already wait in a collective.
-    """
-
-    def __init__(self, message: str, *, same_on_all_ranks: bool = True) -> None:
-        super().__init__(message)
-        self.same_on_all_ranks = same_on_all_ranks
+from hpcllm.launcher import detect_launcher, error_comm, launch_rank
+from hpcllm.user_error import USER_ERROR_EXIT, UserError
 
 
 def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
@@ -35,7 +23,7 @@ def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
     """
     try:
         launch = detect_launcher()
-    except LaunchError:  # srun without PMI: MPI cannot start, and srun waits for every task
+    except UserError:  # srun without PMI: MPI cannot start, and srun waits for every task
         return
     if launch.world_size == 1:
         return
@@ -74,7 +62,7 @@ def _report_user_error(message: str, same_on_all_ranks: bool) -> int:
 
 
 def run_reporting_errors(main: Callable[[], int | None]) -> int:
-    """Run ``main`` and turn a UserError or LaunchError into one stderr line and exit code 2.
+    """Run ``main`` and turn a UserError into one stderr line and exit code 2.
 
     Any other exception prints its traceback and, under MPI with several ranks, aborts the job
     so that ranks blocked in a collective do not hang forever.
@@ -83,8 +71,6 @@ def run_reporting_errors(main: Callable[[], int | None]) -> int:
         return int(main() or 0)
     except UserError as err:
         return _report_user_error(str(err), err.same_on_all_ranks)
-    except LaunchError as err:  # every rank reads the same launcher environment
-        return _report_user_error(str(err), same_on_all_ranks=True)
     except KeyboardInterrupt:
         return 130
     except Exception:

@@ -1,7 +1,8 @@
 """Who started this process, and how to start more: launcher detection, MPI start-up, mpirun.
 
-The bottom of the package: it imports nothing from hpcllm, so every layer above it (errors
-included) reads the launcher's environment through the one reader here, in one precedence.
+Next to the bottom of the package: it imports only :class:`~hpcllm.user_error.UserError`, so
+every layer above it (errors included) reads the launcher's environment through the one
+reader here, in one precedence.
 
 * :func:`detect_launcher` reads the environment that mpirun, Hydra or srun set, without
   importing mpi4py, so a plain ``python`` run needs no MPI and ``srun`` without PMI is caught
@@ -19,13 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-
-class LaunchError(Exception):
-    """The job cannot start as launched (srun without PMI, no mpirun on PATH).
-
-    Raised here, below :mod:`hpcllm.errors`, which reports it as it reports a UserError that
-    every rank sees: one line on stderr from rank 0 and exit code 2 on every rank.
-    """
+from hpcllm.user_error import UserError
 
 
 @dataclass(frozen=True)
@@ -95,12 +90,12 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> Launch:
     Open MPI's mpirun sets ``OMPI_COMM_WORLD_*``; MPICH/Intel MPI's Hydra sets ``PMI_RANK`` and
     ``PMI_SIZE``; ``srun --mpi=pmix`` sets ``SLURM_PROCID`` with ``PMIX_RANK``. Open MPI is
     checked first because mpirun inside an sbatch allocation also inherits Slurm variables.
-    ``srun`` with several tasks and no PMI raises a LaunchError here, before mpi4py is imported:
+    ``srun`` with several tasks and no PMI raises a UserError here, before mpi4py is imported:
     MPI_Init would otherwise either abort or start every task as its own world of one.
     """
     launch = _read_launch(os.environ if env is None else env)
     if launch.launcher == _SRUN_WITHOUT_PMI:
-        raise LaunchError(
+        raise UserError(
             f"srun started {launch.world_size} tasks without PMI, so MPI cannot connect them; "
             "run `srun --mpi=pmix ...` (see `srun --mpi=list`)"
         )
@@ -157,7 +152,7 @@ def mpirun_command(
     """
     mpirun = shutil.which("mpirun")
     if mpirun is None:
-        raise LaunchError("mpirun not found; `make setup` installs Open MPI")
+        raise UserError("mpirun not found; `make setup` installs Open MPI")
     exported = [flag for name in export for flag in ("-x", name)]
     return [
         mpirun,

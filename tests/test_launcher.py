@@ -2,9 +2,9 @@ import os
 
 import pytest
 
+from hpcllm.errors import UserError
 from hpcllm.launcher import (
     Launch,
-    LaunchError,
     detect_launcher,
     launch_rank,
     mpirun_command,
@@ -64,7 +64,7 @@ def test_srun_without_pmi_names_the_fix():
         "SLURM_STEP_NUM_TASKS": "4",
         "SLURM_LOCALID": "1",
     }
-    with pytest.raises(LaunchError, match="--mpi=pmix"):
+    with pytest.raises(UserError, match="--mpi=pmix"):
         detect_launcher(env)
     # The tasks still know their ranks, so that only rank 0 prints the error.
     assert launch_rank(env) == 1
@@ -117,7 +117,7 @@ def test_mpirun_command_oversubscribes_and_exports(monkeypatch, tmp_path):
 
 def test_missing_mpirun_names_make_setup(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(LaunchError, match="make setup"):
+    with pytest.raises(UserError, match="make setup"):
         mpirun_command(2, ["true"])
 
 

@@ -6,6 +6,7 @@ it only moves the moment it runs.
 """
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ ROOTS = {"hpcllm": "hpcllm", "hpcllm.kernels": "kernels", "hpcllm.datasets": "da
 # fails the test, so that a new top-level module is placed on purpose.
 LAYERS = [
     ("package", ["hpcllm"]),  # __init__: __version__ only
+    ("user error", ["hpcllm.user_error"]),
     ("launcher", ["hpcllm.launcher", "hpcllm.files"]),
     ("errors", ["hpcllm.errors"]),
     ("topology", ["hpcllm.topology"]),
@@ -333,11 +335,11 @@ def test_walker_sees_function_level_relative_and_mapped_imports(tmp_path):
 
     upward = upward_imports(edges, LAYERS, tmp_path)
     assert sorted(upward) == [
-        "kern/__init__.py:2  hpcllm.kernels (layer 6 data+kernels) -> "
-        "hpcllm.model.gpt (layer 8 model)",
-        "pkg/errors.py:4  hpcllm.errors (layer 2 errors) -> hpcllm.topology (layer 3 topology)",
-        "pkg/parallel/data_parallel.py:3  hpcllm.parallel.data_parallel (layer 7 parallel) -> "
-        "hpcllm.model.gpt (layer 8 model)",
+        "kern/__init__.py:2  hpcllm.kernels (layer 7 data+kernels) -> "
+        "hpcllm.model.gpt (layer 9 model)",
+        "pkg/errors.py:4  hpcllm.errors (layer 3 errors) -> hpcllm.topology (layer 4 topology)",
+        "pkg/parallel/data_parallel.py:3  hpcllm.parallel.data_parallel (layer 8 parallel) -> "
+        "hpcllm.model.gpt (layer 9 model)",
     ]
     assert cycles(edges) == [
         ["hpcllm.errors", "hpcllm.topology"],
@@ -352,6 +354,16 @@ def test_layer_table():
     assert layer_of("hpcllm") == 0
     assert layer_of("hpcllm.__main__") == layer_of("hpcllm.cli") == len(LAYERS) - 1
     assert layer_of("hpcllm.parallel.pipeline.schedule") == layer_of("hpcllm.parallel")
-    assert layer_of("hpcllm.datasets.reader") == layer_of("hpcllm.kernels.reference") == 6
+    assert layer_of("hpcllm.datasets.reader") == layer_of("hpcllm.kernels.reference") == 7
     assert layer_of("hpcllm.somethingnew") is None
     assert layer_of("hpcllm.errorsx") is None
+
+
+def test_the_readme_states_this_layer_order():
+    # README's "Repository" section lists the layers bottom to top, one numbered item each,
+    # naming its modules in backticks; it must say what this test enforces.
+    text = (REPO / "README.md").read_text()
+    items = re.findall(r"^(\d+)\. ((?:`[\w.]+`(?:, )?)+):", text, flags=re.MULTILINE)
+    stated = [re.findall(r"`([\w.]+)`", names) for _, names in items]
+    assert [int(number) for number, _ in items] == list(range(len(LAYERS)))
+    assert stated == [prefixes for _, prefixes in LAYERS]
