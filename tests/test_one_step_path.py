@@ -6,7 +6,9 @@ losses that commit d60f3a4 (the last with two paths) gave for the cases below, r
 as :func:`test_losses_equal_the_recorded_ones` runs them: the tiny preset at fp32 on a
 deterministic corpus, at d = 1, at d = 2 under each engine, at t = 2 with and without
 sequence parallelism, and at p = 2 with 1f1b and interleaved. A change that alters what is
-computed, not only how the code is laid out, fails here.
+computed, not only how the code is laid out, fails here. The checkpoint each case ends with
+is compared too (``checkpoints_before_one_step_path.json``: files, keys, shapes), so
+checkpoints stay readable by the code before the change and after it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from mpirun import python, run_mpi
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = REPO / "tests" / "recorded" / "losses_before_one_step_path.json"
+RECORDED_FORMAT = REPO / "tests" / "recorded" / "checkpoints_before_one_step_path.json"
 
 # The tiny preset (4 layers, d_model 128, seq 128) at fp32, 4 steps of 32 sequences.
 COMMON = [
@@ -47,6 +52,13 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "t2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "p2-1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
     "p2-interleaved": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.vpp=2"]),
+    # Mixed precision: the scaler's skip and back-off path (fp16) and bf16 autocast.
+    "d1-bf16": (1, ["train.precision=bf16"]),
+    "d1-fp16": (1, ["train.precision=fp16"]),
+    "d2-ps-fp16": (2, ["parallel.dp_engine=ps", "train.precision=fp16"]),
+    # Dropout: the default and tensor-parallel random streams, replayed by zb-h1's W.
+    "t2-sp-dropout": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1"]),
+    "p2-zb-h1-dropout": (2, ["parallel.pp=2", "parallel.schedule=zb-h1", "model.dropout=0.1"]),
 }
 
 _WORDS = "def return import class self lambda yield with as for in if else while try".split()
@@ -95,6 +107,35 @@ def train_command(data: Path, run_dir: Path, overrides: list[str]) -> list[str]:
     return args
 
 
+def checkpoint_format(run_dir: Path) -> dict[str, Any]:
+    """Return what a reader of the run's last checkpoint relies on: files, keys and shapes.
+
+    Per shard file: the model's keys and shapes, the optimizer state's parameter indices with
+    their tensors' shapes, the parameter groups' indices and settings, the scaler's and RNG
+    states' keys; and the keys of meta.json.
+    """
+    folder = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    shards = {}
+    for path in sorted(folder.glob("*.pt")):
+        shard = torch.load(path, map_location="cpu", weights_only=False)
+        optimizer = shard["optimizer"]
+        shards[path.name] = {
+            "keys": sorted(shard),
+            "model": {k: list(v.shape) for k, v in shard["model"].items()},
+            "optimizer_state": {
+                str(index): {k: list(torch.as_tensor(v).shape) for k, v in state.items()}
+                for index, state in optimizer["state"].items()
+            },
+            "param_groups": [
+                {k: v for k, v in group.items() if k != "lr"} for group in optimizer["param_groups"]
+            ],
+            "scaler": sorted(shard["scaler"]),
+            "rng": sorted(shard["rng"]),
+        }
+    found = {"meta": sorted(json.loads((folder / "meta.json").read_text())), "shards": shards}
+    return json.loads(json.dumps(found))  # as the recorded file reads back: tuples as lists
+
+
 def read_losses(run_dir: Path) -> dict[str, list[float]]:
     """Return a run folder's training losses in step order, and its validation losses."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -124,3 +165,6 @@ def test_losses_equal_the_recorded_ones(case: str, data: Path, tmp_path: Path) -
     for key in ("loss", "val_loss"):
         for new, old in zip(got[key], recorded[key], strict=True):
             assert math.isclose(new, old, rel_tol=1e-6), (key, got[key], recorded[key])
+    # The checkpoint it ends with has the same files, keys and shapes as before: each version
+    # of the code reads the other's.
+    assert checkpoint_format(run_dir) == json.loads(RECORDED_FORMAT.read_text())[case]
