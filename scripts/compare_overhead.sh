@@ -20,7 +20,11 @@ pairs=4
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then pairs=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
 options=("$@")
-[ ${#options[@]} -gt 0 ] || options=(--config "$ROOT/jobs/configs/tiny-cpu.yaml")
+# Default: the tiny config on the built-in corpus (prepared by `make demo`, or by
+# `hpcllm prepare --corpus python-stdlib --out data/stdlib`). Paths must be absolute: the runs
+# start in a scratch folder, so that neither side imports the other's code from the cwd.
+[ ${#options[@]} -gt 0 ] || options=(--config "$ROOT/jobs/configs/tiny-cpu.yaml"
+                                     --set "data.path=$ROOT/data/stdlib")
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
@@ -42,7 +46,9 @@ run() {  # $1: earlier|current
 results=$scratch/results.jsonl
 for i in $(seq "$pairs"); do
   for side in earlier current; do
-    printf '{"side": "%s", "run": %d, "result": %s}\n' "$side" "$i" "$(run "$side")" >> "$results"
+    result=$(run "$side")
+    [ -n "$result" ] || { echo "bench overhead failed ($side)" >&2; exit 1; }
+    printf '{"side": "%s", "run": %d, "result": %s}\n' "$side" "$i" "$result" >> "$results"
     tail -n 1 "$results"
   done
 done
