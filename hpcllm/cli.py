@@ -606,8 +606,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from hpcllm import observe
     from hpcllm.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    summary = trainer.run(progress=not args.no_progress)
+    with Trainer(cfg) as trainer:
+        summary = trainer.run(progress=not args.no_progress)
     if trainer.grid.rank == 0:
         plot = observe.plot_loss(trainer.run_dir)
         mfu = f"{summary['mfu']:.1%}" if summary.get("mfu") is not None else "n/a (no peak)"

@@ -254,7 +254,7 @@ def test_every_evaluation_reads_the_same_validation_batches(stdlib, tmp_path):
 
 def test_the_trainer_hands_the_process_back_as_it_found_it(stdlib, tmp_path, monkeypatch):
     # Signal handlers, torch threads, the fused-kernel switch and the random states are the
-    # run's while it lasts and the process's again after close() (run() closes too).
+    # trainer's while it lasts and the process's again after close().
     from hpcllm import kernels
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -274,3 +274,5 @@ def test_the_trainer_hands_the_process_back_as_it_found_it(stdlib, tmp_path, mon
     assert torch.equal(torch.rand(3), expected_draw)
     trainer.close()  # a second close changes nothing
     assert signal.getsignal(signal.SIGUSR1) == handler
+    with pytest.raises(RuntimeError, match="closed"):
+        trainer.train_step(iter(trainer.reader))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from hpcllm.train.trainer import Trainer
 
 def _plain_loop(
     cfg: Config, vocab: int, device: torch.device, batches: list[Any], accumulation: int
-) -> Any:
+) -> Callable[[], float]:
     """Return a closure running one step of a textbook PyTorch training loop."""
     t = cfg.train
     model = GPT(cfg.model, vocab, seed=t.seed).to(device).train()

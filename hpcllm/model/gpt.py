@@ -3,7 +3,8 @@
 Built from the tensor-parallel layers (:mod:`hpcllm.parallel.tensor.layers`) and the fused-op
 dispatch points (:mod:`hpcllm.kernels`); with a tensor-parallel group of one rank they are
 plain layers.
-The model knows nothing of pipeline schedules or data-parallel engines: a stage is a GPT that
+The model knows no schedule and no data-parallel engine (its linear layers only offer their
+weight gradients for deferral, which zb-h1 uses): a stage is a GPT that
 holds some of the blocks, the embedding if it comes first and the output layer if it comes
 last (:mod:`hpcllm.model.stages` cuts them); the whole model is the one stage holding all.
 """

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpcllm.config import ParallelConfig
 from hpcllm.errors import UserError
+from hpcllm.topology import Grid
 
 ENGINES = ("ddp", "horovod", "ps")
 
@@ -43,14 +45,16 @@ class Engine:
     model chunk; what it returns runs the forwards), :meth:`attach_optimizer`,
     :meth:`broadcast_state` after a resume; in each step :meth:`forward_context` around each
     forward, :meth:`backward` for each backward, :meth:`finish_gradients` after the last, and
-    :meth:`step`, which is handed the default optimizer step. Engines move gradients; only an
-    engine whose algorithm needs the step itself overrides :meth:`step`.
+    :meth:`step`, which is handed the default optimizer step. Engines move gradients; the step
+    is the trainer's, and an engine changes it through :meth:`step` only where its algorithm
+    needs to (Horovod's optimizer must not synchronise twice; the parameter server steps on
+    its root and broadcasts).
     """
 
     name = "none"
     waits_in_backward = False  # whether comm_wait_s was spent inside the last backward
 
-    def __init__(self, grid: Any) -> None:
+    def __init__(self, grid: Grid) -> None:
         self.grid = grid
         self.comm_wait_s = 0.0
         self.modules: list[nn.Module] = []
@@ -381,7 +385,7 @@ def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
         offset += n
 
 
-def build_engine(name: str, grid: Any, parallel: Any) -> Engine:
+def build_engine(name: str, grid: Grid, parallel: ParallelConfig) -> Engine:
     """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``."""
     if name == "ddp":
         return DDPEngine(

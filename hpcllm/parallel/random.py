@@ -65,6 +65,16 @@ def seed_streams(
     torch.manual_seed(default_seed)
 
 
+def tp_stream_state() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return the tensor-parallel stream's state (CPU, CUDA) for :func:`set_tp_stream_state`."""
+    return _TRACKER.states()
+
+
+def set_tp_stream_state(state: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+    """Put back a state that :func:`tp_stream_state` returned."""
+    _TRACKER.restore(state)
+
+
 def _cuda_state() -> torch.Tensor | None:
     return torch.cuda.get_rng_state() if _TRACKER.cuda is not None else None
 

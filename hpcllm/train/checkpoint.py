@@ -17,7 +17,6 @@ checkpoint that `latest` points to.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -27,14 +26,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpcllm.config import Config, config_from_dict
 from hpcllm.errors import UserError
-from hpcllm.files import atomic_write, fsync_path
+from hpcllm.files import atomic_write, durable_replace, fsync_path
 
 LATEST = "latest"
 
 
 def _name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def _partial(root: Path, step: int) -> Path:
+    # One name for every rank (each writes its shard into it), unlike files.partial_path.
+    return root / f".{_name(step)}.partial"
 
 
 def shard_file(tp_rank: int, pp_rank: int) -> str:
@@ -74,7 +79,7 @@ def save(
     """Write the checkpoint of ``step`` (a collective: every rank calls it); return its path."""
     root = run_dir / "checkpoints"
     final = root / _name(step)
-    tmp = root / f".{_name(step)}.partial"
+    tmp = _partial(root, step)
     if grid.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,16 +103,15 @@ def save(
 
 def _publish(root: Path, step: int, meta: dict[str, Any], config_yaml: str) -> None:
     """Complete the hidden folder of ``step``, rename it, then point `latest` at it."""
-    tmp = root / f".{_name(step)}.partial"
-    final = root / _name(step)
+    tmp, final = _partial(root, step), root / _name(step)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     (tmp / "config.yaml").write_text(config_yaml)
-    for path in (tmp / "meta.json", tmp / "config.yaml", tmp):
+    for path in (tmp / "meta.json", tmp / "config.yaml"):
         fsync_path(path)
     if final.exists():
         shutil.rmtree(final)
-    os.replace(tmp, final)
-    # Last, and durably (the rename of the folder above is flushed with it).
+    durable_replace(tmp, final)
+    # Last: `latest` names only a complete, durable folder.
     atomic_write(root / LATEST, _name(step) + "\n")
 
 
@@ -124,7 +128,7 @@ def write_offline(
 ) -> Path:
     """Write a whole checkpoint from one process (conversion tools); return its folder."""
     root = run_dir / "checkpoints"
-    tmp = root / f".{_name(step)}.partial"
+    tmp = _partial(root, step)
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -165,3 +169,32 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
     if not path.is_file():
         raise UserError(f"checkpoint shard {path} is missing")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
+    """Refuse, in one line, to resume ``cfg`` from a checkpoint of another model or stage cut."""
+    import yaml
+
+    saved_cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
+    saved, mine = saved_cfg.model, cfg.model
+    keys = ("n_layer", "n_head", "d_model", "seq_len")
+    different = [
+        f"{k} {getattr(saved, k)} vs {getattr(mine, k)}"
+        for k in keys
+        if getattr(saved, k) != getattr(mine, k)
+    ]
+    if cfg.parallel.pp > 1 and saved_cfg.parallel.pp == cfg.parallel.pp:
+        # Same p but another cut of the blocks: each rank's shard holds other layers.
+        for key in ("vpp", "pipeline_layers"):
+            was, now = getattr(saved_cfg.parallel, key), getattr(cfg.parallel, key)
+            if was != now:
+                different.append(f"parallel.{key} {was} vs {now}")
+    saved_vocab = read_meta(folder).get("vocab_size")
+    if saved_vocab not in (None, vocab_size):
+        different.append(f"vocabulary {saved_vocab} vs {vocab_size}")
+    if different:
+        raise UserError(
+            f"{folder} holds another model ({', '.join(different)}); train "
+            f"with --config {folder / 'config.yaml'} (and your data.path), or "
+            "set run.resume=none to start over"
+        )

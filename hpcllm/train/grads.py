@@ -10,10 +10,10 @@
 3. the tied embedding's two copies, on the first and the last pipeline stage, sum theirs.
 
 :func:`optimizer_step` is the default step: unscale, clip by the global norm across tp and
-pp, step under the AMP scaler, update the scale. :func:`step` hands it to the engine, which
-runs it unchanged or, where its algorithm needs the step itself (the parameter server steps
-on its root and broadcasts), takes it over through :meth:`Engine.step
-<hpcllm.parallel.data_parallel.Engine.step>`.
+pp, step under the AMP scaler, update the scale. :func:`step` hands it to the engine's one
+hook, :meth:`Engine.step <hpcllm.parallel.data_parallel.Engine.step>`: DDP runs it as it is,
+Horovod runs it without a second synchronisation of its optimizer, and the parameter server
+runs it on its root alone, then broadcasts the new weights.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def optimizer_step(
         if not torch.isfinite(norm):
             grad = next((p.grad for p in parameters if p.grad is not None), None)
             if grad is not None:
-                grad.view(-1)[0] = float("inf")
+                grad[(0,) * grad.dim()] = float("inf")
         scaler.unscale_(optimizer)
         norm = norm / scale
     _clip(parameters, clip, norm)

@@ -40,7 +40,7 @@ class ParallelModel:
     """One rank's part of the model and what trains it."""
 
     chunks: nn.ModuleList  # the weights this rank holds; checkpoints save these
-    modules: list[nn.Module]  # what runs each chunk's forward (the engine's wrap)
+    forward_modules: list[nn.Module]  # what runs each chunk's forward (the engine's wrap)
     engine: Engine
     optimizer: torch.optim.Optimizer
     schedule: str  # the schedule the actions follow (1f1b with one stage)
@@ -149,7 +149,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     optimizer = engine.attach_optimizer(build_optimizer(chunks, t, device), accumulation)
     return ParallelModel(
         chunks=chunks,
-        modules=modules,
+        forward_modules=modules,
         engine=engine,
         optimizer=optimizer,
         schedule=schedule,

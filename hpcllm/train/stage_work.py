@@ -8,7 +8,8 @@ the schedule is plain gradient accumulation.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ class GPTStageWork:
         self,
         chunks: nn.ModuleList,
         engine: Engine,
-        batches: Sequence[tuple],
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         modules: Sequence[nn.Module] | None = None,
         autocast: Callable[[], Any] = contextlib.nullcontext,
         scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
@@ -138,3 +139,36 @@ class GPTStageWork:
     ) -> None:
         self._left[chunk] -= 1
         self.engine.backward(chunk, outs, grads, last=self._left[chunk] == 0)
+
+
+class MicroBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """A step's ``count`` micro-batches as (ids, labels) on ``device``, read when first used.
+
+    The schedule asks for micro-batch k at its first forward, so reading interleaves with
+    compute as in a plain accumulation loop, and the reader's prefetch queue keeps filling
+    while the earlier micro-batches run. ``data_time`` adds up the time spent reading.
+    """
+
+    def __init__(self, batches: Iterator[Any], count: int, device: torch.device) -> None:
+        self._batches, self._count, self._device = batches, count, device
+        self._read: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.data_time = 0.0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        while len(self._read) <= index:
+            started = time.perf_counter()
+            with observe.nvtx_range(f"data mb{len(self._read)}"):
+                batch = next(self._batches)
+                self._read.append(
+                    (
+                        batch.input_ids.to(self._device, non_blocking=True),
+                        batch.labels.to(self._device, non_blocking=True),
+                    )
+                )
+            self.data_time += time.perf_counter() - started
+        return self._read[index]

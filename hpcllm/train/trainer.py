@@ -17,7 +17,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm import kernels, observe, topology
-from hpcllm.config import (
-    Config,
-    accumulation_steps,
-    config_from_dict,
-    padded_vocab,
-    parse_profile_steps,
-)
+from hpcllm.config import Config, accumulation_steps, padded_vocab, parse_profile_steps
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
@@ -44,8 +38,10 @@ from hpcllm.train import checkpoint, grads
 from hpcllm.train.optim import autocast, build_scaler, lr_at
 from hpcllm.train.parallelize import parallelize
 from hpcllm.train.process import ProcessSettings
-from hpcllm.train.stage_work import GPTStageWork
+from hpcllm.train.stage_work import GPTStageWork, MicroBatches
 
+# Called after the gradients are finished, before the optimizer step, with the step and this
+# rank's model chunks (a ModuleList; one chunk, the whole GPT, with one pipeline stage).
 GradHook = Callable[[int, torch.nn.Module], None]
 
 
@@ -53,14 +49,16 @@ class Trainer:
     """Sets up a run from its config on this rank's grid position, then trains it.
 
     The trainer changes process-wide state (signal handlers, threads, kernels, TF32, random
-    generators) through one :class:`ProcessSettings`; :meth:`run` hands it back when it ends,
-    and so do :meth:`close` and leaving a ``with Trainer(cfg) as trainer:`` block.
+    generators) through one :class:`ProcessSettings`. :meth:`run` hands the signal handlers
+    back when it ends; :meth:`close`, or leaving a ``with Trainer(cfg) as trainer:`` block,
+    hands back the rest.
     """
 
     def __init__(self, cfg: Config, grad_hooks: list[GradHook] | None = None) -> None:
         self.cfg = cfg
         self.grad_hooks = grad_hooks or []
         self.process = ProcessSettings()
+        self._closed = False
         try:
             self._set_up()
         except BaseException:
@@ -97,10 +95,10 @@ class Trainer:
         self.accumulation = accumulation_steps(t, self.grid.dp)
         self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
-        self.parallel = parallelize(cfg, self.grid, vocab, self.accumulation)
-        self.model = self.parallel.chunks
-        self.engine = self.parallel.engine
-        self.optimizer = self.parallel.optimizer
+        self.parallelized = parallelize(cfg, self.grid, vocab, self.accumulation)
+        self.model = self.parallelized.chunks
+        self.engine = self.parallelized.engine
+        self.optimizer = self.parallelized.optimizer
         self.padded_vocab = padded_vocab(vocab, p.tp)
         self.timeline: list[Interval] = []
         self.scaler = build_scaler(t.precision, self.device)
@@ -140,8 +138,12 @@ class Trainer:
         self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
 
     def close(self) -> None:
-        """Give the process back its signal handlers, threads, kernels and random states."""
+        """Give the process back its signal handlers, threads, kernels and random states.
+
+        The trainer cannot train after this.
+        """
         self.process.restore()
+        self._closed = True
 
     def __enter__(self) -> Trainer:
         return self
@@ -195,33 +197,8 @@ class Trainer:
                 shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
             return
         folder = checkpoint.latest(self.run_dir)
-        if folder is None:
-            return
-        import yaml
-
-        saved_cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
-        saved, mine = saved_cfg.model, self.cfg.model
-        keys = ("n_layer", "n_head", "d_model", "seq_len")
-        different = [
-            f"{k} {getattr(saved, k)} vs {getattr(mine, k)}"
-            for k in keys
-            if getattr(saved, k) != getattr(mine, k)
-        ]
-        if self.cfg.parallel.pp > 1 and saved_cfg.parallel.pp == self.cfg.parallel.pp:
-            # Same p but another cut of the blocks: each rank's shard holds other layers.
-            for key in ("vpp", "pipeline_layers"):
-                was, now = getattr(saved_cfg.parallel, key), getattr(self.cfg.parallel, key)
-                if was != now:
-                    different.append(f"parallel.{key} {was} vs {now}")
-        saved_vocab = checkpoint.read_meta(folder).get("vocab_size")
-        if saved_vocab not in (None, vocab):
-            different.append(f"vocabulary {saved_vocab} vs {vocab}")
-        if different:
-            raise UserError(
-                f"{folder} holds another model ({', '.join(different)}); train "
-                f"with --config {folder / 'config.yaml'} (and your data.path), or "
-                "set run.resume=none to start over"
-            )
+        if folder is not None:
+            checkpoint.check_same_model(folder, self.cfg, vocab)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -285,12 +262,14 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def train_step(self, batches: Any, timed: bool = False) -> dict[str, Any]:
+    def train_step(self, batches: Iterator[Any], timed: bool = False) -> dict[str, Any]:
         """Run one optimizer step over ``accumulation`` micro-batches; return its metrics.
 
         ``timed`` (on logged steps) waits for the GPU after each forward and backward, so that
         the per-rank compute time measures the device's work, not kernel launches.
         """
+        if self._closed:
+            raise RuntimeError("this Trainer is closed; build a new one to train again")
         t = self.cfg.train
         started = time.perf_counter()
         lr = self._set_lr()
@@ -302,8 +281,8 @@ class Trainer:
                 self.model,
                 self.engine,
                 self.optimizer,
-                self.parallel.tp_group,
-                self.parallel.embedding_group,
+                self.parallelized.tp_group,
+                self.parallelized.embedding_group,
             )
         if self.engine.waits_in_backward:
             compute_time -= self.engine.comm_wait_s
@@ -312,12 +291,12 @@ class Trainer:
         with observe.nvtx_range("optimizer"):
             grad_norm, skipped = grads.step(
                 self.engine,
-                self.parallel.parameters,
+                self.parallelized.parameters,
                 self.optimizer,
                 self.scaler,
                 t.grad_clip,
-                self.parallel.tp_group,
-                self.parallel.pp_group,
+                self.parallelized.tp_group,
+                self.parallelized.pp_group,
             )
             self.optimizer.zero_grad()
         self.skipped_steps += int(skipped)
@@ -342,31 +321,17 @@ class Trainer:
             "skipped": bool(skipped),
         }
 
-    def _micro_batches(self, batches: Any, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Return the next ``count`` micro-batches as (ids, labels) on this rank's device."""
-        micro = []
-        for index in range(count):
-            with observe.nvtx_range(f"data mb{index}"):
-                batch = next(batches)
-                micro.append(
-                    (
-                        batch.input_ids.to(self.device, non_blocking=True),
-                        batch.labels.to(self.device, non_blocking=True),
-                    )
-                )
-        return micro
-
-    def _run_schedule(self, batches: Any, timed: bool) -> tuple[torch.Tensor, float, float]:
+    def _run_schedule(
+        self, batches: Iterator[Any], timed: bool
+    ) -> tuple[torch.Tensor, float, float]:
         """Run the step's micro-batches through this rank's schedule.
 
         Returns the sum of the micro-batch losses (on every stage), the data time and this
         rank's compute time; keeps the step's intervals in ``self.timeline``. On a GPU,
         ``timed`` steps wait for each action's kernels, so their intervals time the device.
         """
-        t, parallel = self.cfg.train, self.parallel
-        fetched = time.perf_counter()
-        micro = self._micro_batches(batches, self.accumulation)
-        data_time = time.perf_counter() - fetched
+        t, parallelized = self.cfg.train, self.parallelized
+        micro = MicroBatches(batches, self.accumulation, self.device)
         # Only the last stage scales a loss; every stage's scaler must hold the scale, since
         # each unscales its own gradients and all of them update it together.
         self.scaler.scale(torch.zeros((), device=self.device))
@@ -374,29 +339,33 @@ class Trainer:
             self.model,
             self.engine,
             micro,
-            modules=parallel.modules,
+            modules=parallelized.forward_modules,
             autocast=lambda: autocast(t.precision, self.device),
             scale=self.scaler.scale,
-            split_backward=parallel.split_backward,
+            split_backward=parallelized.split_backward,
         )
-        if parallel.pp_group is not None:
+        if parallelized.pp_group is not None:
             # Stages start together, so that the recorded timelines share one origin.
-            dist.barrier(group=parallel.pp_group)
-        with observe.nvtx_range(f"schedule {parallel.schedule}"):
+            dist.barrier(group=parallelized.pp_group)
+        with observe.nvtx_range(f"pipeline {parallelized.schedule}"):
             sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else None
-            self.timeline = Runtime(parallel.channel).run(
-                parallel.actions, work, split_backward=parallel.split_backward, synchronize=sync
+            self.timeline = Runtime(parallelized.channel).run(
+                parallelized.actions,
+                work,
+                split_backward=parallelized.split_backward,
+                synchronize=sync,
             )
+        # Micro-batches are read inside the forwards that first need them.
         compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
-        return self._stage_loss_sum(work), data_time, compute
+        return self._stage_loss_sum(work), micro.data_time, compute - micro.data_time
 
     def _stage_loss_sum(self, work: GPTStageWork) -> torch.Tensor:
         """Return the sum of the losses of ``work``'s micro-batches, on every pipeline stage."""
         loss_sum = torch.zeros((), device=self.device)
         for loss in work.losses.values():
             loss_sum += loss.float()
-        if self.parallel.pp_group is not None:  # only the last stage has the losses
-            dist.all_reduce(loss_sum, group=self.parallel.pp_group)
+        if self.parallelized.pp_group is not None:  # only the last stage has the losses
+            dist.all_reduce(loss_sum, group=self.parallelized.pp_group)
         return loss_sum
 
     def _model_parameters(self) -> int:
@@ -451,20 +420,20 @@ class Trainer:
         reader.consumed_samples = 0  # the same validation batches every time
         batches = iter(reader)
         iters = min(t.eval_iters, reader.steps_per_epoch)
-        try:
-            micro = self._micro_batches(batches, iters)
-        finally:
-            batches.close()
+        micro = MicroBatches(batches, iters, self.device)
         work = GPTStageWork(
             self.model,
             self.engine,
             micro,
-            modules=self.parallel.modules,
+            modules=self.parallelized.forward_modules,
             autocast=lambda: autocast(t.precision, self.device),
         )
         actions = forward_only(p.pp, self.grid.pp_rank, iters, p.vpp)
-        with observe.nvtx_range("evaluation"):
-            Runtime(self.parallel.channel).run(actions, work)
+        try:
+            with observe.nvtx_range("evaluation"):
+                Runtime(self.parallelized.channel).run(actions, work)
+        finally:
+            batches.close()
         total = self._stage_loss_sum(work) / iters
         if self.grid.dp > 1:
             dist.all_reduce(total, group=self.grid.dp_group)
@@ -594,7 +563,8 @@ class Trainer:
             bar.close()
             batches.close()
             self.write_timeline()
-            self.close()
+            # The run's signal handlers end with it; the rest is the trainer's until close().
+            self.process.restore("signals")
             if log:
                 log.close()
         summary.update(

@@ -25,6 +25,9 @@ class _WeightGradients:
         self.queue: list[tuple[Any, ...]] | None = None  # backwards defer into it when set
 
 
+# Process-wide on purpose, not a ContextVar: on a GPU autograd runs backward functions on its
+# own device threads, which would not see a context variable set by the thread that called
+# backward. The context managers below set and restore it around each use.
 _WGRAD = _WeightGradients()
 
 
