@@ -3,8 +3,9 @@
 Both train the same GPT (same initial weights) on the same batch shapes with the same AdamW,
 precision, accumulation and clipping, one process. They run in alternating blocks of steps,
 so drifts of a noisy machine hit both alike; the ratio of median step times is the cost of
-what hpcllm adds to every step (data reader, LR schedule, AMP scaler, engine, NVTX ranges,
-the stop-signal all-reduce). Logging every ``log_interval`` steps is not timed.
+what hpcllm adds to every step (data reader, LR schedule, AMP scaler, engine, the pipeline
+runtime that runs every layout, one stage here, NVTX ranges, the stop-signal all-reduce).
+Logging every ``log_interval`` steps is not timed.
 """
 
 from __future__ import annotations
