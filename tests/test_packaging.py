@@ -58,9 +58,16 @@ def _check(run):
 
 
 def _clean_copy(dest: Path) -> None:
-    """The files git tracks plus untracked ones it does not ignore: no build/, no egg-info."""
+    """The files git tracks plus untracked ones it does not ignore: no build/, no egg-info.
+
+    Outside a git checkout (an unpacked source archive), the tree less what .gitignore names.
+    """
     if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.skip("needs a git checkout to know which files belong to the source tree")
+        ignored = [line.strip().rstrip("/") for line in (REPO / ".gitignore").read_text().split()]
+        shutil.copytree(
+            REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", *ignored)
+        )
+        return
     listed = _check(
         _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], REPO)
     ).stdout
