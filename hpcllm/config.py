@@ -7,6 +7,7 @@ default; unknown keys and wrong types are user errors, reported in one line.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,57 @@ import yaml
 
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core schema for plain (unquoted) scalars.
+
+    YAML 1.1, which PyYAML implements, reads ``on``/``off``/``yes``/``no`` as booleans and
+    ``7:3`` as the base-60 number 423; a user typing ``fused_kernels: off`` or
+    ``profile_steps: 7:3`` means the words. Under YAML 1.2 only ``true``/``false`` are
+    booleans and numbers are decimal (or ``0x``/``0o``), so every documented value works
+    unquoted, in files and in ``--set``.
+    """
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("null", r"^(?:~|null|Null|NULL|)$", "~nN"),
+    ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+):
+    _Yaml12Loader.add_implicit_resolver(
+        f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first) or [""]
+    )
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^$"), [""])
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    return int(text, 0) if text.startswith("0x") else int(text, 10)
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
+    text = str(loader.construct_scalar(node)).lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+def load_yaml(text: str) -> Any:
+    """Return the data of a YAML document, read with YAML 1.2's rules (see _Yaml12Loader)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
 
 # Model sizes. gpt2-124m/350m are GPT-2 small/medium (Radford et al., 2019); 760m and 1.3b are
 # the GPT-3 paper's sizes with Megatron-LM's head counts (head dim 96 and 128).
@@ -42,6 +94,7 @@ class ModelConfig:
     dropout: float = 0.0
     recompute: str = "none"  # none | full | selective
     fused_kernels: str = "auto"  # auto | on | off
+    compile: str = "auto"  # auto | none | blocks | full (torch.compile; auto: blocks on CUDA)
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
 
@@ -134,6 +187,7 @@ class Config:
 _CHOICES = {
     ("model", "recompute"): ("none", "full", "selective"),
     ("model", "fused_kernels"): ("auto", "on", "off"),
+    ("model", "compile"): ("auto", "none", "blocks", "full"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved", "zb-h1"),
     ("parallel", "dp_engine"): ("ddp", "horovod", "ps"),
     ("parallel", "dp_compression"): ("none", "fp16", "bf16"),
@@ -207,7 +261,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     path, raw = text.split("=", 1)
     section, key = path.split(".", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return section.strip(), key.strip(), value
@@ -221,7 +275,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise UserError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise UserError(f"{path} is not valid YAML: {err}") from None
         if not isinstance(raw, dict):

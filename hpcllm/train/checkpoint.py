@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcllm.config import Config, config_from_dict
+from hpcllm.config import Config, config_from_dict, load_yaml
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, durable_replace, fsync_path
 
@@ -173,9 +173,7 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
 
 def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
     """Refuse, in one line, to resume ``cfg`` from a checkpoint of another model or stage cut."""
-    import yaml
-
-    saved_cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
+    saved_cfg = config_from_dict(load_yaml((folder / "config.yaml").read_text()))
     saved, mine = saved_cfg.model, cfg.model
     keys = ("n_layer", "n_head", "d_model", "seq_len")
     different = [

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import yaml
 
-from hpcllm.config import config_from_dict, padded_vocab
+from hpcllm.config import config_from_dict, load_yaml, padded_vocab
 from hpcllm.errors import UserError
 from hpcllm.model.gpt import GPT
 from hpcllm.parallel.tensor.layers import merge_shards, shard_of
@@ -23,7 +23,7 @@ from hpcllm.train import checkpoint
 
 
 def _template(folder: Path) -> tuple[Any, GPT, int]:
-    cfg = config_from_dict(yaml.safe_load((folder / "config.yaml").read_text()))
+    cfg = config_from_dict(load_yaml((folder / "config.yaml").read_text()))
     vocab = checkpoint.read_meta(folder)["vocab_size"]
     # A t = 1 model gives every parameter's name, shape class and how tp slices it.
     return cfg, GPT(cfg.model, vocab), vocab
