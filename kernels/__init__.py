@@ -1,25 +1,37 @@
 """Fused operators (imported as ``hpcllm.kernels``), one dispatch point per op.
 
-The model calls these functions and never an implementation. Each runs its Triton kernel
-(:mod:`~hpcllm.kernels.triton_ops`) when fused kernels are enabled (:func:`set_enabled`) and its
-tensor is on a CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
-for tests); otherwise it runs the torch reference (:mod:`~hpcllm.kernels.reference`), which is
-also the kernels' test oracle. Triton is imported only when a kernel first runs, so this
-package imports without it.
+The model calls these functions and never an implementation. Where fused kernels are enabled
+(:func:`set_enabled`) and the tensor is on a CUDA device, or on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, for tests), an op calls its torch custom op
+(:mod:`~hpcllm.kernels.custom_ops`, namespace ``hpcllm``: the Triton kernels of
+:mod:`~hpcllm.kernels.triton_ops`, which torch.compile traces through); otherwise it calls its
+torch reference (:mod:`~hpcllm.kernels.reference`, plain torch that inductor fuses itself, and
+the kernels' test oracle). Enabled with ``choose`` (``model.fused_kernels: auto``), the first
+call of an op at each signature times the Triton op against the compiled reference and runs
+the faster from then on (:mod:`~hpcllm.kernels.choice`; not inside a torch.compile trace, where
+the Triton op runs). :func:`implementations_used` says what ran. Triton is imported only when
+a kernel first runs, so this package imports without it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from types import ModuleType
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hpcllm.errors import UserError
-from hpcllm.kernels import reference
+from hpcllm.kernels import custom_ops, reference
+from hpcllm.kernels.choice import Chooser, Timer, wall_clock_ms
+from hpcllm.kernels.interpreter import interpreting
+
+# LayerNorm's kernel keeps a whole row in registers; wider rows run the torch reference.
+LAYER_NORM_MAX_COLS = 16384
 
 _enabled = False
+_chooser: Chooser | None = None  # set where auto times the implementations
+_used: dict[str, str] = {}
 
 
 @functools.cache
@@ -30,11 +42,6 @@ def triton_available() -> bool:
     except Exception:  # missing, or an install that fails on import: either way, no kernels
         return False
     return True
-
-
-def interpreting() -> bool:
-    """Return whether ``TRITON_INTERPRET`` asks for Triton's interpreter (kernels on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def resolve_fused(setting: str, device: torch.device) -> bool:
@@ -68,14 +75,20 @@ def resolve_fused(setting: str, device: torch.device) -> bool:
     return True
 
 
-def set_enabled(flag: bool) -> None:
-    """Make every op run its Triton kernel (where its tensors allow) or its torch reference."""
-    global _enabled
+def set_enabled(flag: bool, choose: bool = False, timer: Timer = wall_clock_ms) -> None:
+    """Make every op run its Triton kernel (where its tensors allow) or its torch reference.
+
+    With ``choose`` (``model.fused_kernels: auto``) each op runs whichever of its Triton op and
+    its compiled reference ``timer`` finds faster, per signature (:mod:`~hpcllm.kernels.choice`);
+    every call forgets earlier choices.
+    """
+    global _enabled, _chooser
     if flag and not triton_available():
         raise UserError(
             "fused kernels need Triton, which does not import here (pip install triton)"
         )
     _enabled = flag
+    _chooser = Chooser(timer) if flag and choose else None
 
 
 def enabled() -> bool:
@@ -83,14 +96,54 @@ def enabled() -> bool:
     return _enabled
 
 
-def _fused(x: torch.Tensor) -> bool:
+def choosing() -> bool:
+    """Return whether enabled kernels run only where timed faster (``set_enabled(choose=)``)."""
+    return _chooser is not None
+
+
+def choices() -> dict[tuple[Any, ...], str]:
+    """Return the choices made so far: (op, *signature) → "triton" or "torch"."""
+    return {} if _chooser is None else dict(_chooser.choices)
+
+
+def implementations_used() -> dict[str, str]:
+    """Return op → "triton" or "torch": what ran last for each op called since the reset.
+
+    Inside compiled graphs only Triton kernels are noted (where they run): the torch
+    references there are the compiler's own code.
+    """
+    return {**_used, **dict.fromkeys(custom_ops.TRITON_RAN, "triton")}
+
+
+def reset_implementations_used() -> None:
+    """Forget what :func:`implementations_used` reports."""
+    _used.clear()
+    custom_ops.TRITON_RAN.clear()
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Return whether the ops run fused kernels on ``x``'s device.
+
+    Where they do not, a caller passes a bias to its matmul instead of to the op (one
+    ``addmm`` rather than a matmul and an add), as plain PyTorch would.
+    """
     return _enabled and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
 
 
-def _ops() -> ModuleType:
-    from hpcllm.kernels import triton_ops
-
-    return triton_ops
+def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = True) -> Callable:
+    """Return the implementation of ``op`` to run on ``args``, and note which it is."""
+    if not (supported and fused(x)):
+        impl, fn = "torch", getattr(reference, op)
+    elif _chooser is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        impl, fn = "triton", getattr(custom_ops, op)
+    else:
+        impl = _chooser.choose(op, getattr(custom_ops, op), args)
+        fn = getattr(custom_ops, op) if impl == "triton" else _chooser.torch_impl(op, x.device)
+    if not torch.compiler.is_compiling():  # a traced write would guard every compiled graph
+        _used[op] = impl
+        if impl == "torch":
+            custom_ops.TRITON_RAN.discard(op)
+    return fn
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -99,27 +152,28 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     Fused, the output is in x's dtype (under autocast the matmul's, which the next matmul
     would cast it to anyway).
     """
-    if _fused(x):
-        return _ops().bias_gelu(x, bias)
-    return reference.bias_gelu(x, bias)
+    args = (x, bias)
+    return _pick("bias_gelu", x, args, x.numel() > 0)(*args)
 
 
 def bias_dropout_add(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
 ) -> torch.Tensor:
     """Return residual + dropout(x + bias); with p = 0 or not training, residual + x + bias."""
-    if _fused(x):
-        return _ops().bias_dropout_add(x, bias, residual, p, training)
-    return reference.bias_dropout_add(x, bias, residual, p, training)
+    args = (x, bias, residual, p, training)
+    return _pick("bias_dropout_add", x, args, x.numel() > 0)(*args)
 
 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Return LayerNorm over the last dimension (fused: in x's dtype, statistics in fp32)."""
-    if _fused(x):
-        return _ops().layer_norm(x, weight, bias, eps)
-    return reference.layer_norm(x, weight, bias, eps)
+    """Return LayerNorm over the last dimension (fused: in x's dtype, statistics in fp32).
+
+    Rows wider than the kernel keeps in registers run the reference.
+    """
+    args = (x, weight, bias, eps)
+    supported = x.numel() > 0 and x.shape[-1] <= LAYER_NORM_MAX_COLS
+    return _pick("layer_norm", x, args, supported)(*args)
 
 
 def cross_entropy(
@@ -130,9 +184,8 @@ def cross_entropy(
     With ``vocab_size``, columns at or past it are padding and excluded: passing the padded
     logits this way saves the copy that slicing them would cost in backward.
     """
-    if _fused(logits):
-        return _ops().cross_entropy(logits, labels, vocab_size)
-    return reference.cross_entropy(logits, labels, vocab_size)
+    args = (logits, labels, vocab_size)
+    return _pick("cross_entropy", logits, args, labels.numel() > 0)(*args)
 
 
 def vocab_ce_partials(
@@ -150,9 +203,8 @@ def vocab_ce_partials(
         total, target = all_reduce_sum(stack([sumexp * exp(max - M), target]))
         lse = M + log(total);  loss = lse - target
     """
-    if _fused(logits):
-        return _ops().vocab_ce_partials(logits, labels, vocab_start, vocab_size)
-    return reference.vocab_ce_partials(logits, labels, vocab_start, vocab_size)
+    args = (logits, labels, vocab_start, vocab_size)
+    return _pick("vocab_ce_partials", logits, args, logits.numel() > 0)(*args)
 
 
 def vocab_ce_backward(
@@ -169,6 +221,5 @@ def vocab_ce_backward(
     is the per-row log-sum-exp over the whole vocabulary (see :func:`vocab_ce_partials`),
     ``grad`` the per-row loss gradient, shape (rows,) or a scalar (for a mean: g / rows).
     """
-    if _fused(logits):
-        return _ops().vocab_ce_backward(logits, labels, lse, grad, vocab_start, vocab_size)
-    return reference.vocab_ce_backward(logits, labels, lse, grad, vocab_start, vocab_size)
+    args = (logits, labels, lse, grad, vocab_start, vocab_size)
+    return _pick("vocab_ce_backward", logits, args, logits.numel() > 0)(*args)

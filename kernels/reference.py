@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-
-_GELU_C = math.sqrt(2.0 / math.pi)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Return GeLU(x + bias), tanh approximation (GPT-2's ``gelu_new``)."""
-    if bias is not None:
-        x = x + bias
-    return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
+    return F.gelu(x if bias is None else x + bias, approximate="tanh")
 
 
 def bias_dropout_add(

@@ -2,8 +2,10 @@
 
 Every kernel loads its inputs in their storage dtype (fp32, bf16 or fp16), computes in fp32
 and stores in the output's dtype. Reductions over rows (bias, LayerNorm weight and bias
-gradients) are two-stage: each program writes an fp32 partial sum for its rows, and the host
-adds the few partial rows up.
+gradients) are two-stage and persistent: a backward kernel launches a few programs per SM
+(:mod:`~hpcllm.kernels.triton_ops` sizes the grid), each walks the rows with a stride of the
+program count and keeps its fp32 partial sums in registers, so the partial-sum buffer has a
+few rows per SM rather than one per tile, and the host adds those few rows up.
 
 Importing this module imports Triton; whether the kernels compile for the GPU or run in
 Triton's interpreter is fixed when it is imported (``TRITON_INTERPRET=1``).
@@ -17,8 +19,11 @@ import triton.language as tl
 
 @triton.jit
 def _tile(pid_r, pid_c, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Return (column indices, flat offsets, mask) of tile (pid_r, pid_c) of a row-major matrix."""
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """Return (column indices, flat offsets, mask) of tile (pid_r, pid_c) of a row-major matrix.
+
+    ``tl.cast``, not ``.to``: a loop variable is a Python int in the interpreter.
+    """
+    rows = tl.cast(pid_r, tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     offs = rows[:, None] * n_cols + cols[None, :]
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -68,20 +73,26 @@ def bias_gelu_bwd(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    cols, offs, mask = _tile(pid_r, tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
-    z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    """Persistent: program (r, c) takes row tiles r, r + R, r + 2R, ... of column tile c."""
+    pid_r, pid_c, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for tile in range(pid_r, tl.cdiv(n_rows, BLOCK_R), programs):
+        cols, offs, mask = _tile(tile, pid_c, n_rows, n_cols, BLOCK_R, BLOCK_C)
+        z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _gelu_sigmoid(z)
+        # d/dz [z * sigmoid(2u)] = s + 2 z s (1 - s) u'(z),
+        # 2u' = 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2); masked lanes have dy = 0.
+        dz = dy * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
+        tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc += dz
     if HAS_BIAS:
-        z += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _gelu_sigmoid(z)
-    # d/dz [z * sigmoid(2u)] = s + 2 z s (1 - s) u'(z), 2u' = 2 sqrt(2/pi) (1 + 3 * 0.044715 z^2);
-    # masked lanes have dy = 0.
-    dz = dy * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
-    tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
-    if HAS_BIAS:
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         tl.store(
-            part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols
+            part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=cols < n_cols
         )
 
 
@@ -127,15 +138,21 @@ def bias_dropout_add_bwd(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    cols, offs, mask = _tile(pid_r, tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
-    dz = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if DROPOUT:
-        dz = tl.where(tl.rand(seed, offs) >= p, dz * scale, 0.0)
-    tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+    """Persistent, as :func:`bias_gelu_bwd`; the mask is regenerated from (seed, index)."""
+    pid_r, pid_c, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for tile in range(pid_r, tl.cdiv(n_rows, BLOCK_R), programs):
+        cols, offs, mask = _tile(tile, pid_c, n_rows, n_cols, BLOCK_R, BLOCK_C)
+        dz = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            dz = tl.where(tl.rand(seed, offs) >= p, dz * scale, 0.0)
+        tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            acc += dz
     if HAS_BIAS:
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         tl.store(
-            part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(dz, axis=0), mask=cols < n_cols
+            part_ptr + pid_r.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0), mask=cols < n_cols
         )
 
 
@@ -174,38 +191,32 @@ def layer_norm_bwd(
     db_part_ptr,
     n_rows,
     n_cols,
-    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
+    """Persistent: program i takes rows i, i + P, i + 2P, ... and writes one partial row."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(ROWS):
-        row = pid * ROWS + i
-        # Rows past the end have no live column. (Not inside & (row < n_rows): the
-        # interpreter mishandles a block-and-scalar mask.)
-        live = cols < tl.where(row < n_rows, n_cols, 0)
-        x = tl.load(x_ptr + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
-        # Clamped, not masked: the interpreter rejects a masked scalar load. A row past the
-        # end reads the last row's statistics and is masked out of every store and sum.
-        last = tl.minimum(row, n_rows - 1)
-        mean = tl.load(mean_ptr + last)
-        rstd = tl.load(rstd_ptr + last)
-        xhat = tl.where(live, (x - mean) * rstd, 0.0)
+    for row in range(pid, n_rows, programs):
+        start = tl.cast(row, tl.int64) * n_cols  # row: a Python int in the interpreter
+        x = tl.load(x_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = tl.where(inside, (x - mean) * rstd, 0.0)
         wdy = w * dy
         # dx = rstd (w dy - mean(w dy) - xhat mean(xhat w dy))
         dx = rstd * (
             wdy - tl.sum(wdy, axis=0) / n_cols - xhat * (tl.sum(xhat * wdy, axis=0) / n_cols)
         )
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=live)
+        tl.store(dx_ptr + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
         dw += dy * xhat
         db += dy
-    tl.store(dw_part_ptr + pid * n_cols + cols, dw, mask=inside)
-    tl.store(db_part_ptr + pid * n_cols + cols, db, mask=inside)
+    tl.store(dw_part_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=inside)
+    tl.store(db_part_ptr + pid.to(tl.int64) * n_cols + cols, db, mask=inside)
 
 
 @triton.jit

@@ -1,29 +1,46 @@
-"""Host side of the fused ops: autograd Functions that launch :mod:`~hpcllm.kernels.triton_kernels`.
+"""Host side of the fused ops: functions that launch :mod:`~hpcllm.kernels.triton_kernels`.
 
-Each op takes tensors of any leading shape and works on the (rows, last dimension) matrix.
-Outputs keep the input's dtype (the bias-dropout-add output takes the promoted dtype of its
-inputs, as the torch reference does); weight and bias gradients are reduced in fp32 and cast to
-the parameter's dtype.
+These are the CUDA (and, under ``TRITON_INTERPRET=1``, CPU) implementations of the custom ops
+in :mod:`~hpcllm.kernels.custom_ops`; autograd lives there. Each function takes tensors of any
+leading shape and works on the (rows, last dimension) matrix. Outputs keep the input's dtype
+(the bias-dropout-add output takes the promoted dtype of its inputs, as the torch reference
+does); weight and bias gradients are reduced in fp32 and cast to the parameter's dtype.
+
+Launch shapes, chosen for Hopper (an H100 has 132 SMs, up to 64 resident warps each):
+
+- Pointwise forward kernels: tiles of 4096 elements, as wide as 1024 columns (a power of two
+  that divides the row where one does: 768 → 256, 3072 → 1024), so a warp reads long
+  contiguous runs; 4 warps each.
+- Backward kernels that reduce over rows (bias, LayerNorm weight and bias) are persistent:
+  about ``_RESIDENT_WARPS`` warps' worth of programs per SM, each walking the rows with a
+  stride, so the fp32 partial-sum buffer has a few rows per SM (gpt2-124m's 4h = 3072: 352
+  partial rows, 4 MB, next to 100 MB of activations) and one small torch sum finishes it.
+- Under the interpreter a persistent grid has :data:`INTERPRETER_PROGRAMS` programs (per
+  column tile), so the tests' programs walk several rows each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import triton
 
-from hpcllm.kernels import reference
 from hpcllm.kernels import triton_kernels as tk
 
-# LayerNorm keeps a whole row in registers; wider rows run the torch reference.
-LAYER_NORM_MAX_COLS = 16384
 # Cross-entropy walks a row of the vocabulary in chunks of at most this many columns.
 CE_MAX_BLOCK = 4096
-# Rows per LayerNorm-backward program: the number of fp32 partial rows of dgamma and dbeta.
-_LN_BWD_ROWS = 16
+# Programs per column tile of a persistent grid under Triton's interpreter.
+INTERPRETER_PROGRAMS = 3
+# Elements per pointwise tile and the widest column block.
+_TILE = 4096
+_MAX_BLOCK_C = 1024
+# Warps a persistent backward keeps resident per SM (half of Hopper's 64): enough loads in
+# flight to cover memory latency while each program still walks many rows.
+_RESIDENT_WARPS = 32
+_POINTWISE_WARPS = 4
 
 _poison = False
 
@@ -49,247 +66,236 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _tiles(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
-    """Return (BLOCK_R, BLOCK_C, grid) of 4096-element tiles for a pointwise kernel."""
-    block_c = min(128, triton.next_power_of_2(n_cols))
-    block_r = 4096 // block_c
-    return block_r, block_c, (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Return the CUDA device's SM count (132 on an H100 SXM)."""
+    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _col_block(n_cols: int) -> int:
+    """Return the column block: the widest power of two up to 1024 that divides the row."""
+    block = _MAX_BLOCK_C
+    while block >= 128 and n_cols % block:
+        block //= 2
+    return block if block >= 128 else min(_MAX_BLOCK_C, triton.next_power_of_2(n_cols))
+
+
+def _tiles(n_rows: int, n_cols: int) -> tuple[int, int, int, int]:
+    """Return (BLOCK_R, BLOCK_C, row tiles, column tiles) of a pointwise kernel's tiling."""
+    block_c = _col_block(n_cols)
+    block_r = max(1, _TILE // block_c)
+    return block_r, block_c, triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)
+
+
+def _persistent_programs(device: torch.device, warps: int, work: int, columns: int = 1) -> int:
+    """Return how many programs per column tile a persistent kernel launches (≤ ``work``)."""
+    if device.type != "cuda":
+        return max(1, min(work, INTERPRETER_PROGRAMS))
+    resident = sm_count(device) * max(1, _RESIDENT_WARPS // warps)
+    return max(1, min(work, triton.cdiv(resident, columns)))
 
 
 def _row_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _bias_grad(part: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if part is None or bias is None else part.sum(dim=0).to(bias.dtype)
-
-
-class _BiasGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = _rows(x)
-        bias = None if bias is None else bias.contiguous()
-        y = _new(x2.shape, x.dtype, x.device)
-        block_r, block_c, grid = _tiles(*x2.shape)
-        tk.bias_gelu_fwd[grid](
-            x2,
-            x2 if bias is None else bias,
-            y,
-            *x2.shape,
-            HAS_BIAS=bias is not None,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=4,
-        )
-        ctx.save_for_backward(x2, bias)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x2, bias = ctx.saved_tensors
-        dy2 = dy.reshape(x2.shape).contiguous()
-        dx = _new(x2.shape, x2.dtype, x2.device)
-        block_r, block_c, grid = _tiles(*x2.shape)
-        part = None if bias is None else _new((grid[0], x2.shape[1]), torch.float32, x2.device)
-        tk.bias_gelu_bwd[grid](
-            dy2,
-            x2,
-            x2 if bias is None else bias,
-            dx,
-            dx if part is None else part,
-            *x2.shape,
-            HAS_BIAS=bias is not None,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=4,
-        )
-        return dx.view(dy.shape), _bias_grad(part, bias)
-
-
-class _BiasDropoutAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor,
-        p: float,
-        training: bool,
-    ) -> torch.Tensor:
-        x2 = _rows(x)
-        bias = None if bias is None else bias.contiguous()
-        out_dtype = torch.promote_types(
-            x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype), residual.dtype
-        )
-        out = _new(x2.shape, out_dtype, x.device)
-        ctx.dropout = training and p > 0
-        # A seed from torch's CPU generator (no device sync) follows torch.manual_seed,
-        # fork_rng and checkpoint's RNG-state restore; Philox then regenerates the mask from
-        # (seed, element index) in backward, so no mask is stored.
-        ctx.seed = int(torch.randint(2**31 - 1, ())) if ctx.dropout else 0
-        ctx.p, ctx.scale = p, (1.0 / (1.0 - p) if p < 1 else 0.0)
-        ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
-        ctx.save_for_backward(bias)
-        block_r, block_c, grid = _tiles(*x2.shape)
-        tk.bias_dropout_add_fwd[grid](
-            x2,
-            x2 if bias is None else bias,
-            residual.reshape(x2.shape).contiguous(),
-            out,
-            *x2.shape,
-            p,
-            ctx.scale,
-            ctx.seed,
-            HAS_BIAS=bias is not None,
-            DROPOUT=ctx.dropout,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=4,
-        )
-        return out.view(x.shape)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (bias,) = ctx.saved_tensors
-        dy2 = _rows(dy)
-        dx = _new(dy2.shape, ctx.x_dtype, dy.device)
-        block_r, block_c, grid = _tiles(*dy2.shape)
-        part = None if bias is None else _new((grid[0], dy2.shape[1]), torch.float32, dy.device)
-        tk.bias_dropout_add_bwd[grid](
-            dy2,
-            dx,
-            dx if part is None else part,
-            *dy2.shape,
-            ctx.p,
-            ctx.scale,
-            ctx.seed,
-            HAS_BIAS=bias is not None,
-            DROPOUT=ctx.dropout,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=4,
-        )
-        return (dx.view(dy.shape), _bias_grad(part, bias), dy.to(ctx.residual_dtype), None, None)
-
-
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        x2 = _rows(x)
-        n_rows, n_cols = x2.shape
-        y = _new(x2.shape, x.dtype, x.device)
-        mean = _new((n_rows,), torch.float32, x.device)
-        rstd = _new((n_rows,), torch.float32, x.device)
-        block = triton.next_power_of_2(n_cols)
-        tk.layer_norm_fwd[(n_rows,)](
-            x2,
-            weight.contiguous(),
-            bias.contiguous(),
-            y,
-            mean,
-            rstd,
-            n_cols,
-            eps,
-            BLOCK=block,
-            num_warps=_row_warps(block),
-        )
-        ctx.save_for_backward(x2, weight, bias, mean, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(x2.shape).contiguous()
-        dx = _new(x2.shape, x2.dtype, x2.device)
-        programs = triton.cdiv(n_rows, _LN_BWD_ROWS)
-        dw_part = _new((programs, n_cols), torch.float32, x2.device)
-        db_part = _new((programs, n_cols), torch.float32, x2.device)
-        block = triton.next_power_of_2(n_cols)
-        tk.layer_norm_bwd[(programs,)](
-            dy2,
-            x2,
-            weight.contiguous(),
-            mean,
-            rstd,
-            dx,
-            dw_part,
-            db_part,
-            n_rows,
-            n_cols,
-            ROWS=_LN_BWD_ROWS,
-            BLOCK=block,
-            num_warps=_row_warps(block),
-        )
-        return (
-            dx.view(dy.shape),
-            dw_part.sum(dim=0).to(weight.dtype),
-            db_part.sum(dim=0).to(bias.dtype),
-            None,
-        )
-
-
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
-    ) -> torch.Tensor:
-        top, sumexp, target = vocab_ce_partials(logits, labels, 0, vocab_size)
-        lse = top + sumexp.log()
-        ctx.vocab_size = vocab_size
-        ctx.save_for_backward(logits, labels, lse)
-        return (lse - target).mean()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, labels, lse = ctx.saved_tensors
-        return (
-            vocab_ce_backward(logits, labels, lse, grad / labels.numel(), 0, ctx.vocab_size),
-            None,
-            None,
-        )
+def _bias_grad(part: torch.Tensor | None, bias: torch.Tensor | None, like: torch.Tensor):
+    """Return the summed bias gradient, or an empty tensor where there is no bias."""
+    if bias is None or part is None:
+        return like.new_empty(0)
+    return part.sum(dim=0).to(bias.dtype)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Return GeLU(x + bias) (tanh approximation) in x's dtype; backward gives dx and dbias."""
-    if x.numel() == 0:
-        return reference.bias_gelu(x, bias)
-    return _BiasGelu.apply(x, bias)
+    """Return GeLU(x + bias) (tanh approximation) in x's dtype."""
+    x2 = _rows(x)
+    bias = None if bias is None else bias.contiguous()
+    y = _new(x2.shape, x.dtype, x.device)
+    block_r, block_c, row_tiles, col_tiles = _tiles(*x2.shape)
+    tk.bias_gelu_fwd[(row_tiles, col_tiles)](
+        x2,
+        x2 if bias is None else bias,
+        y,
+        *x2.shape,
+        HAS_BIAS=bias is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=_POINTWISE_WARPS,
+    )
+    return y.view(x.shape)
+
+
+def bias_gelu_backward(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (dx in x's dtype, dbias in bias's dtype or empty without a bias)."""
+    x2 = _rows(x)
+    bias = None if bias is None else bias.contiguous()
+    dy2 = dy.reshape(x2.shape).contiguous()
+    dx = _new(x2.shape, x2.dtype, x2.device)
+    block_r, block_c, row_tiles, col_tiles = _tiles(*x2.shape)
+    programs = _persistent_programs(x.device, _POINTWISE_WARPS, row_tiles, col_tiles)
+    part = None if bias is None else _new((programs, x2.shape[1]), torch.float32, x2.device)
+    tk.bias_gelu_bwd[(programs, col_tiles)](
+        dy2,
+        x2,
+        x2 if bias is None else bias,
+        dx,
+        dx if part is None else part,
+        *x2.shape,
+        HAS_BIAS=bias is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=_POINTWISE_WARPS,
+    )
+    return dx.view(x.shape), _bias_grad(part, bias, dx)
+
+
+def _dropout_scale(p: float) -> float:
+    return 1.0 / (1.0 - p) if p < 1 else 0.0
 
 
 def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    seed: int | None,
 ) -> torch.Tensor:
-    """Return residual + dropout(x + bias), the mask regenerated in backward from its seed."""
-    if x.numel() == 0:
-        return reference.bias_dropout_add(x, bias, residual, p, training)
-    return _BiasDropoutAdd.apply(x, bias, residual, p, training)
+    """Return residual + dropout(x + bias); no dropout where ``seed`` is None.
+
+    Philox draws element i's number from (seed, i), so backward regenerates the mask.
+    """
+    x2 = _rows(x)
+    bias = None if bias is None else bias.contiguous()
+    out_dtype = torch.promote_types(
+        x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype), residual.dtype
+    )
+    out = _new(x2.shape, out_dtype, x.device)
+    block_r, block_c, row_tiles, col_tiles = _tiles(*x2.shape)
+    tk.bias_dropout_add_fwd[(row_tiles, col_tiles)](
+        x2,
+        x2 if bias is None else bias,
+        residual.reshape(x2.shape).contiguous(),
+        out,
+        *x2.shape,
+        p,
+        _dropout_scale(p),
+        0 if seed is None else seed,
+        HAS_BIAS=bias is not None,
+        DROPOUT=seed is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=_POINTWISE_WARPS,
+    )
+    return out.view(x.shape)
+
+
+def bias_dropout_add_backward(
+    dy: torch.Tensor,
+    bias: torch.Tensor | None,
+    p: float,
+    seed: int | None,
+    x_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (dx in ``x_dtype``, dbias or empty without a bias); the residual's is dy."""
+    dy2 = _rows(dy)
+    dx = _new(dy2.shape, x_dtype, dy.device)
+    block_r, block_c, row_tiles, col_tiles = _tiles(*dy2.shape)
+    programs = _persistent_programs(dy.device, _POINTWISE_WARPS, row_tiles, col_tiles)
+    part = None if bias is None else _new((programs, dy2.shape[1]), torch.float32, dy.device)
+    tk.bias_dropout_add_bwd[(programs, col_tiles)](
+        dy2,
+        dx,
+        dx if part is None else part,
+        *dy2.shape,
+        p,
+        _dropout_scale(p),
+        0 if seed is None else seed,
+        HAS_BIAS=bias is not None,
+        DROPOUT=seed is not None,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=_POINTWISE_WARPS,
+    )
+    return dx.view(dy.shape), _bias_grad(part, bias, dx)
 
 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Return LayerNorm over the last dimension in x's dtype (statistics in fp32)."""
-    if x.numel() == 0 or x.shape[-1] > LAYER_NORM_MAX_COLS:
-        return reference.layer_norm(x, weight, bias, eps)
-    return _LayerNorm.apply(x, weight, bias, eps)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (LayerNorm(x) in x's dtype, fp32 mean per row, fp32 1/std per row)."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    y = _new(x2.shape, x.dtype, x.device)
+    mean = _new((n_rows,), torch.float32, x.device)
+    rstd = _new((n_rows,), torch.float32, x.device)
+    block = triton.next_power_of_2(n_cols)
+    tk.layer_norm_fwd[(n_rows,)](
+        x2,
+        weight.contiguous(),
+        bias.contiguous(),
+        y,
+        mean,
+        rstd,
+        n_cols,
+        eps,
+        BLOCK=block,
+        num_warps=_row_warps(block),
+    )
+    return y.view(x.shape), mean, rstd
+
+
+def layer_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (dx, dweight, dbias) of :func:`layer_norm`."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    dy2 = dy.reshape(x2.shape).contiguous()
+    dx = _new(x2.shape, x2.dtype, x2.device)
+    block = triton.next_power_of_2(n_cols)
+    warps = _row_warps(block)
+    programs = _persistent_programs(x.device, warps, n_rows)
+    dw_part = _new((programs, n_cols), torch.float32, x2.device)
+    db_part = _new((programs, n_cols), torch.float32, x2.device)
+    tk.layer_norm_bwd[(programs,)](
+        dy2,
+        x2,
+        weight.contiguous(),
+        mean,
+        rstd,
+        dx,
+        dw_part,
+        db_part,
+        n_rows,
+        n_cols,
+        BLOCK=block,
+        num_warps=warps,
+    )
+    return (
+        dx.view(x.shape),
+        dw_part.sum(dim=0).to(weight.dtype),
+        db_part.sum(dim=0).to(bias.dtype),
+    )
 
 
 def cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None
-) -> torch.Tensor:
-    """Return the mean token cross-entropy (fp32) over the first ``vocab_size`` columns.
-
-    The logits are read in their dtype, once forward and once backward; the gradient is
-    written in their dtype, zero on padding columns.
-    """
-    if labels.numel() == 0:
-        return reference.cross_entropy(logits, labels, vocab_size)
-    rows = logits.reshape(-1, logits.shape[-1])
-    vocab = logits.shape[-1] if vocab_size is None else vocab_size
-    return _CrossEntropy.apply(rows, labels.reshape(-1), vocab)
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (mean cross-entropy, per-row log-sum-exp), fp32, of (rows, columns) logits."""
+    top, sumexp, target = vocab_ce_partials(logits, labels, 0, vocab_size)
+    lse = top + sumexp.log()
+    return (lse - target).mean(), lse
 
 
 def _ce_block(n_local: int) -> int:
@@ -307,8 +313,6 @@ def vocab_ce_partials(
 
     See :func:`hpcllm.kernels.vocab_ce_partials`.
     """
-    if logits.numel() == 0:
-        return reference.vocab_ce_partials(logits, labels, vocab_start, vocab_size)
     logits, labels = _unit_stride(logits), labels.contiguous()
     n_rows, n_local = logits.shape
     top, sumexp, target = (_new((n_rows,), torch.float32, logits.device) for _ in range(3))
@@ -341,8 +345,6 @@ def vocab_ce_backward(
 
     See :func:`hpcllm.kernels.vocab_ce_backward`.
     """
-    if logits.numel() == 0:
-        return reference.vocab_ce_backward(logits, labels, lse, grad, vocab_start, vocab_size)
     logits, labels = _unit_stride(logits), labels.contiguous()
     n_rows, n_local = logits.shape
     grad = grad.float().expand(n_rows) if grad.dim() == 0 else grad.float().contiguous()

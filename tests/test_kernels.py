@@ -1,8 +1,9 @@
-"""The Triton kernels against their torch references.
+"""The Triton kernels, through the dispatch and the ``hpcllm`` custom ops, against the references.
 
 With a CUDA GPU the compiled kernels run on it; without one they run on the CPU under Triton's
-interpreter. ``TRITON_INTERPRET=1`` must be set when Triton itself is first imported (its
-library functions are decorated then), so this file imports Triton at collection, before any
+interpreter. The ``ops`` fixture is the dispatch (:mod:`hpcllm.kernels`) with kernels enabled.
+``TRITON_INTERPRET=1`` must be set when Triton itself is first imported (its library functions
+are decorated then), so this file imports Triton at collection, before any
 test has run (a test's ``torch.utils.checkpoint`` imports Triton too), and restores the
 variable at once; the module fixture sets it again for this file's tests only. Every kernel
 runs with its outputs pre-filled with NaN, so an element it fails to write shows.
@@ -67,7 +68,7 @@ def ops():
         os.environ["TRITON_INTERPRET"] = "1"
     kernels.set_enabled(True)
     with triton_ops.poisoned_outputs():
-        yield triton_ops
+        yield kernels
     kernels.set_enabled(False)
     if saved is None:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -226,7 +227,7 @@ def test_layer_norm_and_its_gradients_match_the_reference(ops, shape, dtype):
     dx, dw, db = grads(y, (x, w, b), dy)
     ref_dx, ref_dw, ref_db = grads(ref, (x32, w, b), dy.float())
     close(dx, ref_dx, scale_atol=atol)
-    # 33 and 6 rows span partial sums of several programs (16 rows each).
+    # 33 and 6 rows: each of the interpreter's persistent programs walks several rows.
     close(dw, ref_dw, dtype, scale_atol=atol)
     close(db, ref_db, dtype, scale_atol=atol)
 
@@ -263,7 +264,7 @@ def test_cross_entropy_excludes_padding_and_reads_a_strided_view(ops):
 
 
 def test_cross_entropy_running_max_across_chunks(ops, monkeypatch):
-    monkeypatch.setattr(ops, "CE_MAX_BLOCK", 64)  # 1000 columns: 16 chunks
+    monkeypatch.setattr(triton_ops, "CE_MAX_BLOCK", 64)  # 1000 columns: 16 chunks
     cols = torch.arange(1000, dtype=torch.float32)
     logits = torch.stack(
         [
@@ -335,16 +336,23 @@ def test_vocab_parallel_partials_combine_to_the_whole_loss(ops, fused, vocab, tp
 
 def test_dispatch_runs_triton_only_when_enabled_and_on_a_kernel_device(ops, monkeypatch):
     x = leaf(torch.randn(4, 8))
-    assert "BiasGelu" in kernels.bias_gelu(x, None).grad_fn.name()
+    kernels.reset_implementations_used()
+    assert "hpcllm_bias_gelu" in kernels.bias_gelu(x, None).grad_fn.name()
+    assert kernels.implementations_used() == {"bias_gelu": "triton"}
     kernels.set_enabled(False)
     try:
         assert not kernels.enabled()
-        assert "BiasGelu" not in kernels.bias_gelu(x, None).grad_fn.name()
+        assert "hpcllm" not in kernels.bias_gelu(x, None).grad_fn.name()
+        assert kernels.implementations_used() == {"bias_gelu": "torch"}
     finally:
         kernels.set_enabled(True)
+    kernels.reset_implementations_used()
+    assert kernels.implementations_used() == {}
+    kernels.layer_norm(leaf(torch.randn(2, 0, 8)), leaf(torch.ones(8)), leaf(torch.zeros(8)), 1e-5)
+    assert kernels.implementations_used() == {"layer_norm": "torch"}  # no rows: no launch
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     on_cpu = x.detach().cpu().requires_grad_()
-    assert "BiasGelu" not in kernels.bias_gelu(on_cpu, None).grad_fn.name()  # no interpreter
+    assert "hpcllm" not in kernels.bias_gelu(on_cpu, None).grad_fn.name()  # no interpreter
 
 
 def test_resolve_fused(monkeypatch):
@@ -397,7 +405,7 @@ from triton.compiler import ASTSource
 from hpcllm.kernels import triton_kernels as tk
 
 C, bf, f32, i32 = "constexpr", "*bf16", "*fp32", "i32"
-tile = {"BLOCK_R": 32, "BLOCK_C": 128}
+tile = {"BLOCK_R": 4, "BLOCK_C": 1024}
 cases = [
     (tk.bias_gelu_fwd, [bf, f32, bf, i32, i32, C, C, C], dict(HAS_BIAS=True, **tile)),
     (tk.bias_gelu_bwd, [bf, bf, f32, bf, f32, i32, i32, C, C, C], dict(HAS_BIAS=True, **tile)),
@@ -406,8 +414,8 @@ cases = [
     (tk.bias_dropout_add_bwd, [f32, bf, f32, i32, i32, "fp32", "fp32", i32, C, C, C, C],
      dict(HAS_BIAS=True, DROPOUT=True, **tile)),
     (tk.layer_norm_fwd, [f32, f32, f32, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
-    (tk.layer_norm_bwd, [f32, f32, f32, f32, f32, f32, f32, f32, i32, i32, C, C],
-     dict(ROWS=16, BLOCK=1024)),
+    (tk.layer_norm_bwd, [f32, f32, f32, f32, f32, f32, f32, f32, i32, i32, C],
+     dict(BLOCK=1024)),
     (tk.ce_partials, [bf, "*i64", f32, f32, f32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
     (tk.ce_backward, [bf, "*i64", f32, f32, bf, i32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
 ]
@@ -538,7 +546,187 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     assert [r["variant"] for r in result["training"]] == [
         "kernels off",
         "kernels on",
+        "kernels auto",
         "torch.compile",
+        "torch.compile + kernels",
     ]
     assert max(losses) - min(losses) < 0.05
+    triton_ops = {r["variant"]: r["triton_ops"] for r in result["training"]}
+    every = ["bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm"]
+    assert triton_ops["kernels on"] == every == triton_ops["torch.compile + kernels"]
+    assert triton_ops["kernels off"] == [] == triton_ops["torch.compile"]
     assert "| cross_entropy | fwd+bwd |" in run.stdout and "| kernels on |" in run.stdout
+
+
+def _custom_op_cases(dtype, with_bias):
+    """Return (op, args) for every ``hpcllm`` custom op, forward and backward, on the CPU."""
+    gen = torch.Generator().manual_seed(8)
+
+    def rand(*shape, dt=dtype, grad=False):
+        return torch.randn(shape, generator=gen).to(dt).requires_grad_(grad)
+
+    h, vocab = 48, 40
+    x, residual = rand(2, 5, h, grad=True), rand(2, 5, h, dt=torch.float32, grad=True)
+    bias = rand(h, dt=torch.float32, grad=True) if with_bias else None
+    w, b = rand(h, dt=torch.float32, grad=True), rand(h, dt=torch.float32, grad=True)
+    seed = torch.tensor(1234)
+    _, mean, rstd = torch.ops.hpcllm.layer_norm(x.detach(), w.detach(), b.detach(), 1e-5)
+    logits = rand(10, 64, grad=True)
+    labels = torch.randint(0, vocab, (10,), generator=gen)
+    lse = torch.logsumexp(logits.detach().float()[:, :vocab], -1)
+    op = torch.ops.hpcllm
+    # Backward ops have no derivative of their own: their inputs do not require grad.
+    x_, w_, b_ = x.detach(), w.detach(), b.detach()
+    bias_ = None if bias is None else bias.detach()
+    return [
+        (op.bias_gelu, (x, bias)),
+        (op.bias_gelu_backward, (rand(2, 5, h), x_, bias_)),
+        (op.bias_dropout_add, (x, bias, residual, 0.3, seed)),
+        (op.bias_dropout_add, (x, bias, residual, 0.0, None)),
+        (op.bias_dropout_add_backward, (rand(2, 5, h, dt=torch.float32), bias_, 0.3, seed, dtype)),
+        (op.layer_norm, (x, w, b, 1e-5)),
+        (op.layer_norm_backward, (rand(2, 5, h), x_, w_, b_, mean, rstd)),
+        (op.cross_entropy, (logits, labels, vocab)),
+        (op.vocab_ce_partials, (logits.detach()[:, 32:], labels, 32, vocab)),
+        (op.vocab_ce_backward, (logits.detach(), labels, lse, torch.tensor(0.1), 0, vocab)),
+    ]
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU implementations")
+@pytest.mark.parametrize("impl", ["interpreter", "torch"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_custom_ops_pass_opcheck(ops, impl, with_bias, dtype, monkeypatch):
+    """Schema, fake (meta) implementation, autograd registration and AOT tracing of each op.
+
+    Under ``TRITON_INTERPRET`` the CPU implementation runs the Triton kernels, else torch.
+    """
+    if impl == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET")
+    for op, args in _custom_op_cases(dtype, with_bias):
+        with_args = ", ".join(type(a).__name__ for a in args)
+        result = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in result.values()), f"{op}({with_args}): {result}"
+
+
+def _block_step(block, x):
+    out = block(x)
+    grads = torch.autograd.grad(out, [x, *block.parameters()], torch.ones_like(out))
+    return out, grads
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["references", "custom-ops"])
+def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
+    """torch.compile(fullgraph=True) of one GPT block: references, or the ``hpcllm`` ops."""
+    from hpcllm.model.gpt import Block
+
+    kernels.set_enabled(fused)
+    try:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cfg = _small(n_head=2, d_model=64, seq_len=32)
+        block = Block(cfg, None, torch.Generator().manual_seed(0)).to(DEVICE)
+        x = leaf(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1)))
+        kernels.reset_implementations_used()
+        out, grads_compiled = _block_step(torch.compile(block, fullgraph=True), x)
+        # Triton kernels are noted where they run, so inside compiled graphs too; compiled
+        # references are the compiler's code and not noted.
+        ran = ("layer_norm", "bias_dropout_add", "bias_gelu") if fused else ()
+        assert kernels.implementations_used() == dict.fromkeys(ran, "triton")
+        # One block graph: no guard on the dispatch's bookkeeping recompiles a second block.
+        second = Block(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)
+        _block_step(torch.compile(second, fullgraph=True), x)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        ref_out, ref_grads = _block_step(block, x)
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+        for got, want in zip(grads_compiled, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        kernels.set_enabled(True)
+
+
+def test_custom_op_dropout_mask_is_a_function_of_its_seed(ops):
+    """Same seed: same mask, forward and backward; another seed: another mask."""
+    gen = torch.Generator().manual_seed(9)
+    x = leaf(torch.rand(64, 300, generator=gen) + 1.0)  # never 0: kept elements change
+    residual = leaf(torch.zeros(64, 300))
+    p = 0.2
+
+    def run(seed):
+        out = torch.ops.hpcllm.bias_dropout_add(x, None, residual, p, dev(torch.tensor(seed)))
+        (dx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        return out != 0, dx
+
+    kept, dx = run(5)
+    again, dx_again = run(5)
+    assert torch.equal(kept, again) and torch.equal(dx, dx_again)
+    assert torch.equal(dx, kept.float() / (1 - p))  # backward regenerates the forward mask
+    assert abs(kept.float().mean().item() - (1 - p)) < 5 * (p * (1 - p) / kept.numel()) ** 0.5
+    other, _ = run(6)
+    assert abs((kept & other).float().mean().item() - (1 - p) ** 2) < 0.02
+    # The dispatch draws the seed from torch's CPU generator: manual_seed replays it.
+    torch.manual_seed(3)
+    first = kernels.bias_dropout_add(x, None, residual, p, True)
+    torch.manual_seed(3)
+    assert torch.equal(kernels.bias_dropout_add(x, None, residual, p, True), first)
+
+
+def test_auto_times_each_signature_once_and_runs_the_faster(ops):
+    times = {
+        "bias_gelu": {"triton": 1.0, "torch": 2.0},
+        "layer_norm": {"triton": 3.0, "torch": 1.0},
+    }
+    timed = []
+
+    def fake_timer(op, impl, run):
+        run()  # forward and backward of copies of the arguments
+        timed.append((op, impl))
+        return times[op][impl]
+
+    kernels.set_enabled(True, choose=True, timer=fake_timer)
+    try:
+        assert kernels.choosing()
+        gen = torch.Generator().manual_seed(10)
+        x, bias = leaf(torch.randn(4, 32, generator=gen)), leaf(torch.randn(32, generator=gen))
+        kernels.reset_implementations_used()
+        y = kernels.bias_gelu(x, bias)
+        assert timed == [("bias_gelu", "triton"), ("bias_gelu", "torch")]
+        assert kernels.implementations_used() == {"bias_gelu": "triton"}
+        assert "hpcllm_bias_gelu" in y.grad_fn.name() and x.grad is None and bias.grad is None
+        kernels.bias_gelu(x, bias)
+        assert len(timed) == 2  # cached
+        kernels.bias_gelu(x, None)  # another signature: no bias
+        kernels.bias_gelu(x.detach().to(torch.bfloat16), bias)  # another dtype
+        kernels.bias_gelu(leaf(torch.randn(5, 32, generator=gen)), bias)  # another shape
+        assert len(timed) == 8
+        assert set(kernels.choices().values()) == {"triton"} and len(kernels.choices()) == 4
+        assert (
+            "bias_gelu",
+            ((4, 32), torch.float32, DEVICE.type),
+            ((32,), torch.float32, DEVICE.type),
+        ) in kernels.choices()
+
+        w, b = leaf(torch.randn(32, generator=gen)), leaf(torch.randn(32, generator=gen))
+        y = kernels.layer_norm(x, w, b, 1e-5)
+        assert timed[-2:] == [("layer_norm", "triton"), ("layer_norm", "torch")]
+        assert kernels.implementations_used()["layer_norm"] == "torch"
+        assert "hpcllm" not in y.grad_fn.name()
+        ref = reference.layer_norm(x, w, b, 1e-5)
+        close(y, ref)
+        close(grads(y, x, torch.ones_like(y))[0], grads(ref, x, torch.ones_like(ref))[0])
+        kernels.layer_norm(x, w, b, 1e-5)
+        assert len(timed) == 10 and kernels.implementations_used()["layer_norm"] == "torch"
+
+        # Timing draws no random numbers the next dropout would have drawn.
+        torch.manual_seed(4)
+        kernels.set_enabled(True)
+        residual = leaf(torch.randn(4, 32, generator=gen))
+        want = kernels.bias_dropout_add(x, bias, residual, 0.5, True)
+        times["bias_dropout_add"] = {"triton": 1.0, "torch": 2.0}
+        kernels.set_enabled(True, choose=True, timer=fake_timer)
+        assert kernels.choices() == {}  # forgotten
+        torch.manual_seed(4)
+        assert torch.equal(kernels.bias_dropout_add(x, bias, residual, 0.5, True), want)
+    finally:
+        kernels.set_enabled(True)
+    assert not kernels.choosing()

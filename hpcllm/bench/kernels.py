@@ -1,10 +1,15 @@
-"""``hpcllm bench kernels``: each fused Triton kernel against eager torch and torch.compile.
+"""``hpcllm bench kernels``: each fused Triton op against eager torch and torch.compile.
 
-Per op, at GPT-2 small's shapes (8192 tokens, h = 768, 4h = 3072, vocabulary 50304), it times
-forward and forward + backward (median of CUDA-event timings), turns the bytes the op has to
-move into GB/s, and compares that with the device's measured copy bandwidth. Then it times
-whole gpt2-124m training steps (bf16 autocast, sequence 1024, fused AdamW) with the kernels
-off, on, and with the plain model under torch.compile: tokens/s, TFLOP/s and MFU.
+Per op, at the training shapes of gpt2-124m (micro-batch 16, sequence 1024: 16384 tokens,
+h = 768, 4h = 3072, vocabulary 50304) and gpt2-1.3b (micro-batch 4, sequence 2048: 8192
+tokens, h = 2048, 4h = 8192), it times forward and forward + backward (median of CUDA-event
+timings) of the eager reference, the reference under torch.compile and the Triton op (the
+``hpcllm`` custom op the dispatch calls), gives the Triton op's speed-up over torch.compile,
+turns the bytes the op has to move into GB/s and compares that with the device's measured copy
+bandwidth. Then it times whole gpt2-124m training steps (bf16 autocast, fused AdamW) with the
+kernels off, on, auto (each op the faster of Triton and compiled torch, timed on first use),
+and the model under torch.compile without and with the kernels: tokens/s, TFLOP/s, MFU, and
+which ops ran a Triton kernel (:func:`hpcllm.kernels.implementations_used`).
 
 The dtypes are those of a bf16-autocast step: matmul outputs bf16, the residual stream,
 parameters and LayerNorm fp32. Dropout is timed at p = 0.1 and checked at p = 0 (its masks
@@ -20,6 +25,7 @@ Run: ``python -m hpcllm.bench.kernels [--json PATH]``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -36,12 +42,14 @@ import torch
 from hpcllm import kernels
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
+from hpcllm.kernels.choice import Timer, wall_clock_ms
 
 
 @dataclass(frozen=True)
 class Sizes:
     """The shapes one benchmark run uses."""
 
+    name: str
     batch: int
     seq_len: int
     hidden: int
@@ -57,8 +65,17 @@ class Sizes:
         return -(-self.vocab // 128) * 128
 
 
-GPU_SIZES = Sizes(batch=8, seq_len=1024, hidden=768, vocab=50257, model={"preset": "gpt2-124m"})
+# Op shapes; the training steps run at the first.
+GPU_SIZES = [
+    Sizes(
+        "gpt2-124m", batch=16, seq_len=1024, hidden=768, vocab=50257, model={"preset": "gpt2-124m"}
+    ),
+    Sizes(
+        "gpt2-1.3b", batch=4, seq_len=2048, hidden=2048, vocab=50257, model={"preset": "gpt2-1.3b"}
+    ),
+]
 SMOKE_SIZES = Sizes(
+    "tiny",
     batch=2,
     seq_len=16,
     hidden=32,
@@ -176,7 +193,11 @@ def _max_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def bench_op(
-    case: OpCase, impls: dict[str, Callable[..., torch.Tensor]], clock: Clock, copy_gbps: float
+    case: OpCase,
+    impls: dict[str, Callable[..., torch.Tensor]],
+    clock: Clock,
+    copy_gbps: float,
+    size: str,
 ) -> list[dict[str, Any]]:
     """Return a forward row and a forward + backward row of timings for one op."""
 
@@ -207,6 +228,7 @@ def bench_op(
         gbps = nbytes / ms["triton"] / 1e6
         rows.append(
             {
+                "size": size,
                 "op": case.name,
                 "pass": label,
                 "mbytes": nbytes / 1e6,
@@ -223,10 +245,20 @@ def bench_op(
     return rows
 
 
+# (name, model.fused_kernels, whether the model runs under torch.compile)
+TRAINING_VARIANTS = [
+    ("kernels off", "off", False),
+    ("kernels on", "on", False),
+    ("kernels auto", "auto", False),
+    ("torch.compile", "off", True),
+    ("torch.compile + kernels", "on", True),
+]
+
+
 def bench_training(
-    sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str
+    sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str, timer: Timer
 ) -> list[dict[str, Any]]:
-    """Return tokens/s, TFLOP/s and MFU of training steps: kernels off, on, and compiled."""
+    """Return tokens/s, TFLOP/s, MFU and the ops that ran Triton, per training-step variant."""
     from hpcllm.config import load_config
     from hpcllm.model.gpt import GPT
     from hpcllm.observe import peak_tflops, step_flops
@@ -241,13 +273,14 @@ def bench_training(
     labels = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq_len), generator=gen)
     labels = labels.to(device)
     peak = peak_tflops(device, "bf16", None)
-    was_enabled = kernels.enabled()
+    was = kernels.enabled(), kernels.choosing()
     results = []
-    for variant in ("kernels off", "kernels on", "torch.compile"):
-        kernels.set_enabled(variant == "kernels on")
+    for variant, setting, compiled in TRAINING_VARIANTS:
+        kernels.set_enabled(setting != "off", choose=setting == "auto", timer=timer)
+        kernels.reset_implementations_used()
         model = GPT(cfg.model, sizes.vocab, seed=0).to(device).train()
         optimizer = build_optimizer(model, cfg.train, device)
-        run = torch.compile(model, backend=compile_backend) if variant == "torch.compile" else model
+        run = torch.compile(model, backend=compile_backend) if compiled else model
         losses: list[torch.Tensor] = []
 
         def step(model: Any = run, optimizer: Any = optimizer, losses: list = losses) -> None:
@@ -271,13 +304,16 @@ def bench_training(
                 "tflops": tflops,
                 "mfu": None if peak is None else tflops / peak,
                 "first_loss": losses[0].item(),
+                "triton_ops": sorted(
+                    op for op, impl in kernels.implementations_used().items() if impl == "triton"
+                ),
             }
         )
         del model, optimizer, run, step, losses
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    kernels.set_enabled(was_enabled)
+    kernels.set_enabled(was[0], choose=was[1])
     return results
 
 
@@ -291,13 +327,13 @@ def render(result: dict[str, Any]) -> str:
         f"Device: {result['device']}; torch {result['torch']}, Triton "
         f"{result['triton']}; copy bandwidth {result['copy_gbps']:.0f} GB/s.",
         "",
-        "| op | pass | MB moved | eager ms | compile ms | Triton ms | Triton GB/s "
+        "| shapes | op | pass | MB moved | eager ms | compile ms | Triton ms | Triton GB/s "
         "| % of copy BW | x vs eager | x vs compile | max error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["ops"]:
         lines.append(
-            f"| {r['op']} | {r['pass']} | {r['mbytes']:.1f} | {_fmt(r['eager_ms'])} "
+            f"| {r['size']} | {r['op']} | {r['pass']} | {r['mbytes']:.1f} | {_fmt(r['eager_ms'])} "
             f"| {_fmt(r['compile_ms'])} | {_fmt(r['triton_ms'])} "
             f"| {r['triton_gbps']:.0f} | {r['pct_copy_bw']:.0f} "
             f"| {r['x_vs_eager']:.2f} | {r['x_vs_compile']:.2f} "
@@ -306,15 +342,15 @@ def render(result: dict[str, Any]) -> str:
     if result["training"]:
         lines += [
             "",
-            "| training step | ms | tokens/s | TFLOP/s | MFU | first loss |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| training step | ms | tokens/s | TFLOP/s | MFU | first loss | ops on Triton |",
+            "|---|---:|---:|---:|---:|---:|---|",
         ]
         for r in result["training"]:
             mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             lines.append(
                 f"| {r['variant']} | {_fmt(r['step_ms'], 4)} "
                 f"| {r['tokens_per_s']:.0f} | {_fmt(r['tflops'])} | {mfu} "
-                f"| {r['first_loss']:.4f} |"
+                f"| {r['first_loss']:.4f} | {', '.join(r['triton_ops']) or 'none'} |"
             )
     return "\n".join(lines)
 
@@ -330,32 +366,45 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
         raise UserError("bench kernels needs Triton (pip install triton)")
     import triton
 
-    from hpcllm.kernels import triton_ops
-
     device = torch.device("cpu") if smoke else torch.device("cuda")
-    sizes = SMOKE_SIZES if smoke else GPU_SIZES
+    all_sizes = [SMOKE_SIZES] if smoke else GPU_SIZES
     backend = "eager" if smoke else "inductor"
     clock = Clock(device, warmup=1 if smoke else 10, iters=iters)
     copy_gbps = copy_bandwidth_gbps(device, clock, (1 << 26) if smoke else (1 << 30))
+    was = kernels.enabled(), kernels.choosing()
+    kernels.set_enabled(True)  # the dispatch's fused path: the hpcllm custom ops
     ops = []
-    for case in _op_cases(sizes, device):
-        eager = getattr(reference, case.name)
-        impls = {
-            "eager": eager,
-            "compile": torch.compile(eager, backend=backend),
-            "triton": getattr(triton_ops, case.name),
-        }
-        ops += bench_op(case, impls, clock, copy_gbps)
+    try:
+        for sizes in all_sizes:
+            for case in _op_cases(sizes, device):
+                eager = getattr(reference, case.name)
+                impls = {
+                    "eager": eager,
+                    "compile": torch.compile(eager, backend=backend),
+                    "triton": getattr(kernels, case.name),
+                }
+                ops += bench_op(case, impls, clock, copy_gbps, sizes.name)
+                del case, impls
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        kernels.set_enabled(was[0], choose=was[1])
+    sizes = all_sizes[0]
     step_clock = Clock(device, warmup=1 if smoke else 5, iters=steps)
+    # auto's timing of each op on first use; once each in smoke mode, where times mean nothing
+    choice_timer = functools.partial(wall_clock_ms, warmup=0, iters=1) if smoke else wall_clock_ms
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "smoke": smoke,
-        "sizes": asdict(sizes),
+        "sizes": [asdict(s) for s in all_sizes],
         "copy_gbps": copy_gbps,
         "ops": ops,
-        "training": bench_training(sizes, device, step_clock, backend) if training else [],
+        "training": (
+            bench_training(sizes, device, step_clock, backend, choice_timer) if training else []
+        ),
     }
 
 

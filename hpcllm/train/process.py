@@ -52,11 +52,15 @@ class ProcessSettings:
         torch.set_num_threads(count)
         self._undo.append(("threads", lambda: torch.set_num_threads(previous)))
 
-    def fused_kernels(self, enabled: bool) -> None:
-        """Switch the fused kernels on or off (:func:`hpcllm.kernels.set_enabled`)."""
-        previous = kernels.enabled()
-        kernels.set_enabled(enabled)
-        self._undo.append(("kernels", lambda: kernels.set_enabled(previous)))
+    def fused_kernels(self, enabled: bool, choose: bool = False) -> None:
+        """Switch the fused kernels on or off (:func:`hpcllm.kernels.set_enabled`).
+
+        With ``choose`` each op runs whichever of its Triton kernel and compiled torch
+        reference is faster at each shape (timed at its first call).
+        """
+        previous = kernels.enabled(), kernels.choosing()
+        kernels.set_enabled(enabled, choose=choose)
+        self._undo.append(("kernels", lambda: kernels.set_enabled(*previous)))
 
     def float32_matmul_precision(self, precision: str) -> None:
         """Set torch's float32 matmul precision (``high`` lets fp32 GEMMs use TF32)."""

@@ -84,7 +84,12 @@ class Trainer:
                 f"model.vocab_size {vocab} is smaller than the data's tokenizer "
                 f"({self.manifest.vocab_size})"
             )
-        self.process.fused_kernels(kernels.resolve_fused(cfg.model.fused_kernels, self.device))
+        # auto times Triton against compiled torch per op and shape, on each rank alone; at
+        # t > 1 replicated activations must be computed alike on every tp rank, so there
+        # every op runs its Triton kernel, as with "on".
+        fused = kernels.resolve_fused(cfg.model.fused_kernels, self.device)
+        choose = cfg.model.fused_kernels == "auto" and cfg.parallel.tp == 1
+        self.process.fused_kernels(fused, choose=choose)
         if self.device.type == "cuda":
             # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
             # assumes it.

@@ -1,0 +1,124 @@
+"""Which implementation of an op runs under ``model.fused_kernels: auto``: the faster, measured.
+
+The Triton kernels cannot win everywhere (an op inductor fuses into its neighbours, a shape
+too small to fill the GPU). So the first call of an op at a given signature (argument shapes,
+dtypes, devices and the other arguments) times forward + backward of the Triton custom op and
+of the torch reference under ``torch.compile`` (the eager reference where compile fails), on
+copies of its arguments, and the faster one runs at that signature from then on. The timer is
+a parameter, so a test checks the choosing with a fake one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from hpcllm.kernels import reference
+
+# (op, implementation, run) -> milliseconds of one run; implementation "triton" or "torch".
+Timer = Callable[[str, str, Callable[[], object]], float]
+
+# Ops with a backward to time; the tensor-parallel cross-entropy parts are timed as called.
+DIFFERENTIABLE = ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
+
+
+def wall_clock_ms(
+    op: str, impl: str, run: Callable[[], object], warmup: int = 3, iters: int = 10
+) -> float:
+    """Return the mean milliseconds of ``run`` over ``iters`` calls after (compiling) warm-ups.
+
+    One synchronize around the timed calls: back to back, their wall time is the device's.
+    """
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        run()
+    sync()
+    began = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return (time.perf_counter() - began) * 1e3 / iters
+
+
+def signature(args: tuple[Any, ...]) -> tuple[Hashable, ...]:
+    """Return what identifies a call for the cache: each tensor's shape, dtype and device."""
+    return tuple(
+        (tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args
+    )
+
+
+def _copies(args: tuple[Any, ...], differentiable: bool) -> tuple[list[Any], list[torch.Tensor]]:
+    """Return (copies of the arguments, the copies to differentiate)."""
+    copies = [
+        a.detach().clone().requires_grad_(differentiable and a.is_floating_point())
+        if isinstance(a, torch.Tensor)
+        else a
+        for a in args
+    ]
+    return copies, [a for a in copies if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def _forward_backward(op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[[], Any]:
+    """Return a call of ``fn`` on copies of ``args``, with backward where ``op`` has one."""
+    differentiable = op in DIFFERENTIABLE
+    copies, leaves = _copies(args, differentiable)
+
+    def run() -> Any:
+        out = fn(*copies)
+        if differentiable:
+            return torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+        return out
+
+    return run
+
+
+class Chooser:
+    """Picks, per op and signature, the faster of the Triton op and the compiled reference."""
+
+    def __init__(self, timer: Timer = wall_clock_ms) -> None:
+        self.timer = timer
+        self.choices: dict[tuple[Hashable, ...], str] = {}
+        self._torch: dict[tuple[str, str], Callable[..., Any]] = {}
+
+    def torch_impl(self, op: str, device: torch.device) -> Callable[..., Any]:
+        """Return the torch implementation ``op`` runs on ``device`` where torch is chosen.
+
+        The reference under torch.compile: inductor on CUDA; on the CPU (the interpreter's
+        tests and the benchmark's smoke mode, where times mean nothing) the eager backend,
+        which needs no C++ compiler. The eager reference where compiling it failed.
+        """
+        key = (op, device.type)
+        if key not in self._torch:
+            backend = "inductor" if device.type == "cuda" else "eager"
+            self._torch[key] = torch.compile(getattr(reference, op), backend=backend)
+        return self._torch[key]
+
+    def choose(self, op: str, triton_op: Callable[..., Any], args: tuple[Any, ...]) -> str:
+        """Return "triton" or "torch" for ``op`` on ``args``, timing both at a new signature."""
+        key = (op, *signature(args))
+        if key not in self.choices:
+            self.choices[key] = self._measure(op, triton_op, args)
+        return self.choices[key]
+
+    def _measure(self, op: str, triton_op: Callable[..., Any], args: tuple[Any, ...]) -> str:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        # The timing runs leave the caller's random streams and autograd state as they were:
+        # no draw shifts a later dropout mask, and an enclosing activation checkpoint's
+        # saved-tensor hooks do not see these graphs.
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
+            triton_ms = self.timer(op, "triton", _forward_backward(op, triton_op, args))
+            torch_run = _forward_backward(op, self.torch_impl(op, device), args)
+            try:
+                torch_run()
+            except Exception:  # no compiler, or an op inductor rejects: time eager torch
+                self._torch[(op, device.type)] = getattr(reference, op)
+                torch_run = _forward_backward(op, self._torch[(op, device.type)], args)
+            torch_ms = self.timer(op, "torch", torch_run)
+        return "triton" if triton_ms <= torch_ms else "torch"
