@@ -162,9 +162,13 @@ def test_losses_equal_the_recorded_ones(case: str, data: Path, tmp_path: Path) -
     got = read_losses(run_dir)
     assert len(got["loss"]) == len(recorded["loss"]) == 4
     assert len(got["val_loss"]) == len(recorded["val_loss"]) == 1
+    # Under autocast the biases are now added inside the half-precision matmul (addmm, as
+    # plain PyTorch does), not in fp32 after it: a few parts in a million after 4 steps.
+    mixed = any(o in ("train.precision=bf16", "train.precision=fp16") for o in overrides)
+    tol = 1e-5 if mixed else 1e-6
     for key in ("loss", "val_loss"):
         for new, old in zip(got[key], recorded[key], strict=True):
-            assert math.isclose(new, old, rel_tol=1e-6), (key, got[key], recorded[key])
+            assert math.isclose(new, old, rel_tol=tol), (key, got[key], recorded[key])
     # The checkpoint it ends with has the same files, keys and shapes as before: each version
     # of the code reads the other's.
     assert checkpoint_format(run_dir) == json.loads(RECORDED_FORMAT.read_text())[case]

@@ -44,6 +44,11 @@ def _dropout_rng(group: Any, p: float, training: bool) -> Any:
     return tp_rng(group if p > 0 and training else None)
 
 
+def _eager_checkpoint(function: Any, *args: torch.Tensor) -> torch.Tensor:
+    """``checkpoint`` with the tensor-parallel stream's replay (:func:`recompute_context`)."""
+    return checkpoint(function, *args, use_reentrant=False, context_fn=recompute_context)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm through the fused-op dispatch point."""
 
@@ -97,7 +102,23 @@ class Attention(nn.Module):
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _recomputed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Return the attention core under ``checkpoint``: its activations rebuilt in backward.
+
+        Compiled (``model.compile``), the compiler replays the region's random draws itself;
+        only a tensor-parallel dropout stream needs :func:`recompute_context`, which a
+        compiled graph cannot take, so that case runs eagerly.
+        """
+        if not torch.compiler.is_compiling():
+            return _eager_checkpoint(self._core, q, k, v)
+        if self.dropout > 0 and self.group is not None:  # a graph break, then eager
+            return torch.compiler.disable(_eager_checkpoint)(self._core, q, k, v)
+        return checkpoint(self._core, q, k, v, use_reentrant=False)
+
+    def forward(
+        self, x: torch.Tensor, add_bias: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (output, bias): the output projection's bias added to it (then None) or not."""
         qkv = self.qkv(x)  # (b, s, 3h/t): the whole sequence, even under sequence parallelism
         b, s, _ = qkv.shape
         q, k, v = (
@@ -107,11 +128,11 @@ class Attention(nn.Module):
         if self.selective and self.training:
             # Korthikanti et al.: the attention core holds the s² activations and is cheap to
             # recompute; keeping everything else stored costs little memory.
-            y = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=recompute_context)
+            y = self._recomputed_core(q, k, v)
         else:
             y = self._core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.proj(y, add_bias=False), self.proj.bias
+        return self.proj(y, add_bias=add_bias), None if add_bias else self.proj.bias
 
 
 class MLP(nn.Module):
@@ -139,9 +160,19 @@ class MLP(nn.Module):
             sequence_parallel=sequence_parallel,
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = kernels.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
-        return self.proj(y, add_bias=False), self.proj.bias
+    def forward(
+        self, x: torch.Tensor, add_bias: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (output, bias) as :meth:`Attention.forward` does.
+
+        With ``add_bias`` each matmul adds its bias itself (``addmm``), as plain PyTorch does
+        where no fused kernel takes the bias.
+        """
+        if add_bias:
+            y = kernels.bias_gelu(self.fc(x), None)
+        else:
+            y = kernels.bias_gelu(self.fc(x, add_bias=False), self.fc.bias)
+        return self.proj(y, add_bias=add_bias), None if add_bias else self.proj.bias
 
 
 class Block(nn.Module):
@@ -167,10 +198,12 @@ class Block(nn.Module):
             mark_sequence_parallel(self.attn.proj.bias, self.mlp.proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, bias = self.attn(self.ln1(x))
+        # Fused kernels take the biases; the torch path adds them in the matmuls.
+        add_bias = not kernels.fused(x)
+        out, bias = self.attn(self.ln1(x), add_bias)
         with _dropout_rng(self.rng_group, self.dropout, self.training):
             x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
-        out, bias = self.mlp(self.ln2(x))
+        out, bias = self.mlp(self.ln2(x), add_bias)
         with _dropout_rng(self.rng_group, self.dropout, self.training):
             return kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
 

@@ -90,25 +90,30 @@ def global_grad_norm(
     are added; a parameter marked ``pipeline_duplicate`` (the last stage's copy of the tied
     embedding) is not counted, since the first stage counts it.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads and group_size(tp_group) == 1 and group_size(pp_group) == 1:
+    counted = [
+        p for p in parameters if p.grad is not None and not getattr(p, "pipeline_duplicate", False)
+    ]
+    if not counted and group_size(tp_group) == 1 and group_size(pp_group) == 1:
         return torch.zeros(())
-    device = grads[0].device if grads else parameters[0].device
-    split = torch.zeros((), device=device)
-    whole = torch.zeros((), device=device)
-    for param in parameters:
-        if param.grad is not None and not getattr(param, "pipeline_duplicate", False):
-            square = param.grad.detach().float().pow(2).sum()
-            if is_split(param):
-                split += square
-            else:
-                whole += square
+    device = counted[0].grad.device if counted else parameters[0].device
+    # With one tp rank every parameter is whole; otherwise split and whole ones sum apart.
+    tp = group_size(tp_group) > 1
+    split = _squared_norm([p.grad for p in counted if tp and is_split(p)], device)
+    whole = _squared_norm([p.grad for p in counted if not (tp and is_split(p))], device)
     if group_size(tp_group) > 1:
         dist.all_reduce(split, group=tp_group)
     total = split + whole
     if group_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Return the fp32 sum of squares of ``grads``: one foreach kernel, as clip_grad_norm_."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).square()
 
 
 def _clip(parameters: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ warm up to it. ``train.lr_scaling: linear`` multiplies ``train.lr`` by global ba
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -64,3 +65,15 @@ def build_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 def autocast(precision: str, device: torch.device) -> Any:
     """Return the autocast context for ``precision`` (disabled for fp32); weights stay fp32."""
     return torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
+
+
+def step_autocast_cache(precision: str, device: torch.device) -> Any:
+    """Return a context around a whole step that keeps autocast's weight casts between forwards.
+
+    torch drops autocast's cache of half-precision weight copies when the outermost autocast
+    context exits, so with one context per forward every micro-batch casts every weight again.
+    A disabled autocast context around the step keeps one nesting level open: each weight is
+    cast once per step (its fp32 value does not change until the optimizer steps), and the
+    backwards between the forwards still run outside autocast.
+    """
+    return torch.autocast(device.type, enabled=False) if precision != "fp32" else nullcontext()

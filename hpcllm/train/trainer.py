@@ -35,7 +35,7 @@ from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.parallel.tensor.layers import is_split
 from hpcllm.train import checkpoint, grads
-from hpcllm.train.optim import autocast, build_scaler, lr_at
+from hpcllm.train.optim import autocast, build_scaler, lr_at, step_autocast_cache
 from hpcllm.train.parallelize import parallelize
 from hpcllm.train.process import ProcessSettings
 from hpcllm.train.stage_work import GPTStageWork, MicroBatches
@@ -352,7 +352,10 @@ class Trainer:
         if parallelized.pp_group is not None:
             # Stages start together, so that the recorded timelines share one origin.
             dist.barrier(group=parallelized.pp_group)
-        with observe.nvtx_range(f"pipeline {parallelized.schedule}"):
+        with (
+            observe.nvtx_range(f"pipeline {parallelized.schedule}"),
+            step_autocast_cache(t.precision, self.device),
+        ):
             sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else None
             self.timeline = Runtime(parallelized.channel).run(
                 parallelized.actions,

@@ -208,6 +208,8 @@ class RowParallelLinear(nn.Module):
         """Return the whole output; with sequence parallelism, this rank's sequence part."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
+        if group_size(self.group) == 1:  # no sum: the matmul adds the bias (addmm)
+            return linear(x, self.weight, self.bias if add_bias else None)
         y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
