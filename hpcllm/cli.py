@@ -131,8 +131,8 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a GPT from a YAML config on every rank of the job (mpirun/srun, or "
         "one process). Sections and keys: model (preset, n_layer, n_head, d_model, seq_len, "
-        "vocab_size, dropout, recompute, fused_kernels, layer_norm_eps, init_std), parallel "
-        "(tp, pp, dp, vpp, schedule, "
+        "vocab_size, dropout, recompute, fused_kernels, compile, layer_norm_eps, init_std), "
+        "parallel (tp, pp, dp, vpp, schedule, "
         "dp_engine, sequence_parallel, scatter_gather, pipeline_layers, ddp_bucket_mb, "
         "ddp_bucket_view, "
         "dp_compression, horovod_fusion_mb, horovod_cycle_ms), data (path, seed, prefetch), "
@@ -400,20 +400,66 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
     )
     prep.add_argument("--json", action="store_true", help="print JSON")
     prep.set_defaults(run=_run_bench_prepare)
-    over = targets.add_parser(
-        "overhead",
-        help="hpcllm's training step against a plain PyTorch loop",
-        description="Train the config's model in one process with hpcllm's step and with a "
-        "plain PyTorch loop (same weights, batch, AdamW, precision), in alternating blocks, "
-        "and print the ratio of median step times.",
+    step = targets.add_parser(
+        "step",
+        help="hpcllm's training step against GPT-2 in plain PyTorch, eager and compiled",
+        description="For each shape, in one process: time hpcllm's training step (the config "
+        "as given, and with fused kernels off) against nanoGPT's model and loop in plain "
+        "PyTorch, eager and under torch.compile, in alternating blocks of steps; then run the "
+        "real trainer loop for some steps. Prints ms/step, tokens/s, TFLOP/s, MFU, the ratios "
+        "to the plain model and the ops that ran Triton kernels. Shapes set the model and "
+        "micro-batch; --set applies on top of every shape. Reads the prepared data of "
+        "data.path (the built-in corpus by default: `hpcllm prepare --corpus python-stdlib "
+        "--out data/stdlib`).",
     )
-    _add_config_args(over)
-    over.add_argument("--steps", type=_positive, default=5, help="steps per block [default: 5]")
-    over.add_argument(
-        "--rounds", type=_positive, default=6, help="alternating blocks of each [default: 6]"
+    _add_config_args(step)
+    step.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=["gpt2-124m", "gpt2-1.3b", "cpu-smoke"],
+        default=None,
+        help="[default: gpt2-124m (seq 1024, mb 16) and gpt2-1.3b (seq 2048, mb 4); "
+        "cpu-smoke with --cpu-smoke]",
     )
-    over.add_argument("--json", action="store_true", help="print JSON")
-    over.set_defaults(run=_run_bench_overhead)
+    step.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="on the CPU (even where a GPU is), the tiny cpu-smoke shape (4 layers, d 256, "
+        "seq 128, mb 4), no compiled rows unless --compile; about a minute",
+    )
+    step.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="include the torch.compile'd plain model [default: on a GPU, not with --cpu-smoke]",
+    )
+    step.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="both sides' precision, over train.precision "
+        "[default: bf16 on a GPU, fp32 on the CPU]",
+    )
+    step.add_argument(
+        "--steps", type=_positive, default=None, help="steps per block [default: 3, smoke 2]"
+    )
+    step.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="alternating blocks of each [default: 6, smoke 10]",
+    )
+    step.add_argument(
+        "--warmup", type=int, default=2, help="steps of each side before timing [default: 2]"
+    )
+    step.add_argument(
+        "--loop-steps",
+        type=_positive,
+        default=None,
+        help="steps of the trainer loop, at least 3 [default: 20, smoke 16]",
+    )
+    step.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
+    step.set_defaults(run=_run_bench_step)
     dpb = targets.add_parser(
         "dp",
         help="DDP vs Horovod vs parameter server, fp32 and mixed precision",
@@ -702,29 +748,31 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_bench_overhead(args: argparse.Namespace) -> int:
-    import tempfile
+def _run_bench_step(args: argparse.Namespace) -> int:
+    from hpcllm.errors import UserError
 
-    from hpcllm.bench.overhead import bench_overhead
-    from hpcllm.config import load_config
+    if args.cpu_smoke:
+        # Before anything asks torch about CUDA: the smoke run is on the CPU.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    loop_steps = args.loop_steps or (16 if args.cpu_smoke else 20)
+    if loop_steps < 3:
+        raise UserError("--loop-steps must be at least 3 (timed step to step after the first)")
+    from hpcllm.bench import step
 
-    with tempfile.TemporaryDirectory(prefix="hpcllm-overhead-") as scratch:
-        cfg = load_config(
-            args.config,
-            [*args.overrides, f"run.dir={scratch}", "run.resume=none", "run.tensorboard=false"],
-        )
-        result = bench_overhead(cfg, args.steps, args.rounds)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    med = result["median_step_s"]
-    print(
-        f"{result['steps_each']} steps each on {result['device']} ({result['precision']}), "
-        f"{result['tokens_per_step']} tokens per step"
+    result = step.run(
+        args.shapes or (["cpu-smoke"] if args.cpu_smoke else ["gpt2-124m", "gpt2-1.3b"]),
+        args.config,
+        args.overrides,
+        args.precision,
+        args.compile,
+        args.steps or (2 if args.cpu_smoke else 3),
+        args.rounds or (10 if args.cpu_smoke else 6),
+        args.warmup,
+        loop_steps,
     )
-    print(f"  plain PyTorch loop  {med['plain'] * 1e3:9.2f} ms/step")
-    print(f"  hpcllm step         {med['hpcllm'] * 1e3:9.2f} ms/step")
-    print(f"  ratio hpcllm/plain  {result['ratio']:9.3f}")
+    print(step.render(result))
+    if args.json_out is not None:
+        step.write_json(result, args.json_out)
     return 0
 
 

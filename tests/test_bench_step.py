@@ -1,0 +1,90 @@
+import json
+import math
+
+import pytest
+import torch
+from datasets_fixtures import prepare_corpus
+
+from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
+from hpcllm.cli import main
+
+# The smallest model that still runs every part: one block, 16 tokens.
+TINY = [
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.d_model=32",
+    "model.seq_len=16",
+    "train.micro_batch_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-step")
+    prepare_corpus(root / "corpus", root / "data", tokenizer="byte")
+    return root / "data"
+
+
+def test_cpu_smoke_writes_every_row_to_json(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --cpu-smoke sets it; give it back after
+    out = tmp_path / "out" / "step.json"
+    sets = [arg for key in [*TINY, f"data.path={data}"] for arg in ("--set", key)]
+    argv = ["bench", "step", "--cpu-smoke", "--compile", *sets, "--steps", "1", "--rounds", "2"]
+    assert main([*argv, "--warmup", "1", "--loop-steps", "3", "--json-out", str(out)]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["precision"] == "fp32"
+    assert result["compile"] is True and result["torch"] == torch.__version__
+    (shape,) = result["shapes"]
+    assert shape["shape"] == "cpu-smoke" and (shape["n_layer"], shape["d_model"]) == (1, 32)
+    assert shape["tokens_per_step"] == 2 * 16
+    assert shape["vocab"] == {"model": 257, "padded": 384, "data": 257}  # bytes + EOS
+    assert shape["flops_per_step"] > 0 and shape["peak_tflops"] is None
+    rows = {r["key"]: r for r in shape["rows"]}
+    assert list(rows) == [
+        "plain_eager",
+        "plain_compile",
+        "hpcllm",
+        "hpcllm_kernels_off",
+        "hpcllm_loop",
+    ]
+    for r in rows.values():
+        for key in (
+            "step_ms",
+            "cpu_ms",
+            "tokens_per_s",
+            "tflops",
+            "vs_plain_eager",
+            "vs_plain_compile",
+            "vs_plain_eager_cpu_time",
+        ):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["key"], key)
+        assert r["mfu"] is None
+        assert r["tokens_per_s"] == pytest.approx(32 / (r["step_ms"] / 1e3))
+        assert r["name"] in table
+    assert rows["plain_eager"]["vs_plain_eager"] == rows["plain_compile"]["vs_plain_compile"] == 1.0
+    assert len(rows["hpcllm"]["block_ms"]) == 2
+    assert rows["plain_eager"]["triton_ops"] is rows["plain_compile"]["triton_ops"] is None
+    assert rows["hpcllm"]["triton_ops"] == rows["hpcllm_loop"]["triton_ops"] == []
+    assert shape["loop_metrics_tokens_per_s"] > 0 and len(shape["loop_interval_ms"]) == 1
+    assert shape["torch_threads"] >= 1 and result["cpu_cores"] >= 1
+    assert not list(out.parent.glob(".*partial*"))
+
+
+def test_plain_gpt_counts_nanogpts_parameters_and_starts_uniform():
+    vocab, layers, d, seq = 512, 3, 64, 32
+    model = PlainGPT(vocab, layers, n_head=4, d_model=d, seq_len=seq, seed=0)
+    # nanoGPT's count with the output layer tied: embeddings, 12d² + 13d per block, final LN.
+    expected = vocab * d + seq * d + layers * (12 * d * d + 13 * d) + 2 * d
+    assert sum(p.numel() for p in model.parameters()) == expected
+    assert model.lm_head.weight is model.wte.weight
+    ids = torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(0))
+    loss = model(ids, ids.roll(-1, dims=1))
+    assert loss.item() == pytest.approx(math.log(vocab), abs=0.1)
+    optimizer = plain_optimizer(model, lr=1e-3, weight_decay=0.1)
+    decayed, plain = optimizer.param_groups
+    assert all(p.dim() >= 2 for p in decayed["params"]) and decayed["weight_decay"] == 0.1
+    assert all(p.dim() < 2 for p in plain["params"]) and plain["weight_decay"] == 0.0
+    loss.backward()
+    optimizer.step()
+    assert model(ids, ids.roll(-1, dims=1)).item() < loss.item()
