@@ -11,8 +11,10 @@ compilation):
    duplicate, so the gradient norm counts it once;
 3. the schedule of one training step and the channel to the neighbouring stages, sized by the
    activation a stage declares it passes on (no channel with one stage);
-4. the data-parallel engine's wrap of the chunks;
-5. the optimizer, which the engine may wrap (Horovod).
+4. compilation (``model.compile``): each transformer block and the output head compiled on
+   its own (``blocks``), or each chunk whole (``full``); see :func:`compile_chunks`;
+5. the data-parallel engine's wrap of the chunks;
+6. the optimizer, which the engine may wrap (Horovod).
 """
 
 from __future__ import annotations
@@ -86,6 +88,50 @@ def check_pipeline(cfg: Config, accumulation: int) -> None:
         ) from None
 
 
+def resolve_compile(setting: str, device: torch.device, schedule: str) -> str:
+    """Return what ``model.compile`` compiles here: ``none``, ``blocks`` or ``full``.
+
+    ``auto`` is ``blocks`` on CUDA and ``none`` elsewhere (CPU compilation costs more start-up
+    than it saves on small models). zb-h1 parks weight-gradient GEMMs from inside the
+    backward, which a compiled backward cannot do: ``auto`` leaves it uncompiled and an
+    explicit choice is refused.
+    """
+    if setting == "auto":
+        return "blocks" if device.type == "cuda" and schedule != "zb-h1" else "none"
+    if setting != "none" and schedule == "zb-h1":
+        raise UserError(
+            f"model.compile: {setting} cannot run parallel.schedule: zb-h1 (its split backward "
+            "defers weight gradients inside autograd); use model.compile: none or auto"
+        )
+    return setting
+
+
+def compile_chunks(chunks: nn.ModuleList, how: str) -> None:
+    """Compile this rank's chunks in place with ``torch.compile``'s default mode.
+
+    ``blocks`` compiles each transformer block on its own, and each last stage's head
+    (final LayerNorm, output layer, loss; with t = 1: at t > 1 the vocabulary-parallel loss
+    and its all-reduces stay eager), as torchtitan does: the blocks share one graph
+    (compiled once, whatever the depth), and everything between them stays eager, so tensor-
+    parallel collectives, pipeline stages, activation recomputation (``checkpoint`` around a
+    compiled block) and the data-parallel engines' gradient hooks work unchanged; each
+    block's gradients are ready when its backward ends, so DDP and Horovod still overlap
+    communication with the backward. ``full`` compiles each chunk's forward whole: fewer
+    graph boundaries, but its parameter gradients all appear at the end of its backward,
+    so the gradient reduction no longer overlaps it.
+    """
+    if how == "none":
+        return
+    for chunk in chunks:
+        if how == "full":
+            chunk.compile()
+            continue
+        for block in chunk.blocks.values():
+            block.compile()
+        if chunk.post and chunk.tp_group is None:
+            chunk.head = torch.compile(chunk.head)
+
+
 def embedding_group(grid: Grid) -> Any:
     """Return the torch group of this rank's first and last pipeline stage (None if p = 1).
 
@@ -143,6 +189,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
         )
     tied = embedding_group(grid)
 
+    compile_chunks(chunks, resolve_compile(cfg.model.compile, device, schedule))
     engine = build_engine(p.dp_engine, grid, p)
     modules = engine.wrap(chunks)
 
