@@ -15,8 +15,9 @@ a kernel first runs, so this package imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -89,6 +90,17 @@ def set_enabled(flag: bool, choose: bool = False, timer: Timer = wall_clock_ms) 
         )
     _enabled = flag
     _chooser = Chooser(timer) if flag and choose else None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the torch references inside, keeping the switch's choices for afterwards."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
 
 
 def enabled() -> bool:

@@ -49,7 +49,8 @@ class _Launchers:
     def __getattr__(self, name: str) -> Any:
         from hpcllm.kernels import triton_ops
 
-        TRITON_RAN.add(name.removesuffix("_backward"))
+        if not name.endswith("_backward"):  # a forward's op runs its backward alike
+            TRITON_RAN.add(name)
         return getattr(triton_ops, name)
 
 

@@ -730,3 +730,20 @@ def test_auto_times_each_signature_once_and_runs_the_faster(ops):
     finally:
         kernels.set_enabled(True)
     assert not kernels.choosing()
+
+
+def test_disabled_runs_the_references_and_keeps_auto_choices(ops):
+    x = leaf(torch.randn(4, 8))
+    kernels.set_enabled(
+        True, choose=True, timer=lambda op, impl, run: 1.0 if impl == "triton" else 2.0
+    )
+    try:
+        kernels.bias_gelu(x, None)
+        chosen = kernels.choices()
+        assert list(chosen.values()) == ["triton"]
+        with kernels.disabled():
+            assert not kernels.enabled()
+            assert "hpcllm" not in kernels.bias_gelu(x, None).grad_fn.name()
+        assert kernels.enabled() and kernels.choosing() and kernels.choices() == chosen
+    finally:
+        kernels.set_enabled(True)

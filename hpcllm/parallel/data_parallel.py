@@ -35,7 +35,7 @@ from hpcllm.topology import Grid
 
 ENGINES = ("ddp", "horovod", "ps")
 
-StepFn = Callable[[], tuple[float, bool]]
+StepFn = Callable[[], tuple[torch.Tensor, bool]]
 
 
 class Engine:
@@ -101,8 +101,8 @@ class Engine:
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
-    ) -> tuple[float, bool]:
-        """Run the optimizer step; return (grad norm, step skipped).
+    ) -> tuple[torch.Tensor, bool]:
+        """Run the optimizer step; return (grad norm, a 0-d tensor; step skipped).
 
         ``local_step`` is the default step on this rank's gradients (unscale, clip, step,
         update the scale); engines run it as it is unless their algorithm steps elsewhere.
@@ -297,7 +297,7 @@ class HorovodEngine(Engine):
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
-    ) -> tuple[float, bool]:
+    ) -> tuple[torch.Tensor, bool]:
         # The gradients are averaged already (finish_gradients synchronised): the step must
         # not make Horovod synchronise a second time.
         with optimizer.skip_synchronize():
@@ -349,16 +349,19 @@ class ParameterServerEngine(Engine):
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
-    ) -> tuple[float, bool]:
+    ) -> tuple[torch.Tensor, bool]:
         if self.grid.dp == 1:
             return local_step()
         device = self.params[0].device  # nccl moves CUDA tensors only
         result = torch.zeros(3, device=device)  # grad norm, skipped, new loss scale
         if self.is_root:
             norm, skipped = local_step()
-            result = torch.tensor(
-                [norm, float(skipped), scaler.get_scale() if scaler.is_enabled() else 1.0],
-                device=device,
+            result = torch.stack(
+                [
+                    norm.to(device=device, dtype=torch.float32),
+                    torch.tensor(float(skipped), device=device),
+                    torch.tensor(scaler.get_scale() if scaler.is_enabled() else 1.0, device=device),
+                ]
             )
         started = time.perf_counter()
         with torch.no_grad():
@@ -374,7 +377,7 @@ class ParameterServerEngine(Engine):
             optimizer.zero_grad()
             if scaler.is_enabled():
                 scaler.update(new_scale=float(result[2]))
-        return float(result[0]), bool(result[1])
+        return result[0], bool(result[1])
 
 
 def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:

@@ -139,8 +139,10 @@ def optimizer_step(
     clip: float,
     tp_group: Any = None,
     pp_group: Any = None,
-) -> tuple[float, bool]:
+) -> tuple[torch.Tensor, bool]:
     """Unscale, clip, step and update the scaler; return (grad norm, step skipped).
+
+    The norm is a 0-d tensor on the device; only fp16's skip check reads the device.
 
     Under fp16 an overflow on any tp or pp rank must skip the step on all of them and back
     off every rank's scale alike, as Megatron-LM does by all-reducing found-inf. The global
@@ -162,7 +164,8 @@ def optimizer_step(
     _clip(parameters, clip, norm)
     scaler.step(optimizer)
     scaler.update()
-    return float(norm), bool(enabled and scaler.get_scale() < scale)
+    # No host read of the norm: on a GPU the next step's kernels queue behind this one's.
+    return norm, bool(enabled and scaler.get_scale() < scale)
 
 
 def step(
@@ -173,7 +176,7 @@ def step(
     clip: float,
     tp_group: Any = None,
     pp_group: Any = None,
-) -> tuple[float, bool]:
+) -> tuple[torch.Tensor, bool]:
     """Step the optimizer through the engine; return (grad norm, step skipped)."""
     return engine.step(
         optimizer,

@@ -267,11 +267,17 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def train_step(self, batches: Iterator[Any], timed: bool = False) -> dict[str, Any]:
+    def train_step(
+        self, batches: Iterator[Any], timed: bool = False, wait: bool = True
+    ) -> dict[str, Any]:
         """Run one optimizer step over ``accumulation`` micro-batches; return its metrics.
 
         ``timed`` (on logged steps) waits for the GPU after each forward and backward, so that
-        the per-rank compute time measures the device's work, not kernel launches.
+        the per-rank compute time measures the device's work, not kernel launches. Without
+        ``wait`` the step reads nothing back from the device (bf16 and fp32; fp16's skip check
+        must): its loss and grad norm stay 0-d device tensors and its step time is the host's,
+        so on a GPU the next step's kernels queue behind this one's. The loop waits on logged
+        steps only; its mean step time over a logging interval is then still the device's.
         """
         if self._closed:
             raise RuntimeError("this Trainer is closed; build a new one to train again")
@@ -311,14 +317,14 @@ class Trainer:
         if self.grid.dp > 1:
             dist.all_reduce(loss_mean, group=self.grid.dp_group)
             loss_mean /= self.grid.dp
-        if self.device.type == "cuda":
+        if wait and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - started
         return {
             "step": self.step,
-            "loss": loss_mean.item(),
+            "loss": loss_mean.item() if wait else loss_mean,
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": grad_norm.item() if wait else grad_norm,
             "step_time_s": step_time,
             "data_time_s": data_time,
             "compute_s": compute_time,
@@ -454,8 +460,15 @@ class Trainer:
         self._stop_signal = signum
 
     def _stop_requested(self) -> bool:
-        # Every rank must agree, or one would save while another waits in the next step.
-        flag = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
+        # Every rank must agree, or one would save while another waits in the next step. On
+        # the host through MPI where the job has it: a device collective read back would make
+        # every step wait for the GPU.
+        mine = int(bool(self._stop_signal))
+        if self.grid.world_size == 1:
+            return bool(mine)
+        if self.grid.world_comm is not None:
+            return self.grid.world_comm.allreduce(mine) > 0
+        flag = torch.tensor([float(mine)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -524,13 +537,12 @@ class Trainer:
                     torch.cuda.profiler.start()
                 logged = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.steps
                 with observe.nvtx_range(f"step {self.step}"):
-                    record = self.train_step(batches, timed=logged)
+                    record = self.train_step(batches, timed=logged, wait=logged)
                 if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
                     torch.cuda.profiler.stop()
                 # The first step of a process pays one-off costs; keep it out of the rates.
                 if self.step > first_step + 1 or t.steps - first_step == 1:
                     step_times.append(record["step_time_s"])
-                summary["last_loss"] = record["loss"]
                 # Save before evaluating: a stop signal or an error in evaluation must not
                 # cost the step's checkpoint.
                 stop = self._stop_requested()
@@ -550,6 +562,9 @@ class Trainer:
                 if evaluate:
                     record["val_loss"] = summary["val_loss"] = self.evaluate()
                 if self.step % t.log_interval == 0 or self.step == t.steps or evaluate or stop:
+                    for key in ("loss", "grad_norm"):  # device tensors unless waited for
+                        record[key] = float(record[key])
+                    summary["last_loss"] = record["loss"]
                     record = self._metrics(record, step_times or [record["step_time_s"]])
                     step_times = []
                     if log:
