@@ -1,15 +1,21 @@
 """Typed run configuration: YAML files, ``--set section.key=value`` overrides, validation.
 
 A config has five sections (model, parallel, data, train, run). Every key has a type and a
-default; unknown keys and wrong types are user errors, reported in one line.
+default; unknown keys, wrong types and values without meaning (a nan learning rate, a negative
+epsilon, zero ranks, a run folder that cannot be a folder) are user errors, reported in one
+line. :func:`check` knows nothing of the world size or the data; ``hpcllm.train.preflight``
+adds what needs the world size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,8 +101,8 @@ class ModelConfig:
     recompute: str = "none"  # none | full | selective
     fused_kernels: str = "auto"  # auto | on | off
     compile: str = "auto"  # auto | none | blocks | full (torch.compile; auto: blocks on CUDA)
-    layer_norm_eps: float = 1e-5
-    init_std: float = 0.02
+    layer_norm_eps: float = 1e-5  # > 0
+    init_std: float = 0.02  # > 0: the weights' normal initialisation
 
 
 @dataclass
@@ -124,8 +130,8 @@ class DataConfig:
     """Where the prepared shards are, and the sampling seed."""
 
     path: str = "data/stdlib"
-    seed: int = 1234
-    prefetch: int = 4
+    seed: int = 1234  # 0 to 2**32 - 1
+    prefetch: int = 4  # micro-batches read ahead, >= 1
 
 
 @dataclass
@@ -142,18 +148,19 @@ class TrainConfig:
     lr_scaling: str = "none"  # none | linear
     lr_reference_batch: int = 256  # the global batch that train.lr was tuned for
     precision: str = "fp32"  # fp32 | bf16 | fp16
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # 0: no clipping
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
-    seed: int = 1234
+    seed: int = 1234  # 0 to 2**32 - 1
     log_interval: int = 10
-    eval_interval: int = 50
+    eval_interval: int = 50  # 0: never during training
     eval_iters: int = 10
     save_interval: int = 0  # 0: only at the end
     peak_tflops: float | None = None  # per GPU; None: from the device table (null on CPU)
     profile_steps: str | None = None  # "A:B": cudaProfilerStart/Stop around steps A..B-1
+    max_bad_steps: int = 10  # consecutive steps with a non-finite loss or grad norm: stop
 
 
 @dataclass
@@ -162,6 +169,9 @@ class RunConfig:
 
     dir: str = "runs/tiny"
     resume: str = "auto"  # auto: from dir/checkpoints/latest if there; none: start fresh
+    overwrite: bool = False  # resume none on a folder with checkpoints: move the old run aside
+    save_failure: str = "fail"  # fail | warn (and go on) when a checkpoint cannot be written
+    timeout_s: float = 600.0  # seconds a collective may hang before the job aborts
     tensorboard: bool = True
 
 
@@ -193,7 +203,26 @@ _CHOICES = {
     ("parallel", "dp_compression"): ("none", "fp16", "bf16"),
     ("train", "lr_scaling"): ("none", "linear"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("run", "resume"): ("auto", "none"),
+    ("run", "save_failure"): ("fail", "warn"),
 }
+
+
+def _show(value: Any) -> str:
+    """Return ``repr(value)`` cut to one short line, for error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _name(value: Any) -> str:
+    """Return a key as typed when it is a short printable word, else as :func:`_show` does."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= 60:
+        return value
+    return _show(value)
+
+
+# Every int goes to torch or numpy as a 64-bit integer.
+_INT_LIMIT = 2**63
 
 
 def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
@@ -212,20 +241,28 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
             if isinstance(value, bool):
                 return value
             continue
-        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if kind is float and isinstance(value, str):
+        if kind is float and isinstance(value, int | float | str) and not isinstance(value, bool):
             # YAML 1.1 reads "1e-3" (no dot) as a string; a user means the number.
             try:
-                return float(value)
-            except ValueError:
-                pass
+                number = float(value)
+            except (ValueError, OverflowError):
+                continue
+            # No float key has a meaning for nan or infinity: nan compares false with every
+            # bound (train.grad_clip=nan would switch clipping off), infinity trains nan.
+            if not math.isfinite(number):
+                raise UserError(f"{section}.{key} must be a finite number, got {_show(value)}")
+            return number
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            if not -_INT_LIMIT <= value < _INT_LIMIT:
+                raise UserError(f"{section}.{key} must fit in 64 bits, got {_show(value)}")
             return value
         if (
             typing.get_origin(kind) is list
             and isinstance(value, list)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            and all(
+                isinstance(v, int) and not isinstance(v, bool) and -_INT_LIMIT <= v < _INT_LIMIT
+                for v in value
+            )
         ):
             return list(value)
         if kind is str and isinstance(value, str | int | float) and not isinstance(value, bool):
@@ -238,33 +275,68 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
         else k.__name__
         for k in allowed
     )
-    raise UserError(f"{section}.{key} must be {names}, got {value!r}")
+    raise UserError(f"{section}.{key} must be {names}, got {_show(value)}")
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
-    part = getattr(cfg, section, None)
-    if part is None or section not in {f.name for f in dataclasses.fields(Config)}:
-        raise UserError(
-            f"unknown config section {section!r}; sections: "
-            + ", ".join(f.name for f in dataclasses.fields(Config))
-        )
+def _apply(cfg: Config, section: Any, key: Any, value: Any) -> None:
+    sections = [f.name for f in dataclasses.fields(Config)]
+    if not isinstance(section, str) or section not in sections:
+        raise UserError(f"unknown config section {_name(section)}; sections: {', '.join(sections)}")
+    part = getattr(cfg, section)
     names = [f.name for f in dataclasses.fields(part)]
-    if key not in names:
-        raise UserError(f"unknown key {section}.{key}; {section} keys: {', '.join(names)}")
+    if not isinstance(key, str) or key not in names:
+        raise UserError(f"unknown key {section}.{_name(key)}; {section} keys: {', '.join(names)}")
     setattr(part, key, _coerce(section, key, value, type(part)))
+
+
+def _apply_sections(cfg: Config, raw: Any, where: str) -> None:
+    """Set every ``section: {key: value}`` of ``raw`` (a file's data) on ``cfg``."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where} must hold a mapping of sections, got {_show(raw)}")
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise UserError(f"{where}: section {_show(section)} must be a mapping")
+        for key, value in values.items():
+            _apply(cfg, section, key, value)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Return ``(section, key, value)`` of a ``section.key=value`` override (value as YAML)."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise UserError(f"--set expects section.key=value, got {text!r}")
+        raise UserError(f"--set expects section.key=value, got {_show(text)}")
     path, raw = text.split("=", 1)
     section, key = path.split(".", 1)
     try:
         value = load_yaml(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return section.strip(), key.strip(), value
+
+
+def _read_yaml_file(path: Path) -> Any:
+    """Return the data of the YAML file ``path``; a UserError if it is not UTF-8 YAML."""
+    try:
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist")
+        data = path.read_bytes()
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read config file {path}: {err}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"{path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}); "
+            "a config file is YAML"
+        ) from None
+    try:
+        return load_yaml(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise UserError(f"{path}{at} is not valid YAML: {' '.join(str(problem).split())}") from None
+    except RecursionError:
+        raise UserError(f"{path} is not valid YAML: nested too deeply") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -272,19 +344,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise UserError(f"config file {path} does not exist")
-        try:
-            raw = load_yaml(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise UserError(f"{path} is not valid YAML: {err}") from None
-        if not isinstance(raw, dict):
-            raise UserError(f"{path} must hold a mapping of sections")
-        for section, values in raw.items():
-            if not isinstance(values, dict):
-                raise UserError(f"{path}: section {section!r} must be a mapping")
-            for key, value in values.items():
-                _apply(cfg, section, key, value)
+        raw = _read_yaml_file(path)
+        _apply_sections(cfg, {} if raw is None else raw, str(path))
     for text in overrides or []:
         _apply(cfg, *parse_override(text))
     _fill_preset(cfg.model)
@@ -295,9 +356,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Return a Config from nested dicts (a saved ``config.yaml``), validated."""
     cfg = Config()
-    for section, values in raw.items():
-        for key, value in values.items():
-            _apply(cfg, section, key, value)
+    _apply_sections(cfg, raw, "config.yaml")
     _fill_preset(cfg.model)
     check(cfg)
     return cfg
@@ -307,7 +366,7 @@ def _fill_preset(model: ModelConfig) -> None:
     if model.preset is not None:
         if model.preset not in PRESETS:
             raise UserError(
-                f"unknown model.preset {model.preset!r}; presets: "
+                f"unknown model.preset {_show(model.preset)}; presets: "
                 f"{', '.join(PRESETS)} (or null with every size given)"
             )
         for key, value in PRESETS[model.preset].items():
@@ -318,26 +377,139 @@ def _fill_preset(model: ModelConfig) -> None:
         raise UserError(f"model.{missing[0]} is not set (no preset gives it)")
 
 
+# Each rule: the keys it covers, the test a value set there must pass, and what it says.
+_BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], ...] = (
+    (
+        (
+            ("model", "n_layer"),
+            ("model", "n_head"),
+            ("model", "d_model"),
+            ("model", "seq_len"),
+            ("parallel", "tp"),
+            ("parallel", "pp"),
+            ("parallel", "dp"),  # null: world size / (tp * pp)
+            ("parallel", "vpp"),
+            ("data", "prefetch"),
+            ("train", "steps"),
+            ("train", "micro_batch_size"),
+            ("train", "global_batch_size"),
+            ("train", "lr_decay_steps"),
+            ("train", "lr_reference_batch"),
+            ("train", "log_interval"),
+            ("train", "eval_iters"),
+            ("train", "max_bad_steps"),
+        ),
+        lambda v: v >= 1,
+        "must be positive",
+    ),
+    (
+        (("train", "warmup_steps"), ("train", "eval_interval"), ("train", "save_interval")),
+        lambda v: v >= 0,
+        "must be >= 0 (0: none or never)",
+    ),
+    (
+        (
+            ("model", "layer_norm_eps"),
+            ("model", "init_std"),
+            ("parallel", "ddp_bucket_mb"),
+            ("train", "lr"),
+            ("train", "adam_eps"),
+            ("train", "peak_tflops"),
+            ("run", "timeout_s"),
+        ),
+        lambda v: v > 0,
+        "must be above 0",
+    ),
+    (  # 0 is off: no decay to speak of, no clipping, Horovod's smallest setting
+        (
+            ("parallel", "horovod_fusion_mb"),
+            ("parallel", "horovod_cycle_ms"),
+            ("train", "min_lr"),
+            ("train", "grad_clip"),
+            ("train", "weight_decay"),
+        ),
+        lambda v: v >= 0,
+        "must be >= 0",
+    ),
+    (  # 1 would drop every activation, or never forget a gradient
+        (("model", "dropout"), ("train", "beta1"), ("train", "beta2")),
+        lambda v: 0 <= v < 1,
+        "must be in [0, 1)",
+    ),
+    (  # what numpy's and torch's generators take, after the per-rank offsets
+        (("data", "seed"), ("train", "seed")),
+        lambda v: 0 <= v < 2**32,
+        "must be from 0 to 2**32 - 1",
+    ),
+    (  # past these, no machine has a meaning for the value (and what it feeds overflows)
+        (("model", "n_layer"),),
+        lambda v: v <= 4096,  # more blocks than any GPT; bounds the per-stage lists
+        "must be at most 4096",
+    ),
+    (
+        (("parallel", "ddp_bucket_mb"), ("parallel", "horovod_fusion_mb")),
+        lambda v: v <= 1e6,
+        "must be at most 1e6 (a terabyte)",
+    ),
+    ((("run", "timeout_s"),), lambda v: v <= 7 * 24 * 3600, "must be at most a week (604800)"),
+)
+
+# Kernel file systems, where no run folder can be made.
+_PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")
+
+
+def _check_bounds(cfg: Config) -> None:
+    for keys, passes, rule in _BOUNDS:
+        for section, key in keys:
+            value = getattr(getattr(cfg, section), key)
+            if value is not None and not passes(value):
+                raise UserError(f"{section}.{key} {rule}, got {_show(value)}")
+
+
+def check_folder(name: str, text: str) -> None:
+    """Raise a UserError unless ``text`` names a folder that could exist or be made here.
+
+    Looks at the file system (without writing): a path under /proc or /sys, or one that
+    passes through an existing file, can never be a folder.
+    """
+    if not text or "\x00" in text:
+        raise UserError(f"{name} must be a folder path, got {_show(text)}")
+    try:
+        path = Path(os.path.realpath(text))
+        os.fsencode(path)
+    except (OSError, ValueError) as err:  # no working folder, or not encodable as a path
+        raise UserError(f"{name} {_show(text)} cannot be a folder: {err}") from None
+    if any(path == Path(top) or Path(top) in path.parents for top in _PSEUDO_FILE_SYSTEMS):
+        raise UserError(
+            f"{name} {_show(text)} is in the kernel's /{path.parts[1]}, where no folder can be "
+            "made; choose a folder elsewhere"
+        )
+    for place in (path, *path.parents):
+        try:
+            place.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as err:
+            raise UserError(f"{name} {_show(text)} cannot be a folder: {err.strerror}") from None
+        if not place.is_dir():
+            what = "it is a file" if place == path else f"{place} is not a folder"
+            raise UserError(f"{name} {_show(text)} cannot be a folder: {what}")
+        return
+
+
 def check(cfg: Config) -> None:
-    """Raise a UserError for the first setting that cannot work (sizes known without MPI)."""
+    """Raise a UserError for the first setting that cannot work (sizes known without MPI).
+
+    Reads the file system (never writes it) only to see that ``run.dir`` can be a folder.
+    """
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
-            raise UserError(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+            raise UserError(
+                f"{section}.{key} must be one of {', '.join(choices)}, got {_show(value)}"
+            )
+    _check_bounds(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    for section, key in (
-        ("model", "n_layer"),
-        ("model", "n_head"),
-        ("model", "d_model"),
-        ("model", "seq_len"),
-        ("train", "steps"),
-        ("train", "micro_batch_size"),
-        ("train", "log_interval"),
-        ("train", "eval_iters"),
-        ("train", "lr_reference_batch"),
-    ):
-        if getattr(getattr(cfg, section), key) < 1:
-            raise UserError(f"{section}.{key} must be positive")
     if m.d_model % m.n_head:
         raise UserError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
     if m.n_head % p.tp:
@@ -347,42 +519,26 @@ def check(cfg: Config) -> None:
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
             f"parallel.tp {p.tp} ranks; use a seq_len divisible by {p.tp}"
         )
-    if not 0 <= m.dropout < 1:
-        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.vocab_size is not None and m.vocab_size < 2:
-        raise UserError("model.vocab_size must be at least 2")
-    if t.warmup_steps < 0 or t.eval_interval < 0 or t.save_interval < 0:
-        raise UserError("train.warmup_steps, eval_interval and save_interval must be >= 0")
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise UserError(
-            f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={t.lr}, min_lr={t.min_lr}"
-        )
-    if t.grad_clip < 0 or t.weight_decay < 0:
-        raise UserError("train.grad_clip and train.weight_decay must be >= 0")
-    if t.global_batch_size is not None and t.global_batch_size < 1:
-        raise UserError(f"train.global_batch_size must be positive, got {t.global_batch_size}")
-    if not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
-        raise UserError(f"train.beta1 and beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
-    if t.adam_eps <= 0:
-        raise UserError(f"train.adam_eps must be positive, got {t.adam_eps}")
-    if t.lr_decay_steps is not None and t.lr_decay_steps < 1:
-        raise UserError(f"train.lr_decay_steps must be positive, got {t.lr_decay_steps}")
-    if t.peak_tflops is not None and t.peak_tflops <= 0:
-        raise UserError(f"train.peak_tflops must be positive, got {t.peak_tflops}")
-    if p.ddp_bucket_mb <= 0:
-        raise UserError(f"parallel.ddp_bucket_mb must be positive, got {p.ddp_bucket_mb}")
-    for key in ("horovod_fusion_mb", "horovod_cycle_ms"):
-        if getattr(p, key) is not None and getattr(p, key) < 0:
-            raise UserError(f"parallel.{key} must be >= 0")
+        raise UserError(f"model.vocab_size must be at least 2, got {m.vocab_size}")
+    if t.min_lr > t.lr:
+        raise UserError(f"train.min_lr {t.min_lr} is above train.lr {t.lr}")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         raise UserError(
             f"train.global_batch_size {t.global_batch_size} is not a multiple of "
             f"train.micro_batch_size {t.micro_batch_size}"
         )
+    if p.dp_compression != "none" and p.dp_engine == "ps":
+        raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")
+    if p.dp_compression == "bf16" and p.dp_engine == "horovod":
+        raise UserError(
+            "Horovod compresses to fp16 only; use parallel.dp_compression: fp16 or none"
+        )
     if t.profile_steps is not None:
         parse_profile_steps(t.profile_steps)
-    if cfg.run.resume not in ("auto", "none"):
-        raise UserError(f"run.resume must be auto or none, got {cfg.run.resume!r}")
+    if not cfg.data.path or "\x00" in cfg.data.path:
+        raise UserError(f"data.path must be a folder path, got {_show(cfg.data.path)}")
+    check_folder("run.dir", cfg.run.dir)
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:
@@ -390,7 +546,9 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(":"))
     except ValueError:
-        raise UserError(f"train.profile_steps must be A:B (steps A to B-1), got {text!r}") from None
+        raise UserError(
+            f"train.profile_steps must be A:B (steps A to B-1), got {_show(text)}"
+        ) from None
     if not 0 <= a < b:
         raise UserError(f"train.profile_steps {text}: need 0 <= A < B")
     return a, b

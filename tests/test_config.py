@@ -3,13 +3,29 @@
 YAML 1.1 (PyYAML's default) reads ``off``/``on``/``yes``/``no`` as booleans and ``7:3`` as
 the base-60 number 423, so ``--set model.fused_kernels=off`` used to fail with "must be str,
 got False". Files and ``--set`` share one loader (:func:`hpcllm.config.load_yaml`).
+
+Values are checked for meaning as well as type: each harmful value (nan, a negative epsilon,
+zero ranks, a run folder that cannot be a folder) is one UserError line naming the key.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import re
+
 import pytest
 
-from hpcllm.config import _CHOICES, load_config, load_yaml
+from hpcllm.config import (
+    _CHOICES,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    load_config,
+    load_yaml,
+)
 from hpcllm.errors import UserError
 
 EVERY_CHOICE = [
@@ -66,3 +82,201 @@ def test_a_yaml_1_1_boolean_word_for_a_boolean_key_is_one_clear_error() -> None:
     with pytest.raises(UserError, match=r"run.tensorboard must be bool, got 'yes'"):
         load_config(None, ["run.tensorboard=yes"])
     assert load_config(None, ["run.tensorboard=false"]).run.tensorboard is False
+
+
+# Each of these ended in a traceback (or trained nan and exited 0) before values were checked
+# for meaning; each is now one UserError line naming the key.
+KNOWN_TRACEBACKS = [
+    ("train.lr=nan", "train.lr must be a finite number"),
+    ("model.init_std=-1", "model.init_std must be above 0"),
+    ("parallel.tp=0", "parallel.tp must be positive"),
+    ("run.dir=/proc/x", "run.dir '/proc/x' is in the kernel's /proc"),
+    ("run.dir=/dev/null/x", "run.dir '/dev/null/x' cannot be a folder: /dev/null is not"),
+    ("data.seed=-1", "data.seed must be from 0 to 2"),
+]
+
+
+@pytest.mark.parametrize(("override", "words"), KNOWN_TRACEBACKS)
+def test_a_known_traceback_is_one_user_error_line(override: str, words: str) -> None:
+    with pytest.raises(UserError, match=re.escape(words)) as err:
+        load_config(None, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_a_binary_or_non_utf8_config_file_is_one_user_error_line(tmp_path) -> None:
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("train:\n  lr: 1e-3  # réglé\n".encode("latin-1"))
+    for path in (binary, latin):
+        with pytest.raises(UserError, match="is not UTF-8 text") as err:
+            load_config(path)
+        assert "\n" not in str(err.value)
+
+
+def test_invalid_yaml_is_one_line_with_its_place(tmp_path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(UserError, match=r"bad\.yaml:\d+:\d+ is not valid YAML") as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf", ".NaN", "-.Inf"])
+def test_yaml_nan_and_infinity_in_a_file_are_refused(text: str, tmp_path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"train:\n  lr: {text}\n")
+    with pytest.raises(UserError, match="train.lr must be a finite number"):
+        load_config(path)
+
+
+FLOAT_KEYS = [
+    (section, f.name)
+    for section, part in (
+        ("model", ModelConfig),
+        ("parallel", ParallelConfig),
+        ("train", TrainConfig),
+        ("run", RunConfig),
+    )
+    for f in dataclasses.fields(part)
+    if "float" in str(f.type)
+]
+
+
+@pytest.mark.parametrize(("section", "key"), FLOAT_KEYS)
+@pytest.mark.parametrize("value", ["nan", ".nan", "inf", ".inf", "-.inf", "1e999"])
+def test_no_float_key_takes_nan_or_infinity(section: str, key: str, value: str) -> None:
+    with pytest.raises(UserError, match=rf"{section}\.{key} must be a finite number"):
+        load_config(None, [f"{section}.{key}={value}"])
+
+
+HARMFUL = [
+    ("train.grad_clip=-1", "train.grad_clip must be >= 0"),
+    ("train.lr=0", "train.lr must be above 0"),
+    ("train.lr=-1e-3", "train.lr must be above 0"),
+    ("train.min_lr=-1", "train.min_lr must be >= 0"),
+    ("train.min_lr=1", "train.min_lr 1.0 is above train.lr"),
+    ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+    ("train.beta1=1", "train.beta1 must be in [0, 1)"),
+    ("train.beta2=-0.5", "train.beta2 must be in [0, 1)"),
+    ("train.adam_eps=0", "train.adam_eps must be above 0"),
+    ("train.adam_eps=-1e-8", "train.adam_eps must be above 0"),
+    ("model.layer_norm_eps=-1", "model.layer_norm_eps must be above 0"),
+    ("model.layer_norm_eps=0", "model.layer_norm_eps must be above 0"),
+    ("model.init_std=0", "model.init_std must be above 0"),
+    ("model.dropout=1", "model.dropout must be in [0, 1)"),
+    ("model.dropout=-0.1", "model.dropout must be in [0, 1)"),
+    ("model.n_layer=0", "model.n_layer must be positive"),
+    ("model.n_layer=100000", "model.n_layer must be at most 4096"),
+    ("model.n_head=-2", "model.n_head must be positive"),
+    ("model.d_model=0", "model.d_model must be positive"),
+    ("model.seq_len=0", "model.seq_len must be positive"),
+    ("model.vocab_size=1", "model.vocab_size must be at least 2"),
+    ("parallel.pp=0", "parallel.pp must be positive"),
+    ("parallel.dp=0", "parallel.dp must be positive"),
+    ("parallel.vpp=0", "parallel.vpp must be positive"),
+    ("parallel.ddp_bucket_mb=0", "parallel.ddp_bucket_mb must be above 0"),
+    ("parallel.ddp_bucket_mb=1e300", "parallel.ddp_bucket_mb must be at most 1e6"),
+    ("parallel.horovod_fusion_mb=-1", "parallel.horovod_fusion_mb must be >= 0"),
+    ("parallel.horovod_cycle_ms=-1", "parallel.horovod_cycle_ms must be >= 0"),
+    ("data.prefetch=0", "data.prefetch must be positive"),
+    ("data.seed=4294967296", "data.seed must be from 0 to 2**32 - 1"),
+    ("data.path=", "data.path must be a folder path"),
+    ("train.seed=-1", "train.seed must be from 0 to 2**32 - 1"),
+    ("train.steps=0", "train.steps must be positive"),
+    ("train.micro_batch_size=0", "train.micro_batch_size must be positive"),
+    ("train.global_batch_size=0", "train.global_batch_size must be positive"),
+    ("train.lr_decay_steps=0", "train.lr_decay_steps must be positive"),
+    ("train.lr_reference_batch=0", "train.lr_reference_batch must be positive"),
+    ("train.log_interval=0", "train.log_interval must be positive"),
+    ("train.eval_iters=0", "train.eval_iters must be positive"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
+    ("train.eval_interval=-1", "train.eval_interval must be >= 0"),
+    ("train.save_interval=-5", "train.save_interval must be >= 0"),
+    ("train.peak_tflops=0", "train.peak_tflops must be above 0"),
+    ("train.profile_steps=7:3", "train.profile_steps 7:3: need 0 <= A < B"),
+    ("train.profile_steps=a:b", "train.profile_steps must be A:B"),
+    ("train.profile_steps=3", "train.profile_steps must be A:B"),
+    ("train.max_bad_steps=0", "train.max_bad_steps must be positive"),
+    ("train.steps=99999999999999999999", "train.steps must fit in 64 bits"),
+    ("run.dir=", "run.dir must be a folder path"),
+    ("run.dir=/sys/run", "run.dir '/sys/run' is in the kernel's /sys"),
+    ("run.resume=never", "run.resume must be one of auto, none"),
+    ("run.save_failure=ignore", "run.save_failure must be one of fail, warn"),
+    ("run.timeout_s=0", "run.timeout_s must be above 0"),
+    ("run.timeout_s=-1", "run.timeout_s must be above 0"),
+    ("run.timeout_s=1e9", "run.timeout_s must be at most a week"),
+    ("run.overwrite=yes", "run.overwrite must be bool"),
+]
+
+
+@pytest.mark.parametrize(("override", "words"), HARMFUL)
+def test_a_harmful_value_is_refused_in_one_line(override: str, words: str) -> None:
+    with pytest.raises(UserError, match=re.escape(words)) as err:
+        load_config(None, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_a_run_dir_through_a_file_or_on_a_file_is_refused(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    for where in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(UserError, match="cannot be a folder"):
+            load_config(None, [f"run.dir={where}"])
+    assert load_config(None, [f"run.dir={tmp_path / 'new' / 'run'}"]).run.dir.endswith("run")
+    assert load_config(None, [f"run.dir={tmp_path}"]).run.dir == str(tmp_path)
+
+
+def test_compression_the_engine_cannot_do_is_refused() -> None:
+    with pytest.raises(UserError, match="dp_compression applies to ddp and horovod, not ps"):
+        load_config(None, ["parallel.dp_engine=ps", "parallel.dp_compression=fp16"])
+    with pytest.raises(UserError, match="Horovod compresses to fp16 only"):
+        load_config(None, ["parallel.dp_engine=horovod", "parallel.dp_compression=bf16"])
+
+
+def test_meaningful_edges_are_accepted() -> None:
+    cfg = load_config(
+        None,
+        [
+            "train.grad_clip=0",
+            "train.weight_decay=0",
+            "train.min_lr=0",
+            "train.warmup_steps=0",
+            "train.eval_interval=0",
+            "train.save_interval=0",
+            "model.dropout=0",
+            "train.beta1=0",
+            "data.seed=0",
+            "train.seed=4294967295",
+            "parallel.horovod_cycle_ms=0",
+            "train.lr=1e-3",
+        ],
+    )
+    assert cfg.train.grad_clip == 0 and cfg.data.seed == 0
+
+
+def test_new_keys_have_their_defaults_and_take_their_values() -> None:
+    cfg = load_config()
+    assert (cfg.run.overwrite, cfg.run.save_failure, cfg.run.timeout_s) == (False, "fail", 600.0)
+    assert cfg.train.max_bad_steps == 10
+    cfg = load_config(
+        None,
+        [
+            "run.overwrite=true",
+            "run.save_failure=warn",
+            "run.timeout_s=30",
+            "train.max_bad_steps=1",
+        ],
+    )
+    assert (cfg.run.overwrite, cfg.run.save_failure, cfg.run.timeout_s) == (True, "warn", 30.0)
+    assert cfg.train.max_bad_steps == 1
+
+
+def test_every_key_is_listed_in_train_help() -> None:
+    from hpcllm.cli import _build_parser
+
+    parser = _build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(verbs.choices["train"].description.split())
+    for section in dataclasses.fields(Config):
+        keys = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
+        assert f"{section.name} ({keys})" in text

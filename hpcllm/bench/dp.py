@@ -28,6 +28,7 @@ import torch
 
 from hpcllm.bench.allreduce import render_allreduce
 from hpcllm.launcher import mpirun_command, mpirun_env
+from hpcllm.train.preflight import cpu_has_native_bf16
 
 ALGORITHM = {  # what carries each engine's gradient reduction
     "ddp": "torch.distributed all-reduce in buckets, overlapped with backward (gloo: ring "
@@ -35,6 +36,22 @@ ALGORITHM = {  # what carries each engine's gradient reduction
     "horovod": "Horovod fused all-reduce through MPI (Open MPI's tuned collectives)",
     "ps": "reduce to the root, root steps, broadcast of all parameters; no overlap",
 }
+
+
+def default_precisions(gpu: bool, native_bf16: bool) -> tuple[list[str], str | None]:
+    """Return the precisions to compare when none are asked for, and a note of any left out.
+
+    fp32 and fp16 on a GPU; fp32 and bf16 on a CPU that computes bf16 natively. A CPU without
+    it emulates bf16 (20x slower than fp32 for a 4-layer GPT), so there fp32 runs alone.
+    """
+    if gpu:
+        return ["fp32", "fp16"], None
+    if native_bf16:
+        return ["fp32", "bf16"], None
+    return ["fp32"], (
+        "bench dp: bf16 left out, this CPU has no native bf16 arithmetic (no avx512_bf16 or "
+        "amx_bf16); --precisions fp32 bf16 runs it anyway"
+    )
 
 
 def _launch(
@@ -227,12 +244,19 @@ def run(
     overrides: list[str],
     dps: list[int],
     engines: list[str],
-    precisions: list[str],
+    precisions: list[str] | None,
     steps: int,
     warmup: int,
     out: Path,
 ) -> int:
-    """The ``bench dp`` verb: every run, then the all-reduce benchmark, table, JSON, PNG."""
+    """The ``bench dp`` verb: every run, then the all-reduce benchmark, table, JSON, PNG.
+
+    ``precisions`` None compares :func:`default_precisions`.
+    """
+    if precisions is None:
+        precisions, note = default_precisions(torch.cuda.is_available(), cpu_has_native_bf16())
+        if note:
+            print(note, flush=True)
     result = bench_dp(config, overrides, dps, engines, precisions, steps, warmup, out)
     nbytes = gradient_bytes(config, overrides)
     allreduce_json = out / "allreduce.json"

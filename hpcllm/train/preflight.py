@@ -1,0 +1,136 @@
+"""What ``hpcllm train`` can refuse, or warn about, before it touches anything.
+
+:func:`preflight` runs every check that needs only the config and the world size: no data
+read, no device, no process group, no file written. So a job that cannot run fails in one
+line at once, on every rank alike, and a job that can run leaves no half-made run folder
+behind when something else refuses it. :func:`startup_warnings` names settings that run but
+waste the machine (a precision the CPU emulates, a pipeline that idles, data read many times
+over); the trainer prints them once, on rank 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from hpcllm.config import Config, accumulation_steps, check
+from hpcllm.errors import UserError
+from hpcllm.model.stages import split_layers
+from hpcllm.topology import Layout
+from hpcllm.train.parallelize import check_pipeline, resolve_compile
+
+# CPU flags of native bf16 arithmetic: AVX512-BF16 and AMX on x86, the BF16 extension on Arm.
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Return whether this CPU computes in bf16 natively (Linux's /proc/cpuinfo flags).
+
+    Without it torch emulates bf16 through fp32 conversions: a 4-layer GPT ran 20x slower
+    than in fp32 on such a machine. Elsewhere than Linux the answer is False.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features") and _BF16_FLAGS & set(value.split()):
+            return True
+    return False
+
+
+def _layout(cfg: Config, world_size: int) -> Layout:
+    p = cfg.parallel
+    return Layout.for_world(world_size, tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
+
+
+def preflight(cfg: Config, world_size: int) -> None:
+    """Raise a UserError (one line) for the first setting that cannot run on ``world_size`` ranks.
+
+    Checks the config alone (:func:`hpcllm.config.check`), then the grid (t·p dividing the
+    world size, or t·p·d equal to it), the micro-batches per step, the pipeline's schedule
+    and layer split, and ``model.compile`` against the schedule, as the trainer would meet
+    them, in that order.
+    """
+    check(cfg)
+    p = cfg.parallel
+    layout = _layout(cfg, world_size)
+    accumulation = accumulation_steps(cfg.train, layout.dp)
+    check_pipeline(cfg, accumulation)
+    if p.pp == 1 and p.pipeline_layers is not None:
+        # check_pipeline looks at the split only with a pipeline; one stage still cuts by it.
+        try:
+            split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    schedule = p.schedule if p.pp > 1 else "1f1b"
+    resolve_compile(cfg.model.compile, torch.device("cpu"), schedule)
+
+
+def startup_warnings(
+    cfg: Config,
+    *,
+    world_size: int,
+    device_type: str,
+    cpu_has_bf16: bool,
+    train_tokens: int | None,
+    val_tokens: int | None,
+) -> list[str]:
+    """Return one line for each setting of a preflighted ``cfg`` that runs but wastes the run.
+
+    ``device_type`` is the ranks' torch device type (``cpu``, ``cuda``); ``cpu_has_bf16``
+    is :func:`cpu_has_native_bf16`; ``train_tokens``/``val_tokens`` are the prepared
+    splits' token counts (``Manifest.n_tokens``), None where unknown. Errors stay errors
+    elsewhere: a split smaller than one global micro-batch is refused by the data reader,
+    and a missing validation split is reported by the trainer.
+    """
+    m, t = cfg.model, cfg.train
+    layout = _layout(cfg, world_size)
+    accumulation = accumulation_steps(t, layout.dp)
+    micro_step = t.micro_batch_size * layout.dp  # samples of one micro-batch on every rank
+    global_batch = micro_step * accumulation
+    warnings = []
+    if device_type == "cpu" and t.precision == "fp16":
+        warnings.append(
+            "train.precision fp16 on a CPU: torch emulates fp16 arithmetic there, far slower "
+            "than fp32; use fp32 (or bf16 on a CPU with AVX512-BF16 or AMX)"
+        )
+    if device_type == "cpu" and t.precision == "bf16" and not cpu_has_bf16:
+        warnings.append(
+            "train.precision bf16 on a CPU without native bf16 arithmetic (no avx512_bf16 or "
+            "amx_bf16 in /proc/cpuinfo): emulated, up to 20x slower than fp32; use fp32"
+        )
+    if layout.pp > 1 and accumulation < layout.pp:
+        warnings.append(
+            f"{accumulation} micro-batch(es) per step for {layout.pp} pipeline stages: most "
+            f"of each step is pipeline bubble; use at least {layout.pp} (train."
+            f"global_batch_size {micro_step * layout.pp} = micro_batch_size x d x pp)"
+        )
+    if train_tokens is not None:
+        samples = _samples(train_tokens, m.seq_len)
+        wanted = t.steps * global_batch
+        if samples >= micro_step and samples < wanted:
+            warnings.append(
+                f"the train split holds {samples} samples of {m.seq_len} tokens; "
+                f"train.steps {t.steps} x global batch {global_batch} reads {wanted}, "
+                f"{wanted / samples:.1f} times over"
+            )
+    if val_tokens:
+        batches = _samples(val_tokens, m.seq_len) // micro_step
+        if 0 < batches < t.eval_iters:
+            warnings.append(
+                f"the validation split holds {batches} global micro-batch(es) of "
+                f"{micro_step} samples, fewer than train.eval_iters {t.eval_iters}; "
+                f"each evaluation reads those {batches}"
+            )
+    return warnings
+
+
+def _samples(tokens: int, seq_len: int) -> int:
+    """Return the samples a split of ``tokens`` gives (as ``ShardDataset`` counts them)."""
+    return max(0, (tokens - 1) // seq_len)

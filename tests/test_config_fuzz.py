@@ -1,0 +1,176 @@
+"""Any value for any key ends in a valid config or one UserError, never another exception.
+
+Hypothesis draws configs, as ``--set section.key=value`` strings and as YAML files (or bytes
+that are no YAML at all): known and unknown keys; text, integers from 0 and negative to past
+64 bits, floats with nan and infinity, booleans, YAML's special words, lists, mappings. Each
+goes in-process through ``load_config`` and then ``preflight`` for world sizes 1 to 8, as
+``hpcllm train`` would run them, and through ``startup_warnings`` when it passes. Sizes are
+bounded so that nothing allocates; the draws are derandomized, so CI sees the same cases
+every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpcllm.config import _CHOICES, Config, load_config
+from hpcllm.errors import UserError
+from hpcllm.train.preflight import preflight, startup_warnings
+
+FIELD_TYPES = {
+    (section.name, f.name): f.type
+    for section in dataclasses.fields(Config)
+    for f in dataclasses.fields(section.default_factory())
+}
+KEYS = list(FIELD_TYPES)
+SECTIONS = [section.name for section in dataclasses.fields(Config)]
+
+YAML_WORDS = [
+    "null", "~", "", "true", "false", "yes", "no", "on", "off", "y", "n",
+    ".nan", ".NaN", ".inf", "-.inf", "+.inf", "nan", "inf", "-inf", "infinity", "NaN",
+    "0", "-0", "1", "-1", "0x1f", "0o17", "010", "1_000", "1e999", "-1e999", "1e-400",
+    "7:3", "3:7", "0:0", "1:2:3", ":", "a:b", "2001-12-14", "[]", "{}", "[1, 2]", "[0]",
+    "[-1, 5]", "[1.5]", "[true]", "{a: 1}", "'quoted'", '"\\ud800"', '"\\0"', "!!binary aGk=",
+    "!!set {a}", "!!timestamp 2001-12-14", "!!python/object/apply:os.system ['true']",
+    "&a [*a]", "*missing", "[", "{", "'", '"', "- 1", "a: b: c", "? x", "|\n  text",
+    "/proc/x", "/dev/null/x", "/sys", "/", ".", "..", "runs/x", "\x00",
+    "auto", "none", "blocks", "full", "1f1b", "gpipe", "interleaved", "zb-h1",
+    "ddp", "horovod", "ps", "fp32", "fp16", "bf16", "fail", "warn", "tiny", "gpt2-124m",
+]  # fmt: skip
+
+# Values that are often valid, so that many configs get through to preflight.
+SMALL_INTS = st.integers(min_value=-2, max_value=9)
+HUGE_INTS = st.sampled_from([2**31, 2**32, 2**63 - 1, 2**63, -(2**63) - 1, 10**30, 10**400])
+FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 0.5, 1.0, 1e-8, 1e-3, 0.999, 1e300, -1e-5]),
+)
+TEXT = st.text(
+    alphabet=st.characters(codec=None, exclude_categories=()), max_size=12
+)  # surrogates and controls included
+SCALARS = st.one_of(SMALL_INTS, HUGE_INTS, st.integers(), FLOATS, st.booleans(), st.none(), TEXT)
+VALUES = st.one_of(
+    SCALARS,
+    st.lists(st.one_of(SMALL_INTS, SCALARS), max_size=5),
+    st.dictionaries(TEXT, SCALARS, max_size=3),
+)
+
+
+def _plausible(section: str, name: str) -> st.SearchStrategy[str]:
+    """Return values that a user might well give ``section.name``: most of them valid."""
+    if (section, name) in _CHOICES:
+        return st.sampled_from(_CHOICES[section, name])
+    kind = str(FIELD_TYPES[section, name])
+    if "list" in kind:
+        return st.lists(st.integers(0, 5), max_size=4).map(_yaml_text)
+    if "bool" in kind:
+        return st.sampled_from(["true", "false"])
+    if name == "profile_steps":
+        return st.tuples(st.integers(-1, 9), st.integers(-1, 9)).map(lambda ab: f"{ab[0]}:{ab[1]}")
+    if "int" in kind:
+        return st.sampled_from(["1", "2", "3", "4", "8", "16", "0", "-1", "null"])
+    if "float" in kind:
+        return st.sampled_from(["0", "0.1", "0.9", "1", "1e-3", "6e-4", "1e-8", "-1", ".nan"])
+    return st.sampled_from(["runs/fuzz", "data/stdlib", "tiny", "null", "/proc/x", ""])
+
+
+@st.composite
+def set_texts(draw: st.DrawFn) -> str:
+    """Return one ``--set`` string: a known or unknown key, and a value as a user types it."""
+    how = draw(st.integers(0, 39))
+    if how == 0:
+        return draw(st.sampled_from(["oops", "=1", ".=", "a.b", "train.lr", "=", "..=.."]))
+    if how == 1:
+        return draw(st.sampled_from([*SECTIONS, "x"])) + "." + draw(TEXT) + "=1"
+    section, name = draw(st.sampled_from(KEYS))
+    if how < 24:
+        value = draw(_plausible(section, name))
+    elif how < 30:
+        value = draw(st.sampled_from(YAML_WORDS))
+    elif how < 33:
+        value = draw(TEXT)
+    else:
+        value = _yaml_text(draw(VALUES))
+    return f"{section}.{name}={value}"
+
+
+def _yaml_text(value: object) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("\n...\n")
+
+
+@st.composite
+def config_files(draw: st.DrawFn) -> bytes:
+    """Return a config file's bytes: sections of keys, or YAML junk, or bytes that are not text."""
+    how = draw(st.integers(0, 5))
+    if how == 0:
+        return draw(st.binary(max_size=64))
+    if how == 1:
+        return draw(st.sampled_from(YAML_WORDS)).encode("utf-8", "surrogatepass")
+    raw: dict = {}
+    for section, name in draw(st.lists(st.sampled_from(KEYS), max_size=6)):
+        raw.setdefault(section, {})[name] = draw(VALUES)
+    if how == 2:
+        raw[draw(st.one_of(TEXT, st.integers(), st.none()))] = draw(VALUES)
+    text = yaml.safe_dump(raw, allow_unicode=True)
+    if how == 3 and raw:
+        # A key's value as a user writes it: YAML's special words, unquoted.
+        section, name = draw(st.sampled_from(KEYS))
+        text += f"\n{section}:\n  {name}: {draw(st.sampled_from(YAML_WORDS))}\n"
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _run(path: Path | None, overrides: list[str]) -> None:
+    try:
+        cfg = load_config(path, overrides)
+    except UserError as err:
+        assert "\n" not in str(err), str(err)
+        return
+    for world_size in range(1, 9):
+        try:
+            preflight(cfg, world_size)
+        except UserError as err:
+            assert "\n" not in str(err), str(err)
+            continue
+        startup_warnings(
+            cfg,
+            world_size=world_size,
+            device_type="cpu",
+            cpu_has_bf16=False,
+            train_tokens=world_size * 10**5,
+            val_tokens=world_size * 10**3,
+        )
+
+
+FUZZ = settings(
+    max_examples=500,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@FUZZ
+@given(st.lists(set_texts(), min_size=1, max_size=6))
+def test_any_set_overrides_end_in_a_config_or_one_user_error(overrides: list[str]) -> None:
+    _run(None, overrides)
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz") / "config.yaml"
+
+
+@FUZZ
+@given(data=config_files(), overrides=st.lists(set_texts(), max_size=2))
+def test_any_config_file_ends_in_a_config_or_one_user_error(
+    config_path: Path, data: bytes, overrides: list[str]
+) -> None:
+    config_path.write_bytes(data)
+    _run(config_path, overrides)
