@@ -1,4 +1,7 @@
-"""``hpcllm inspect``: what a prepared folder holds, whether it is intact, and its text back."""
+"""``hpcllm inspect``: what a prepared folder holds, whether it is intact, and its text back.
+
+A run folder is inspected by :mod:`hpcllm.train.inspect_run` instead.
+"""
 
 from __future__ import annotations
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hpcllm.files import atomic_write
 
 # Dense peak TFLOP/s per GPU, from the vendors' data sheets (SXM parts, no sparsity). fp32
 # means TF32 tensor cores, which torch uses for fp32 matmuls when allowed.
@@ -107,15 +110,15 @@ class MetricsLog:
     def __init__(self, run_dir: Path, tensorboard: bool, start_step: int = 0) -> None:
         self.path = run_dir / "metrics.jsonl"
         # Keep what the run logged up to the step it resumes from; a run that died after its
-        # last checkpoint logged steps it is about to run again.
+        # last checkpoint logged steps it is about to run again. The kept lines replace the
+        # file in one rename, so a crash here loses nothing.
         kept = (
-            [r for r in read_metrics(run_dir) if r["step"] <= start_step]
+            [r for r in read_metrics(run_dir) if r.get("step", start_step + 1) <= start_step]
             if start_step and self.path.exists()
             else []
         )
-        self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - closed in close()
-        for record in kept:
-            self._file.write(json.dumps(record) + "\n")
+        atomic_write(self.path, "".join(json.dumps(record) + "\n" for record in kept))
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -137,10 +140,30 @@ class MetricsLog:
             self._tb.close()
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Return the records of a run's metrics.jsonl."""
+def read_metrics(run_dir: Path, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Return the records of a run's metrics.jsonl, leaving out lines that are not records.
+
+    A run killed while writing leaves a torn last line; it (and any other line that is not a
+    JSON object) is dropped with a warning through ``warn`` (stderr if None).
+    """
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+            continue
+        message = f"{path}, line {number}: not a metrics record (torn by a crash?), dropped"
+        if warn is None:
+            print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            warn(message)
+    return records
 
 
 def plot_loss(run_dir: Path) -> Path:

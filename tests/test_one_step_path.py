@@ -61,6 +61,10 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "p2-zb-h1-dropout": (2, ["parallel.pp=2", "parallel.schedule=zb-h1", "model.dropout=0.1"]),
 }
 
+# The LR moves with the step; how AdamW runs (fused since the bad-step skip, foreach before)
+# is reset on load, not restored (hpcllm.train.optim.load_optimizer_state).
+IGNORED_GROUP_KEYS = ("lr", "fused", "foreach", "capturable", "differentiable")
+
 _WORDS = "def return import class self lambda yield with as for in if else while try".split()
 
 
@@ -117,7 +121,7 @@ def checkpoint_format(run_dir: Path) -> dict[str, Any]:
     folder = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     shards = {}
     for path in sorted(folder.glob("*.pt")):
-        shard = torch.load(path, map_location="cpu", weights_only=False)
+        shard = torch.load(path, map_location="cpu", weights_only=True)
         optimizer = shard["optimizer"]
         shards[path.name] = {
             "keys": sorted(shard),
@@ -127,7 +131,8 @@ def checkpoint_format(run_dir: Path) -> dict[str, Any]:
                 for index, state in optimizer["state"].items()
             },
             "param_groups": [
-                {k: v for k, v in group.items() if k != "lr"} for group in optimizer["param_groups"]
+                {k: v for k, v in group.items() if k not in IGNORED_GROUP_KEYS}
+                for group in optimizer["param_groups"]
             ],
             "scaler": sorted(shard["scaler"]),
             "rng": sorted(shard["rng"]),
@@ -171,4 +176,10 @@ def test_losses_equal_the_recorded_ones(case: str, data: Path, tmp_path: Path) -
             assert math.isclose(new, old, rel_tol=tol), (key, got[key], recorded[key])
     # The checkpoint it ends with has the same files, keys and shapes as before: each version
     # of the code reads the other's.
-    assert checkpoint_format(run_dir) == json.loads(RECORDED_FORMAT.read_text())[case]
+    expected = json.loads(RECORDED_FORMAT.read_text())[case]
+    for shard in expected["shards"].values():
+        shard["param_groups"] = [
+            {k: v for k, v in group.items() if k not in IGNORED_GROUP_KEYS}
+            for group in shard["param_groups"]
+        ]
+    assert checkpoint_format(run_dir) == expected
