@@ -28,6 +28,6 @@ DEMO_NP ?= 2
 DEMO_RUN ?= runs/tiny-cpu
 demo: setup
 	@test -f data/stdlib/manifest.json || $(VENV)/bin/hpcllm prepare --corpus python-stdlib --out data/stdlib
-	NP=$(DEMO_NP) jobs/mpirun.sh train --config jobs/configs/tiny-cpu.yaml --set run.dir=$(DEMO_RUN) --set run.resume=none
+	NP=$(DEMO_NP) jobs/mpirun.sh train --config jobs/configs/tiny-cpu.yaml --set run.dir=$(DEMO_RUN) --set run.resume=none --set run.overwrite=true
 	@echo "--- a sample from $(DEMO_RUN):"
 	@$(VENV)/bin/hpcllm generate --checkpoint $(DEMO_RUN) --prompt "def " --tokens 120

@@ -139,7 +139,8 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
         "train (steps, micro_batch_size, global_batch_size, lr, min_lr, warmup_steps, "
         "lr_decay_steps, lr_scaling, lr_reference_batch, precision, grad_clip, weight_decay, "
         "beta1, beta2, adam_eps, seed, log_interval, eval_interval, eval_iters, "
-        "save_interval, peak_tflops, profile_steps), run (dir, resume, tensorboard).\n\n"
+        "save_interval, peak_tflops, profile_steps, max_bad_steps), run (dir, resume, "
+        "overwrite, save_failure, timeout_s, tensorboard).\n\n"
         "The run folder gets config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and "
         "loss.png. SIGTERM or SIGUSR1 finishes the current step, saves a checkpoint and "
         "exits 0; run.resume: auto continues from checkpoints/latest.\n\n"
@@ -314,12 +315,16 @@ def _add_prepare(verbs: argparse._SubParsersAction) -> None:
 def _add_inspect(verbs: argparse._SubParsersAction) -> None:
     insp = verbs.add_parser(
         "inspect",
-        help="summarise, verify or dump prepared shards",
+        help="summarise, verify or dump prepared shards; verify a run's checkpoints",
         description="Summarise a folder written by `hpcllm prepare`: shards, documents, "
         "tokens, tokenizer. --verify reads every shard and checks its checksums and counts; "
-        "--dump writes a split's documents back as text.",
+        "--dump writes a split's documents back as text. Given a run folder (run.dir), "
+        "verify every checkpoint against its manifest and print one row per checkpoint "
+        "(step, files, bytes, status, reason); exit 1 if any is bad.",
     )
-    insp.add_argument("dir", type=Path, metavar="DIR", help="the folder given to prepare --out")
+    insp.add_argument(
+        "dir", type=Path, metavar="DIR", help="the folder given to prepare --out, or a run.dir"
+    )
     insp.add_argument("--json", action="store_true", help="print the summary as JSON")
     insp.add_argument(
         "--verify",
@@ -489,7 +494,8 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         choices=["fp32", "bf16", "fp16"],
-        help="[default: fp32 and bf16 on CPU, fp32 and fp16 on GPU]",
+        help="[default: fp32 and fp16 on GPU; fp32 and bf16 on a CPU with native bf16 "
+        "arithmetic (avx512_bf16/amx_bf16), else fp32 only]",
     )
     dpb.add_argument("--steps", type=_positive, default=30, help="steps per run [default: 30]")
     dpb.add_argument(
@@ -611,7 +617,19 @@ def _run_prepare(args: argparse.Namespace) -> int:
 def _run_inspect(args: argparse.Namespace) -> int:
     from hpcllm.datasets import inspection
     from hpcllm.datasets.shards import load_manifest
+    from hpcllm.errors import UserError
+    from hpcllm.train import inspect_run
 
+    if inspect_run.is_run_folder(args.dir):
+        if args.dump:
+            raise UserError(f"{args.dir} is a run folder; --dump reads a prepared data folder")
+        check = inspect_run.verify_run(args.dir)
+        if args.json:
+            rows = [{**vars(v), "folder": str(v.folder)} for v in check.verdicts]
+            print(json.dumps({"checkpoints": rows, "latest": check.latest_problem or check.latest}))
+        else:
+            print(inspect_run.render_run(check))
+        return 0 if check.ok else 1
     manifest = load_manifest(args.dir)
     if args.verify:
         count = inspection.verify(manifest)
@@ -790,7 +808,7 @@ def _run_bench_dp(args: argparse.Namespace) -> int:
             "bench dp needs d >= 2 and this node has one GPU; give --dp for a "
             "multi-node job, or run it on a node with more GPUs"
         )
-    precisions = args.precisions or ["fp32", "fp16" if gpu else "bf16"]
+    precisions = args.precisions  # None: what the machine runs fast (dp.default_precisions)
     return dp.run(
         args.config,
         args.overrides,

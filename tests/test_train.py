@@ -205,27 +205,29 @@ def test_convert_a_trained_run_to_hf_and_back(stdlib, tmp_path):
         assert torch.equal(got, value), name
 
 
-def test_resume_refuses_another_model_and_none_starts_over(stdlib, tmp_path):
+def test_resume_refuses_another_model_and_none_starts_over_aside(stdlib, tmp_path):
     from hpcllm.errors import UserError
 
     run = tmp_path / "run"
-    Trainer(_cfg(stdlib, run, "train.steps=2", "train.eval_interval=0")).run(progress=False)
+    with Trainer(_cfg(stdlib, run, "train.steps=2", "train.eval_interval=0")) as first:
+        first.run(progress=False)
     with pytest.raises(UserError, match="holds another model .*d_model 64 vs 32"):
         Trainer(_cfg(stdlib, run, "train.steps=4", "model.d_model=32"))
     assert checkpoint.latest(run).name == "step_00000002"  # nothing was touched
-    fresh = Trainer(
-        _cfg(
-            stdlib,
-            run,
-            "train.steps=1",
-            "model.d_model=32",
-            "run.resume=none",
-            "train.eval_interval=0",
-        )
-    )
-    assert fresh.step == 0 and checkpoint.latest(run) is None
-    fresh.run(progress=False)
+    fresh = [
+        "train.steps=1",
+        "model.d_model=32",
+        "run.resume=none",
+        "train.eval_interval=0",
+    ]
+    with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
+        Trainer(_cfg(stdlib, run, *fresh))
+    with Trainer(_cfg(stdlib, run, *fresh, "run.overwrite=true")) as trainer:
+        assert trainer.step == 0 and checkpoint.latest(run) is None
+        trainer.run(progress=False)
     assert checkpoint.latest(run).name == "step_00000001"
+    (aside,) = tmp_path.glob("run.old-*")  # the earlier run, moved whole
+    assert checkpoint.latest(aside).name == "step_00000002"
 
 
 def test_validation_split_too_small_stops_before_training(tmp_path):

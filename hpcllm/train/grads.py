@@ -139,17 +139,23 @@ def optimizer_step(
     clip: float,
     tp_group: Any = None,
     pp_group: Any = None,
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscale, clip, step and update the scaler; return (grad norm, step skipped).
 
-    The norm is a 0-d tensor on the device; only fp16's skip check reads the device.
+    Both are 0-d device tensors. A step whose gradients are not finite on any tp or pp rank
+    (the global norm is not) is skipped on all of them, in every precision, so a NaN never
+    reaches the weights:
 
-    Under fp16 an overflow on any tp or pp rank must skip the step on all of them and back
-    off every rank's scale alike, as Megatron-LM does by all-reducing found-inf. The global
-    norm spans those ranks, so it is computed first, on the scaled gradients (the scale is a
-    power of two: dividing by it afterwards is exact). Where it is not finite but this rank's
-    own gradients are, one of them is set to inf before ``unscale_``, so that the scaler finds
-    the overflow itself and skips and backs off through its public interface.
+    - Under fp16 the overflow must also back off every rank's scale alike, as Megatron-LM
+      does by all-reducing found-inf. The global norm spans those ranks, so it is computed
+      first, on the scaled gradients (the scale is a power of two: dividing by it afterwards
+      is exact). Where it is not finite but this rank's own gradients are, one of them is set
+      to inf before ``unscale_``, so that the scaler finds the overflow itself and skips and
+      backs off through its public interface. fp16 reads its overflow back on the host, as
+      the scaler does.
+    - Under bf16 and fp32 a fused AdamW (hpcllm's, on CUDA and CPU) takes the verdict on the
+      device (its ``found_inf``, the argument GradScaler feeds it), so nothing is read back;
+      another optimizer reads it on the host.
     """
     enabled = scaler.is_enabled()
     scale = scaler.get_scale() if enabled else 1.0
@@ -161,11 +167,22 @@ def optimizer_step(
                 grad[(0,) * grad.dim()] = float("inf")
         scaler.unscale_(optimizer)
         norm = norm / scale
+        _clip(parameters, clip, norm)
+        scaler.step(optimizer)
+        scaler.update()
+        return norm, torch.tensor(scaler.get_scale() < scale, device=norm.device)
+    bad = ~torch.isfinite(norm)
     _clip(parameters, clip, norm)
-    scaler.step(optimizer)
-    scaler.update()
+    if all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif not bool(bad):
+        optimizer.step()
     # No host read of the norm: on a GPU the next step's kernels queue behind this one's.
-    return norm, bool(enabled and scaler.get_scale() < scale)
+    return norm, bad
 
 
 def step(
@@ -176,8 +193,8 @@ def step(
     clip: float,
     tp_group: Any = None,
     pp_group: Any = None,
-) -> tuple[torch.Tensor, bool]:
-    """Step the optimizer through the engine; return (grad norm, step skipped)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step the optimizer through the engine; return (grad norm, step skipped), on device."""
     return engine.step(
         optimizer,
         scaler,

@@ -42,7 +42,11 @@ def lr_at(step: int, train: TrainConfig, global_batch: int) -> float:
 def build_optimizer(
     model: nn.Module, train: TrainConfig, device: torch.device
 ) -> torch.optim.AdamW:
-    """Return AdamW over ``model``: weight decay on matrices (≥ 2-D) only, fused on CUDA."""
+    """Return AdamW over ``model``: weight decay on matrices (≥ 2-D) only, fused.
+
+    Fused (one multi-tensor kernel, on CUDA and CPU alike) also takes a skipped step's verdict
+    on the device (:func:`hpcllm.train.grads.optimizer_step`).
+    """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -51,10 +55,25 @@ def build_optimizer(
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fast: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(
-        groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.adam_eps, **fast
+        groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.adam_eps, fused=True
     )
+
+
+# How a param group runs, not what it computes: a checkpoint's values are not restored.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load ``state`` into ``optimizer``, keeping the optimizer's implementation (fused, …).
+
+    ``load_state_dict`` takes every setting of the saved param groups, so a checkpoint of a
+    foreach optimizer would turn a fused one back into foreach.
+    """
+    keep = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, implementation in zip(optimizer.param_groups, keep, strict=True):
+        group.update(implementation)
 
 
 def build_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:

@@ -35,8 +35,16 @@ from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.parallel.tensor.layers import is_split
 from hpcllm.train import checkpoint, grads
-from hpcllm.train.optim import autocast, build_scaler, lr_at, step_autocast_cache
+from hpcllm.train import run_dir as run_folder
+from hpcllm.train.optim import (
+    autocast,
+    build_scaler,
+    load_optimizer_state,
+    lr_at,
+    step_autocast_cache,
+)
 from hpcllm.train.parallelize import parallelize
+from hpcllm.train.preflight import cpu_has_native_bf16, preflight, startup_warnings
 from hpcllm.train.process import ProcessSettings
 from hpcllm.train.stage_work import GPTStageWork, MicroBatches
 
@@ -59,10 +67,12 @@ class Trainer:
         self.grad_hooks = grad_hooks or []
         self.process = ProcessSettings()
         self._closed = False
+        self._lock: run_folder.RunLock | None = None
         try:
             self._set_up()
         except BaseException:
             self.process.restore()
+            self._release_run_dir()
             raise
 
     def _set_up(self) -> None:
@@ -94,10 +104,22 @@ class Trainer:
             # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
             # assumes it.
             self.process.float32_matmul_precision("high")
-        self.run_dir = Path(cfg.run.dir)
-        self._prepare_run_dir(vocab)
-
+        # Every check of the config against the job before the run folder is touched.
+        preflight(cfg, self.grid.world_size)
         self.accumulation = accumulation_steps(t, self.grid.dp)
+        if self.grid.rank == 0:
+            for line in startup_warnings(
+                cfg,
+                world_size=self.grid.world_size,
+                device_type=self.device.type,
+                cpu_has_bf16=cpu_has_native_bf16(),
+                train_tokens=self.manifest.n_tokens("train"),
+                val_tokens=self.manifest.n_tokens("val"),
+            ):
+                self._warn(line)
+        self.run_dir = Path(cfg.run.dir)
+        self._claim_run_dir(vocab)
+
         self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
         self.parallelized = parallelize(cfg, self.grid, vocab, self.accumulation)
@@ -110,6 +132,8 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
+        self._bad_pending = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         self._resume()
         self.engine.broadcast_state(self.optimizer)
         self.reader = MicroBatchReader(
@@ -141,6 +165,7 @@ class Trainer:
         )
         self.peak = observe.peak_tflops(self.device, t.precision, t.peak_tflops)
         self.profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
+        self._write_run_dir()
 
     def close(self) -> None:
         """Give the process back its signal handlers, threads, kernels and random states.
@@ -148,6 +173,7 @@ class Trainer:
         The trainer cannot train after this.
         """
         self.process.restore()
+        self._release_run_dir()
         self._closed = True
 
     def __enter__(self) -> Trainer:
@@ -180,37 +206,73 @@ class Trainer:
             prefetch=2,
         )
 
-    def _prepare_run_dir(self, vocab: int) -> None:
-        """Check the run folder against this run, clear what it replaces, write its config.
-
-        Refuses a checkpoint of another model shape; clears old checkpoints on resume: none
-        and an earlier run's timelines; writes the resolved config and the tokenizer, so
-        generate and convert need not find the data.
-        """
-        self._check_run_dir(vocab)
+    def _on_rank0(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on rank 0; a UserError it raises is raised on every rank, alike."""
+        result, error = None, None
         if self.grid.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.cfg.dump(self.run_dir / "config.yaml")
-            shutil.copy(self.manifest.tokenizer_path, self.run_dir / "tokenizer.json")
-        dist.barrier()
+            try:
+                result = work()
+            except UserError as err:
+                error = str(err)
+        if self.grid.world_size > 1:
+            if self.grid.world_comm is not None:
+                error = self.grid.world_comm.bcast(error, root=0)
+            else:
+                box = [error]
+                dist.broadcast_object_list(box, src=0)
+                error = box[0]
+        if error is not None:
+            raise UserError(error)
+        return result
 
-    def _check_run_dir(self, vocab: int) -> None:
-        if self.grid.rank == 0:  # timelines of an earlier run would mix with this one's
-            shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
-        if self.cfg.run.resume == "none":
-            if self.grid.rank == 0:
-                shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
-            return
-        folder = checkpoint.latest(self.run_dir)
-        if folder is not None:
-            checkpoint.check_same_model(folder, self.cfg, vocab)
+    def _claim_run_dir(self, vocab: int) -> None:
+        """Lock the run folder for this job and check it against this run; write nothing else.
+
+        Everything the run writes there (config, tokenizer, metrics, checkpoints) comes after
+        set-up has succeeded (:meth:`_write_run_dir`), so a rejected run leaves the folder as
+        it was. ``run.resume: none`` over checkpoints refuses, or with ``run.overwrite`` moves
+        the earlier run aside (:func:`hpcllm.train.run_dir.claim`); ``auto`` refuses a
+        checkpoint of another model.
+        """
+        r = self.cfg.run
+
+        def claim() -> run_folder.RunLock:
+            return run_folder.claim(self.run_dir, r.resume, r.overwrite, self._warn)
+
+        self._lock = self._on_rank0(claim)
+        # The newest checkpoint that verifies; a damaged newer one is named and passed over.
+        self._resume_from: Path | None = None
+        if r.resume == "auto":
+            self._resume_from = checkpoint.agreed_resumable(self.run_dir, self.grid, self._warn)
+            if self._resume_from is not None:
+                checkpoint.check_same_model(self._resume_from, self.cfg, vocab)
+
+    def _write_run_dir(self) -> None:
+        """Write the resolved config and the tokenizer (so generate and convert need not find
+        the data), and drop an earlier run's timelines, which would mix with this one's."""
+
+        def write() -> None:
+            with run_folder.fs_errors("write", self.run_dir / "config.yaml"):
+                shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
+                self.cfg.dump(self.run_dir / "config.yaml")
+                shutil.copy(self.manifest.tokenizer_path, self.run_dir / "tokenizer.json")
+
+        self._on_rank0(write)
+
+    def _release_run_dir(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _warn(self, message: str) -> None:
+        print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
 
     # -- state ---------------------------------------------------------------------------
 
     def _resume(self) -> None:
         if self.cfg.run.resume != "auto":
             return
-        folder = checkpoint.latest(self.run_dir)
+        folder = self._resume_from
         if folder is None:
             return
         shard = checkpoint.load_shard(
@@ -218,7 +280,7 @@ class Trainer:
         )
         load_chunks_state_dict(self.model, self.grid.pp, shard["model"])
         if shard.get("optimizer") is not None:
-            self.optimizer.load_state_dict(shard["optimizer"])
+            load_optimizer_state(self.optimizer, shard["optimizer"])
         if shard.get("scaler"):
             self.scaler.load_state_dict(shard["scaler"])
         if shard.get("rng") is not None:
@@ -234,9 +296,17 @@ class Trainer:
                 "not line up"
             )
 
-    def save(self) -> Path:
-        """Write a checkpoint of the current step (every rank must call this)."""
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (every rank must call this).
+
+        Return its folder, or None when the save failed and ``run.save_failure: warn`` lets
+        the run go on (the next interval tries again).
+        """
         import yaml
+
+        diverged = self._count_bad_steps()
+        if diverged:  # never a checkpoint of a stalled run: the last good one stays newest
+            raise UserError(diverged)
 
         shard = {
             "model": chunks_state_dict(self.model, self.grid.pp),
@@ -257,6 +327,8 @@ class Trainer:
             shard,
             meta,
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+            on_failure=self.cfg.run.save_failure,
+            warn=self._warn,
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -310,15 +382,19 @@ class Trainer:
                 self.parallelized.pp_group,
             )
             self.optimizer.zero_grad()
-        self.skipped_steps += int(skipped)
+        # Counted on the device; read on logged steps and before saving (_count_bad_steps).
+        self._bad_pending += skipped
+        self._bad_streak = (self._bad_streak + 1) * skipped
         self.consumed_samples += self.global_batch
         self.step += 1
         loss_mean = loss_sum / self.accumulation
         if self.grid.dp > 1:
             dist.all_reduce(loss_mean, group=self.grid.dp_group)
             loss_mean /= self.grid.dp
-        if wait and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if wait:
+            self._count_bad_steps()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - started
         return {
             "step": self.step,
@@ -329,8 +405,28 @@ class Trainer:
             "data_time_s": data_time,
             "compute_s": compute_time,
             "comm_wait_s": self.engine.comm_wait_s,
-            "skipped": bool(skipped),
+            "skipped": bool(skipped) if wait else skipped,
         }
+
+    def _count_bad_steps(self) -> str | None:
+        """Add the skipped steps counted on the device to ``skipped_steps``.
+
+        A step whose loss or gradient is not finite is skipped (:func:`grads.optimizer_step`),
+        so the weights stay those of the last good step. Return why the run must stop when
+        ``train.max_bad_steps`` of them came in a row, else None.
+        """
+        self.skipped_steps += int(self._bad_pending)
+        self._bad_pending.zero_()
+        streak, limit = int(self._bad_streak), self.cfg.train.max_bad_steps
+        if streak < limit:
+            return None
+        return (
+            f"training diverged: the last {streak} steps (to step {self.step}) had a "
+            f"non-finite loss or gradient and were skipped (train.max_bad_steps is {limit}); "
+            f"the weights are still those of step {self.step - streak}, and no checkpoint "
+            "was written since. Resume with a lower train.lr, more train.warmup_steps or "
+            "train.grad_clip, or bf16 instead of fp16"
+        )
 
     def _run_schedule(
         self, batches: Iterator[Any], timed: bool
@@ -540,6 +636,12 @@ class Trainer:
                     record = self.train_step(batches, timed=logged, wait=logged)
                 if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
                     torch.cuda.profiler.stop()
+                diverged = self._count_bad_steps() if logged else None
+                if diverged:  # log the step that ends the run (every rank: _metrics gathers)
+                    record = self._metrics(record, [record["step_time_s"]])
+                    if log:
+                        log.write(record)
+                    raise UserError(diverged)
                 # The first step of a process pays one-off costs; keep it out of the rates.
                 if self.step > first_step + 1 or t.steps - first_step == 1:
                     step_times.append(record["step_time_s"])
@@ -564,6 +666,7 @@ class Trainer:
                 if self.step % t.log_interval == 0 or self.step == t.steps or evaluate or stop:
                     for key in ("loss", "grad_norm"):  # device tensors unless waited for
                         record[key] = float(record[key])
+                    record["skipped"] = bool(record["skipped"])
                     summary["last_loss"] = record["loss"]
                     record = self._metrics(record, step_times or [record["step_time_s"]])
                     step_times = []

@@ -1,0 +1,199 @@
+"""Run-folder safety: one run per folder, nothing of an earlier run deleted, rejected runs touch
+nothing, file-system errors in one line."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcllm.datasets.prepare import PrepareOptions, prepare
+from hpcllm.errors import UserError
+from hpcllm.train import run_dir
+from hpcllm.train.run_dir import EXCLUSIVE_LOCK, LOCK
+
+REPO = Path(__file__).resolve().parent.parent
+
+SMALL = [
+    "model.preset=null",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.d_model=32",
+    "model.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "train.log_interval=1",
+    "train.eval_interval=0",
+    "train.save_interval=1",
+    "run.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="module")
+def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    return out
+
+
+def _train(stdlib: Path, folder: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
+    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={folder}", *extra]:
+        args += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Return every file under ``folder`` (relative path) with its content's hash."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(stdlib: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder with two checkpoints and its metrics."""
+    folder = tmp_path_factory.mktemp("runs") / "run"
+    result = _train(stdlib, folder, "train.steps=2")
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_rejected_run_leaves_the_folder_byte_for_byte(stdlib, trained, tmp_path):
+    folder = _copy(trained, tmp_path / "run")
+    before = _tree(folder)
+    # A global batch the micro-batch does not divide, over checkpoints, with resume none and
+    # with resume auto: both rejected before anything is written.
+    for resume in ("none", "auto"):
+        result = _train(stdlib, folder, "train.global_batch_size=6", f"run.resume={resume}")
+        assert result.returncode == 2, result.stderr
+        assert "global_batch_size" in result.stderr and "Traceback" not in result.stderr
+        assert _tree(folder) == before
+
+
+def test_a_rejected_run_creates_no_folder(stdlib, tmp_path):
+    result = _train(stdlib, tmp_path / "new", "train.global_batch_size=6")
+    assert result.returncode == 2 and not (tmp_path / "new").exists()
+
+
+def test_resume_none_over_checkpoints_refuses_then_moves_the_run_aside(stdlib, trained, tmp_path):
+    folder = _copy(trained, tmp_path / "run")
+    before = _tree(folder)
+    result = _train(stdlib, folder, "train.steps=1", "run.resume=none")
+    assert result.returncode == 2 and "run.overwrite=true" in result.stderr
+    assert result.stderr.count("\n") == 1 and _tree(folder) == before
+    result = _train(stdlib, folder, "train.steps=1", "run.resume=none", "run.overwrite=true")
+    assert result.returncode == 0, result.stderr
+    (aside,) = tmp_path.glob("run.old-*")
+    assert _tree(aside) == before  # the earlier run, whole
+    assert f"aside to {aside}" in result.stderr
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+    assert not (folder / LOCK).exists() and not (aside / LOCK).exists()
+
+
+def test_a_second_run_on_a_locked_folder_exits_2_naming_the_first(stdlib, trained, tmp_path):
+    folder = _copy(trained, tmp_path / "run")
+    held = run_dir.lock(folder, print)  # this test process plays the first job
+    try:
+        before = _tree(folder)
+        result = _train(stdlib, folder, "train.steps=3")
+        assert result.returncode == 2, result.stderr
+        assert f"in use by another run (pid {os.getpid()} on " in result.stderr
+        assert _tree(folder) == before
+    finally:
+        held.release()
+    assert not (folder / LOCK).exists()
+    result = _train(stdlib, folder, "train.steps=3")  # free again: it resumes
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_stale_lock_of_a_dead_job_is_taken_over_with_a_warning(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / LOCK).write_text(json.dumps({"host": "n1", "pid": 1, "since": 0}))
+    warnings: list[str] = []
+    held = run_dir.lock(folder, warnings.append)
+    assert len(warnings) == 1 and "pid 1 on n1" in warnings[0]
+    held.release()
+
+
+def test_the_lock_is_exclusive_across_processes_and_shared_within_one(tmp_path):
+    folder = tmp_path / "run"
+    first = run_dir.lock(folder, print)
+    again = run_dir.lock(folder, print)  # a second trainer of this process shares it
+    assert again is first and first.users == 2
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from hpcllm.train import run_dir; "
+            f"run_dir.lock(__import__('pathlib').Path({str(folder)!r}), print)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert other.returncode != 0 and "in use by another run" in other.stderr
+    again.release()
+    assert (folder / LOCK).exists()
+    first.release()
+    assert not (folder / LOCK).exists()
+
+
+def test_without_fcntl_locks_an_exclusive_file_locks(tmp_path, monkeypatch):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    folder = tmp_path / "run"
+    held = run_dir.lock(folder, print)
+    assert (folder / EXCLUSIVE_LOCK).exists() and not (folder / LOCK).exists()
+    run_dir._HELD.clear()  # as another process would see it
+    with pytest.raises(UserError, match="in use by another run"):
+        run_dir.lock(folder, print)
+    # One left by a dead job on this host is taken over; one from another host is not.
+    (folder / EXCLUSIVE_LOCK).write_text(
+        json.dumps({"host": os.uname().nodename, "pid": 2**22 + 7, "since": 0})
+    )
+    warnings: list[str] = []
+    run_dir.lock(folder, warnings.append).release()
+    assert warnings and not (folder / EXCLUSIVE_LOCK).exists()
+    (folder / EXCLUSIVE_LOCK).write_text(json.dumps({"host": "elsewhere", "pid": 5, "since": 0}))
+    with pytest.raises(UserError, match=f"remove {folder / EXCLUSIVE_LOCK}"):
+        run_dir.lock(folder, print)
+    held.users = 0
+
+
+def test_file_system_errors_are_one_line(stdlib, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = _train(stdlib, blocker / "run", "train.steps=1")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and str(blocker) in result.stderr
+    assert "Traceback" not in result.stderr
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(
+        UserError, match=r"^cannot create the run folder .*: Read-only file system$"
+    ):
+        run_dir.lock(tmp_path / "run", print)
