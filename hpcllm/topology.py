@@ -21,6 +21,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from hpcllm.errors import UserError
@@ -135,7 +136,9 @@ class Grid:
     ``*_comm`` are mpi4py communicators (``None`` in a single process started without a
     launcher, where MPI is never imported); ``*_group`` are torch.distributed groups with
     the same members. ``pp_prev``/``pp_next`` are the world ranks of the neighbouring pipeline
-    stages, wrapping around as the interleaved schedule needs.
+    stages, wrapping around as the interleaved schedule needs. ``timeout_s`` is what
+    :func:`init` gave the torch groups (None: torch's defaults), for engines that start
+    collectives of their own (Horovod).
     """
 
     layout: Layout
@@ -156,6 +159,7 @@ class Grid:
     pp_comm: Any = None
     dp_comm: Any = None
     mp_comm: Any = None
+    timeout_s: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -223,19 +227,17 @@ class Grid:
         }
 
 
-def _rendezvous(world: Any, launch: Launch) -> tuple[str, int, Any]:
+def _rendezvous(world: Any, launch: Launch, timeout: timedelta) -> tuple[str, int, Any]:
     """Return (address, port, store) of a TCPStore that rank 0 serves, agreed over MPI.
 
     Rank 0 opens the store on a free port (or MASTER_PORT) and broadcasts where it is, so no
     two jobs on a node race for a fixed port. Address: MASTER_ADDR if set, loopback when all
-    ranks share a host, else rank 0's hostname as the other nodes resolve it.
+    ranks share a host, else rank 0's hostname as the other nodes resolve it. ``timeout``
+    bounds how long a rank waits for the others in the store.
     """
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     hosts = world.allgather(socket.gethostname())
-    timeout = timedelta(seconds=int(os.environ.get("HPCLLM_DIST_TIMEOUT", "600")))
     if launch.rank == 0:
         addr = os.environ.get("MASTER_ADDR") or (
             "127.0.0.1" if len(set(hosts)) == 1 else socket.getfqdn(hosts[0])
@@ -263,15 +265,20 @@ def _rendezvous(world: Any, launch: Launch) -> tuple[str, int, Any]:
     return addr, port, store
 
 
-def _torch_groups(layout: Layout, rank: int, backend: str) -> dict[str, Any]:
-    """Create every tp/pp/dp/mp torch group (all ranks must take part) and keep ours."""
+def _torch_groups(
+    layout: Layout, rank: int, backend: str, timeout: timedelta | None
+) -> dict[str, Any]:
+    """Create every tp/pp/dp/mp torch group (all ranks must take part) and keep ours.
+
+    A new group does not inherit the world group's timeout; each is given ``timeout``.
+    """
     import torch.distributed as dist
 
     mine = {}
     for axis in ("tp", "pp", "dp", "mp"):
         # Every rank creates every group in the same order, as torch.distributed requires.
         for members in layout.groups(axis):
-            group = dist.new_group(members, backend=backend)
+            group = dist.new_group(members, backend=backend, timeout=timeout)
             if rank in members:
                 mine[axis] = group
     return mine
@@ -296,13 +303,20 @@ def init(
     vpp: int = 1,
     backend: str | None = None,
     env: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
 ) -> Grid:
     """Return this rank's Grid, starting MPI and torch.distributed if not yet started.
 
     Sizes are checked before any collective, from the launcher's world size, so a bad layout is
     a UserError on every rank at once and never a hang. Calling ``init`` again with another
     layout reuses the world process group and builds new groups.
+
+    ``timeout_s`` (the trainer passes ``run.timeout_s``) bounds every torch.distributed
+    collective and receive of the new groups, and the world group's when this call creates it:
+    past it gloo raises and NCCL's watchdog tears the process down. None keeps torch's
+    defaults (30 min for gloo, 10 for NCCL) and a 600 s rendezvous.
     """
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     launch = detect_launcher(env)
     layout = Layout.for_world(launch.world_size, tp=tp, pp=pp, dp=dp, vpp=vpp)
 
@@ -331,16 +345,17 @@ def init(
         if world_comm is None:
             store = dist.HashStore()
         else:
-            _, _, store = _rendezvous(world_comm, launch)
+            _, _, store = _rendezvous(world_comm, launch, timeout or timedelta(seconds=600))
         dist.init_process_group(
             backend,
             store=store,
             rank=launch.rank,
             world_size=launch.world_size,
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
 
-    groups = _torch_groups(layout, launch.rank, backend)
+    groups = _torch_groups(layout, launch.rank, backend, timeout)
     comms = _mpi_comms(world_comm, layout, launch.rank) if world_comm is not None else {}
     tp_rank, pp_rank, dp_rank = layout.coords(launch.rank)
     return Grid(
@@ -362,6 +377,7 @@ def init(
         pp_comm=comms.get("pp"),
         dp_comm=comms.get("dp"),
         mp_comm=comms.get("mp"),
+        timeout_s=timeout_s,
     )
 
 

@@ -23,7 +23,7 @@ LAYERS = [
     ("package", ["hpcllm"]),  # __init__: __version__ only
     ("user error", ["hpcllm.user_error"]),
     ("launcher", ["hpcllm.launcher", "hpcllm.files"]),
-    ("errors", ["hpcllm.errors"]),
+    ("errors", ["hpcllm.errors", "hpcllm.watchdog"]),
     ("topology", ["hpcllm.topology"]),
     ("config", ["hpcllm.config"]),
     ("observe", ["hpcllm.observe"]),

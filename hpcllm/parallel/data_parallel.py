@@ -35,7 +35,7 @@ from hpcllm.topology import Grid
 
 ENGINES = ("ddp", "horovod", "ps")
 
-StepFn = Callable[[], tuple[torch.Tensor, bool]]
+StepFn = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Engine:
@@ -101,8 +101,8 @@ class Engine:
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
-    ) -> tuple[torch.Tensor, bool]:
-        """Run the optimizer step; return (grad norm, a 0-d tensor; step skipped).
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the optimizer step; return (grad norm, step skipped) as 0-d device tensors.
 
         ``local_step`` is the default step on this rank's gradients (unscale, clip, step,
         update the scale); engines run it as it is unless their algorithm steps elsewhere.
@@ -251,6 +251,14 @@ class HorovodEngine(Engine):
                 "parallel.dp_engine: horovod needs a launcher (mpirun or srun "
                 "--mpi=pmix), even for one rank"
             )
+        if grid.timeout_s is not None:
+            # Horovod's stall check from the groups' timeout, unless the user set it: warn
+            # early (at most Horovod's 60 s), shut down at the timeout. Whole seconds; Horovod
+            # checks once per warning interval and ignores a shutdown time not above it.
+            warn = max(1, min(60, int(grid.timeout_s) // 2))
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(warn))
+            shutdown = max(warn + 1, round(grid.timeout_s))
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(shutdown))
         hvd.init(comm=grid.dp_comm)
         if hvd.size() != grid.dp:
             raise UserError(
@@ -297,7 +305,7 @@ class HorovodEngine(Engine):
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The gradients are averaged already (finish_gradients synchronised): the step must
         # not make Horovod synchronise a second time.
         with optimizer.skip_synchronize():
@@ -349,7 +357,7 @@ class ParameterServerEngine(Engine):
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.grid.dp == 1:
             return local_step()
         device = self.params[0].device  # nccl moves CUDA tensors only
@@ -359,7 +367,7 @@ class ParameterServerEngine(Engine):
             result = torch.stack(
                 [
                     norm.to(device=device, dtype=torch.float32),
-                    torch.tensor(float(skipped), device=device),
+                    skipped.to(device=device, dtype=torch.float32),
                     torch.tensor(scaler.get_scale() if scaler.is_enabled() else 1.0, device=device),
                 ]
             )
@@ -377,7 +385,7 @@ class ParameterServerEngine(Engine):
             optimizer.zero_grad()
             if scaler.is_enabled():
                 scaler.update(new_scale=float(result[2]))
-        return result[0], bool(result[1])
+        return result[0], result[1] > 0
 
 
 def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:

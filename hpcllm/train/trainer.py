@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcllm import kernels, observe, topology
+from hpcllm import kernels, observe, topology, watchdog
 from hpcllm.config import Config, accumulation_steps, padded_vocab, parse_profile_steps
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
@@ -80,7 +80,9 @@ class Trainer:
         # A stop signal during set-up (minutes on a big model) is honoured at the first step.
         self._stop_signal: int | None = None
         self.process.handle_signals(self._on_signal, signal.SIGTERM, signal.SIGUSR1)
-        self.grid = topology.init(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
+        self.grid = topology.init(
+            tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, timeout_s=watchdog.backstop_s(cfg.run.timeout_s)
+        )
         self.device = self.grid.device
         self.process.keep_rng_state(self.device)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -359,7 +361,10 @@ class Trainer:
         self.model.train()
         self.engine.reset_timers()
         loss_sum, data_time, compute_time = self._run_schedule(batches, timed)
-        with observe.nvtx_range("gradient communication"):
+        with (
+            observe.nvtx_range("gradient communication"),
+            watchdog.waiting("gradient communication", axis="dp"),
+        ):
             grads.finish_gradients(
                 self.model,
                 self.engine,
@@ -371,7 +376,7 @@ class Trainer:
             compute_time -= self.engine.comm_wait_s
         for hook in self.grad_hooks:
             hook(self.step, self.model)
-        with observe.nvtx_range("optimizer"):
+        with observe.nvtx_range("optimizer"), watchdog.waiting("optimizer step", axis="mp"):
             grad_norm, skipped = grads.step(
                 self.engine,
                 self.parallelized.parameters,
@@ -389,12 +394,15 @@ class Trainer:
         self.step += 1
         loss_mean = loss_sum / self.accumulation
         if self.grid.dp > 1:
-            dist.all_reduce(loss_mean, group=self.grid.dp_group)
+            with watchdog.waiting("loss all-reduce", axis="dp"):
+                dist.all_reduce(loss_mean, group=self.grid.dp_group)
             loss_mean /= self.grid.dp
         if wait:
-            self._count_bad_steps()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            # On a GPU the host meets a stalled collective here, where it reads the device.
+            with watchdog.waiting("device results"):
+                self._count_bad_steps()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - started
         return {
             "step": self.step,
@@ -453,7 +461,8 @@ class Trainer:
         )
         if parallelized.pp_group is not None:
             # Stages start together, so that the recorded timelines share one origin.
-            dist.barrier(group=parallelized.pp_group)
+            with watchdog.waiting("pipeline start barrier", axis="pp"):
+                dist.barrier(group=parallelized.pp_group)
         with (
             observe.nvtx_range(f"pipeline {parallelized.schedule}"),
             step_autocast_cache(t.precision, self.device),
@@ -475,7 +484,8 @@ class Trainer:
         for loss in work.losses.values():
             loss_sum += loss.float()
         if self.parallelized.pp_group is not None:  # only the last stage has the losses
-            dist.all_reduce(loss_sum, group=self.parallelized.pp_group)
+            with watchdog.waiting("loss all-reduce", axis="pp"):
+                dist.all_reduce(loss_sum, group=self.parallelized.pp_group)
         return loss_sum
 
     def _model_parameters(self) -> int:
@@ -546,7 +556,8 @@ class Trainer:
             batches.close()
         total = self._stage_loss_sum(work) / iters
         if self.grid.dp > 1:
-            dist.all_reduce(total, group=self.grid.dp_group)
+            with watchdog.waiting("validation loss all-reduce", axis="dp"):
+                dist.all_reduce(total, group=self.grid.dp_group)
             total /= self.grid.dp
         return total.item()
 
@@ -562,11 +573,12 @@ class Trainer:
         mine = int(bool(self._stop_signal))
         if self.grid.world_size == 1:
             return bool(mine)
-        if self.grid.world_comm is not None:
-            return self.grid.world_comm.allreduce(mine) > 0
-        flag = torch.tensor([float(mine)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        with watchdog.waiting("stop-signal agreement", axis="world"):
+            if self.grid.world_comm is not None:
+                return self.grid.world_comm.allreduce(mine) > 0
+            flag = torch.tensor([float(mine)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
 
     def _per_rank(self, record: dict[str, Any]) -> dict[str, Any]:
         """Return every rank's compute and wait times of this step, and the slowest rank.
@@ -575,7 +587,8 @@ class Trainer:
         """
         mine = (record["compute_s"], record["comm_wait_s"], observe.gpu_utilisation(self.device))
         rows: list[Any] = [None] * self.grid.world_size
-        dist.all_gather_object(rows, mine)
+        with watchdog.waiting("metrics gather", axis="world"):
+            dist.all_gather_object(rows, mine)
         compute = [r[0] for r in rows]
         return {
             "rank_compute_s": compute,
@@ -627,15 +640,21 @@ class Trainer:
         step_times: list[float] = []
         summary: dict[str, Any] = {"start_step": self.step, "stopped_by": None}
         first_step = self.step
+        dog: watchdog.Watchdog | None = None
         try:
             while self.step < t.steps:
                 if self.profile and self.step == self.profile[0] and self.device.type == "cuda":
                     torch.cuda.profiler.start()
                 logged = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.steps
-                with observe.nvtx_range(f"step {self.step}"):
+                with (
+                    observe.nvtx_range(f"step {self.step}"),
+                    watchdog.waiting("train step", step=self.step + 1),
+                ):
                     record = self.train_step(batches, timed=logged, wait=logged)
                 if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
                     torch.cuda.profiler.stop()
+                if dog is None:  # armed once the first step has compiled and autotuned
+                    dog = watchdog.start(self.cfg.run.timeout_s, self.grid.rank, self.run_dir)
                 diverged = self._count_bad_steps() if logged else None
                 if diverged:  # log the step that ends the run (every rank: _metrics gathers)
                     record = self._metrics(record, [record["step_time_s"]])
@@ -653,7 +672,8 @@ class Trainer:
                     or stop
                     or self.step == t.steps
                 ):
-                    self.save()
+                    with watchdog.waiting("checkpoint save", step=self.step):
+                        self.save()
                 evaluate = (
                     self.val_reader is not None
                     and not stop
@@ -662,7 +682,8 @@ class Trainer:
                     )
                 )
                 if evaluate:
-                    record["val_loss"] = summary["val_loss"] = self.evaluate()
+                    with watchdog.at(phase="evaluation", step=self.step):
+                        record["val_loss"] = summary["val_loss"] = self.evaluate()
                 if self.step % t.log_interval == 0 or self.step == t.steps or evaluate or stop:
                     for key in ("loss", "grad_norm"):  # device tensors unless waited for
                         record[key] = float(record[key])
@@ -686,6 +707,8 @@ class Trainer:
                     summary["stopped_by"] = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
         finally:
+            if dog is not None:
+                dog.stop()
             bar.close()
             batches.close()
             self.write_timeline()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm.parallel.pipeline.schedule import Action, Interval, Kind
+from hpcllm.watchdog import waiting
 
 _ACTIVATION, _GRADIENT = 0, 1  # p2p tags: gloo matches on them, NCCL keeps channel order
 
@@ -136,7 +137,7 @@ class Runtime:
             action = actions[i]
             key = (action.microbatch, action.chunk)
             if action.kind == Kind.F:
-                x = self._arrived(received_f, key)
+                x = self._arrived(received_f, key, forward=True)
                 started = time.perf_counter()
                 if x is not None:
                     x.requires_grad_()
@@ -145,7 +146,7 @@ class Runtime:
                     outbox_f[key] = out
                 i += 1
             elif action.kind == Kind.B:
-                grad = self._arrived(received_b, key)
+                grad = self._arrived(received_b, key, forward=False)
                 started = time.perf_counter()
                 grad = work.backward(
                     action.chunk, action.microbatch, grad, weights=not split_backward
@@ -178,8 +179,10 @@ class Runtime:
             )
             # Forget the sends that have completed, and their buffers with them.
             self._sending = [(r, t) for r, t in self._sending if not r.is_completed()]
-        for request, _ in self._sending:
-            request.wait()
+        if self._sending:
+            with waiting("send completion", axis="pp"):
+                for request, _ in self._sending:
+                    request.wait()
         self._sending = []
         if outbox_f or outbox_b or received_f or received_b:
             raise RuntimeError(
@@ -227,7 +230,9 @@ class Runtime:
                     )
                 )
                 targets.append((received_f if forward else received_b, key, buffer))
-        requests = dist.batch_isend_irecv(ops)
+        # Asynchronous, except the first on NCCL, which connects the two ranks.
+        with waiting("post sends and receives", axis="pp", microbatch=batch[0].microbatch):
+            requests = dist.batch_isend_irecv(ops)
         if len(requests) != len(ops):  # a backend that returns one request for the batch
             requests = [requests[0]] * len(ops)
         for request, target in zip(requests, targets, strict=True):
@@ -238,14 +243,25 @@ class Runtime:
                 self._sending.append((request, target))
 
     def _arrived(
-        self, store: dict[tuple[int, int], Any], key: tuple[int, int]
+        self, store: dict[tuple[int, int], Any], key: tuple[int, int], forward: bool
     ) -> torch.Tensor | None:
-        """Return the tensor received for ``key`` (waiting for it), or None if none is due."""
+        """Return the tensor received for ``key`` (waiting for it), or None if none is due.
+
+        ``forward``: an activation from the previous stage, else a gradient from the next.
+        """
         if key not in store:
             return None
         request, buffer = store.pop(key)
-        request.wait()
-        return self.channel.incoming(buffer)
+        microbatch, chunk = key
+        what, peer = (
+            ("recv activation", self.channel.prev)
+            if forward
+            else ("recv gradient", self.channel.next)
+        )
+        with waiting(what, axis="pp", peer=peer, microbatch=microbatch, chunk=chunk):
+            request.wait()
+        with waiting("gather the received parts", axis="tp", microbatch=microbatch, chunk=chunk):
+            return self.channel.incoming(buffer)
 
 
 def forward_only(p: int, rank: int, m: int, v: int) -> list[Action]:

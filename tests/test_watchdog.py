@@ -1,0 +1,226 @@
+"""The watchdog turns a stalled phase into one abort that names it; an mpirun job never hangs."""
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from mpirun import python, run_mpi
+
+from hpcllm import watchdog
+
+
+class Aborts:
+    """An injected abort: records each call and lets the test wait for the first."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.called = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.called.set()
+
+
+@pytest.fixture
+def aborts():
+    record = Aborts()
+    yield record
+    for dog in list(watchdog._ACTIVE):
+        dog.stop()
+
+
+def test_a_phase_past_the_timeout_aborts_once_naming_it(aborts, tmp_path, capsys):
+    dog = watchdog.start(0.3, rank=3, report_dir=tmp_path / "report", abort=aborts)
+    with watchdog.waiting("gradient all-reduce", axis="dp", step=12):
+        assert aborts.called.wait(5)
+        time.sleep(0.5)  # several more checks: still one abort
+    dog.stop()
+    assert aborts.codes == [1]
+    line = (
+        "hpcllm: error (rank 3): no progress for 0 s while waiting on gradient all-reduce "
+        "(axis=dp, step=12); aborting the job"
+    )
+    assert capsys.readouterr().err.strip() == line
+    assert dog.fired == line
+    report = (tmp_path / "report" / "hang-rank00003.txt").read_text()
+    assert line in report
+    assert "gradient all-reduce {'axis': 'dp', 'step': 12} entered" in report
+    assert "test_a_phase_past_the_timeout_aborts_once_naming_it" in report  # the traceback
+
+
+def test_a_phase_that_ends_in_time_does_not_abort(aborts):
+    dog = watchdog.start(0.3, rank=0, abort=aborts)
+    for _ in range(8):  # 0.8 s in phases, none of them 0.3 s long, and time outside any
+        with watchdog.waiting("recv activation", axis="pp", peer=1):
+            time.sleep(0.05)
+        time.sleep(0.05)
+    time.sleep(0.5)  # outside every phase nothing counts
+    dog.stop()
+    assert aborts.codes == []
+
+
+def test_nested_phases_name_the_innermost_with_every_field(aborts, tmp_path, capsys):
+    watchdog.start(0.3, rank=1, report_dir=tmp_path, abort=aborts)
+    with watchdog.waiting("pipeline schedule", step=7, axis="none"):
+        for microbatch in range(4):  # progress inside the outer phase: no abort
+            with watchdog.waiting("recv gradient", axis="pp", peer=2, microbatch=microbatch):
+                time.sleep(0.1)
+        assert not aborts.called.is_set()
+        with watchdog.waiting("recv activation", axis="pp", peer=0, microbatch=4):
+            assert aborts.called.wait(5)
+    assert aborts.codes == [1]
+    err = capsys.readouterr().err
+    assert "waiting on recv activation (axis=pp, peer=0, microbatch=4, step=7)" in err
+    phases = (tmp_path / "hang-rank00001.txt").read_text().split("marks:\n")[1]
+    assert phases.index("pipeline schedule") < phases.index("recv activation")  # outer first
+
+
+def test_at_adds_fields_and_time_in_it_is_not_a_wait(aborts, capsys):
+    watchdog.start(0.2, rank=0, abort=aborts)
+    with watchdog.at(step=5):
+        time.sleep(0.5)  # computing: no wait, however long
+        assert not aborts.called.is_set()
+        with watchdog.waiting("loss all-reduce", axis="pp"):
+            assert aborts.called.wait(5)
+    assert "waiting on loss all-reduce (axis=pp, step=5);" in capsys.readouterr().err
+
+
+def test_time_the_process_spent_stopped_does_not_count():
+    # A suspended job (SIGSTOP to every rank, later SIGCONT) must go on when resumed.
+    child = subprocess.Popen(
+        python(
+            "-c",
+            "import sys, time\n"
+            "from hpcllm import watchdog\n"
+            "watchdog.start(1.0, rank=0, abort=lambda code: sys.exit(f'fired {code}'))\n"
+            "with watchdog.waiting('recv activation'):\n"
+            "    print('waiting', flush=True)\n"
+            "    time.sleep(0.8)\n"
+            "print('went on', flush=True)\n",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline() == "waiting\n"
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert "went on" in out and "no progress" not in err, err
+
+
+def test_the_backstop_comes_after_the_watchdog():
+    assert watchdog.backstop_s(3) == 8 and watchdog.backstop_s(600) == 660
+
+
+def test_an_unwritable_report_folder_still_aborts(aborts, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    watchdog.start(0.2, rank=0, report_dir=blocker / "below", abort=aborts)
+    with watchdog.waiting("save"):
+        assert aborts.called.wait(5)
+    assert aborts.codes == [1]
+
+
+def test_stop_ends_the_thread_and_waiting_becomes_a_no_op(aborts):
+    dog = watchdog.start(0.2, rank=0, abort=aborts)
+    assert dog._thread.is_alive()
+    dog.stop()
+    assert not dog._thread.is_alive()
+    with watchdog.waiting("evaluation"):
+        time.sleep(0.4)
+    assert aborts.codes == []
+    assert dog._stack == []
+
+
+def test_without_a_watchdog_waiting_does_nothing():
+    assert not watchdog._ACTIVE
+    mark = watchdog.waiting("gradient all-reduce", axis="dp")
+    assert mark is watchdog.waiting("optimizer step")  # one shared no-op
+    with mark:
+        pass
+
+
+def test_start_replaces_the_running_watchdog(aborts):
+    first = watchdog.start(60, rank=0, abort=aborts)
+    second = watchdog.start(60, rank=0, abort=aborts)
+    assert not first._thread.is_alive()
+    assert watchdog._ACTIVE == [second]
+
+
+def test_the_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="above 0"):
+        watchdog.start(0, rank=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "mode, phase",
+    [
+        ("allreduce", "gradient all-reduce (axis=dp, step=12)"),
+        ("pipeline", "recv gradient (axis=pp, peer=1, microbatch=0, chunk=0, step=1)"),
+    ],
+)
+def test_a_stopped_rank_ends_the_job_instead_of_hanging(tmp_path, mode, phase):
+    script = python("tests/mpi_scripts/watchdog_stalled_peer.py", mode, "3", str(tmp_path))
+    result = run_mpi(2, script, timeout=90)
+    assert result.returncode != 0
+    # Timed from the wait, not from mpirun: starting torch takes long on a busy machine.
+    entered = float(result.rank_stdout[0].split("entered at ")[1].split()[0])
+    assert time.time() - entered < 20, f"the job ended {time.time() - entered:.0f} s after"
+    line = f"hpcllm: error (rank 0): no progress for 3 s while waiting on {phase}; aborting the job"
+    assert line in result.rank_stderr.get(0, ""), result.stderr
+    assert "hpcllm: error (rank 1)" not in result.stderr  # resumed to be killed: not its wait
+    assert "rank 0 went on" not in result.stdout
+    assert line in (tmp_path / "hang-rank00000.txt").read_text()
+
+
+@pytest.mark.mpi
+def test_init_timeout_bounds_torch_collectives():
+    result = run_mpi(2, python("tests/mpi_scripts/watchdog_dist_timeout.py", "2", "10"), timeout=90)
+    result.check()
+    rows = [json.loads(line) for line in result.rank_stdout[0].splitlines()]
+    assert [row["group"] for row in rows] == ["world", "dp"]
+    for row in rows:
+        assert row["error"], row
+        assert 1.5 < row["waited_s"] < 6, row
+
+
+@pytest.mark.parametrize(
+    "timeout_s, preset, expected",
+    [
+        (600.0, {}, ("60", "600")),
+        (3.0, {}, ("1", "3")),
+        (1.0, {}, ("1", "2")),  # Horovod ignores a shutdown time not above the warning's
+        (600.0, {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}, ("60", "0")),  # the user's wins
+        (None, {}, (None, None)),
+    ],
+)
+def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, preset, expected):
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from hpcllm.parallel.data_parallel import HorovodEngine
+
+    names = ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    for name in (*names, "HOROVOD_CPU_OPERATIONS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in preset.items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+    fake = SimpleNamespace(
+        init=lambda comm: seen.update({n: os.environ.get(n) for n in names}),
+        size=lambda: 2,
+        Compression=SimpleNamespace(none="none", fp16="fp16"),
+    )
+    monkeypatch.setitem(sys.modules, "horovod.torch", fake)
+    HorovodEngine(SimpleNamespace(dp_comm=object(), dp=2, timeout_s=timeout_s))
+    assert (seen[names[0]], seen[names[1]]) == expected
