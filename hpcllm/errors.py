@@ -73,8 +73,45 @@ def run_reporting_errors(main: Callable[[], int | None]) -> int:
         return _report_user_error(str(err), err.same_on_all_ranks)
     except KeyboardInterrupt:
         return 130
-    except Exception:
+    except Exception as err:
+        if _lost_a_peer(err):
+            return _report_lost_peer(err)
         traceback.print_exc()
         sys.stderr.flush()
         _abort_mpi_job(1)
         return 1
+
+
+# What torch's collectives say when the rank at the other end has gone (it died, or aborted
+# the job after its own error).
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def _lost_a_peer(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    return any(marker in text for marker in _PEER_GONE)
+
+
+def _report_lost_peer(err: BaseException, grace_s: float = 3.0) -> int:
+    """A collective failed because another rank went away: let that rank's message stand.
+
+    The rank that failed first is aborting the job (its own error, or the launcher noticing
+    its death); give the launcher ``grace_s`` to end this rank quietly, then say in one line
+    what happened here, without a traceback that would bury the first rank's message.
+    """
+    time.sleep(grace_s)
+    reason = str(err).splitlines()[0][-160:]
+    print(
+        f"hpcllm: error (rank {launch_rank()}): another rank of the job went away during a "
+        f"collective ({reason}); its own message says why",
+        file=sys.stderr,
+        flush=True,
+    )
+    _abort_mpi_job(1)
+    return 1
