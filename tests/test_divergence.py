@@ -39,7 +39,7 @@ def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_diverging_run_skips_bad_steps_then_stops_with_its_weights_finite(
     stdlib: Path, tmp_path: Path, precision: str
 ) -> None:

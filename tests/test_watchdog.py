@@ -222,5 +222,7 @@ def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, pr
         Compression=SimpleNamespace(none="none", fp16="fp16"),
     )
     monkeypatch.setitem(sys.modules, "horovod.torch", fake)
+    if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute first
+        monkeypatch.setattr(sys.modules["horovod"], "torch", fake, raising=False)
     HorovodEngine(SimpleNamespace(dp_comm=object(), dp=2, timeout_s=timeout_s))
     assert (seen[names[0]], seen[names[1]]) == expected
