@@ -94,8 +94,11 @@ _PEER_GONE = (
 
 
 def _lost_a_peer(err: BaseException) -> bool:
-    text = f"{type(err).__name__}: {err}"
-    return any(marker in text for marker in _PEER_GONE)
+    # torch's collectives raise RuntimeError (DistBackendError is one); a local OSError such
+    # as BrokenPipeError (stdout closed by `| head`) is not a peer's fault.
+    if not isinstance(err, RuntimeError):
+        return False
+    return any(marker in str(err) for marker in _PEER_GONE)
 
 
 def _report_lost_peer(err: BaseException, grace_s: float = 3.0) -> int:

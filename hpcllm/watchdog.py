@@ -10,9 +10,11 @@ entered or left for ``timeout_s`` seconds, prints one line naming that phase and
 around it, appends it with the marks and every thread's Python traceback to
 ``hang-rank<R>.txt``, and aborts the whole job.
 
-Progress is any entry into or exit from a mark, so a long step made of many short waits never
-fires; time where the innermost mark is an :func:`at` or there is none (computing) never
-counts, nor time this process itself spent stopped (a suspended job resumes). torch's and
+Progress is any entry into or exit from a mark, or a :func:`progress` call (each chunk a
+checkpoint writes), so a long step made of many short waits never fires. Time where the
+innermost mark is an :func:`at` or there is none (computing) never counts, nor time this
+process itself spent stopped (a suspended job resumes); a wait that also computes (a whole
+step) gets ``allow_s`` on top of the timeout. torch's and
 Horovod's own timeouts, set to :func:`backstop_s`, end the job a little later if the watchdog
 did not.
 
@@ -47,6 +49,7 @@ class Phase:
     what: str | None
     where: dict[str, Any]
     started: float = field(default_factory=time.monotonic)
+    allow_s: float = 0.0  # what the phase may take beyond the timeout (it computes too)
 
 
 def describe(stack: tuple[Phase, ...]) -> str:
@@ -121,6 +124,10 @@ class Watchdog:
             self._stack.pop()
         self._changed = time.monotonic()
 
+    def progress(self) -> None:
+        """Note progress inside a mark (a chunk of a long write) without leaving it."""
+        self._changed = time.monotonic()
+
     def stop(self) -> None:
         """End the thread and wait for it (at most one check interval)."""
         self._stopped.set()
@@ -149,7 +156,8 @@ class Watchdog:
                 credit += late
             idle = now - changed - credit
             waits = stack and stack[-1].what is not None
-            if waits and idle > self.timeout_s and changed == self._changed:
+            budget = self.timeout_s + (stack[-1].allow_s if stack else 0.0)
+            if waits and idle > budget and changed == self._changed:
                 self._fire(stack, idle)
                 return
 
@@ -203,11 +211,22 @@ class _Mark:
         self.dog.leave()
 
 
-def waiting(what: str, **where: Any) -> AbstractContextManager[None]:
-    """Return a context that marks this rank as blocked on ``what`` (at ``where``) inside it."""
+def waiting(what: str, allow_s: float = 0.0, **where: Any) -> AbstractContextManager[None]:
+    """Return a context that marks this rank as blocked on ``what`` (at ``where``) inside it.
+
+    A phase that also computes or writes (a whole step, a save) passes ``allow_s``, what it
+    may legitimately take on top of the timeout (the trainer passes twice the longest such
+    phase so far), so only a wait well past its usual length fires.
+    """
     if not _ACTIVE:
         return _IDLE
-    return _Mark(_ACTIVE[0], Phase(what, where))
+    return _Mark(_ACTIVE[0], Phase(what, where, allow_s=allow_s))
+
+
+def progress() -> None:
+    """Note progress without a mark (each chunk of a checkpoint write); cheap, no-op idle."""
+    if _ACTIVE:
+        _ACTIVE[0].progress()
 
 
 def at(**where: Any) -> AbstractContextManager[None]:

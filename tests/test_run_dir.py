@@ -197,3 +197,25 @@ def test_file_system_errors_are_one_line(stdlib, tmp_path, monkeypatch):
         UserError, match=r"^cannot create the run folder .*: Read-only file system$"
     ):
         run_dir.lock(tmp_path / "run", print)
+
+
+def test_metrics_without_checkpoints_are_an_earlier_run_too(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    for resume in ("auto", "none"):
+        with pytest.raises(UserError, match="metrics of an earlier run but no checkpoint"):
+            run_dir.claim(folder, resume, False, print)
+    assert (folder / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_a_run_that_fails_to_start_puts_the_run_it_moved_aside_back(tmp_path):
+    folder = tmp_path / "run"
+    (folder / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("{}\n")
+    held = run_dir.claim(folder, "none", True, print)
+    (aside,) = tmp_path.glob("run.old-*")
+    assert held.moved_aside == aside and not (folder / "metrics.jsonl").exists()
+    held.release()  # set-up failed: the new, empty folder goes
+    held.undo_move()  # and the earlier run comes back
+    assert (folder / "metrics.jsonl").read_text() == "{}\n" and not aside.exists()

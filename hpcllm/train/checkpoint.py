@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from hpcllm import watchdog
 from hpcllm.config import Config, config_from_dict, load_yaml
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, durable_replace, fsync_path
@@ -165,6 +166,7 @@ class _ChecksummedFile:
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        watchdog.progress()  # a long write is progress, not a hang
         try:
             written = self._file.write(data)
         except OSError as err:
@@ -691,7 +693,10 @@ def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
         raise UserError(f"{path} is unreadable ({_first_line(err)})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path} is not a config (not a YAML mapping)")
-    saved_cfg = config_from_dict(raw)
+    try:
+        saved_cfg = config_from_dict(raw)
+    except UserError as err:  # an older version's rules, or a path of another machine
+        raise UserError(f"{path} (the checkpoint's config): {err}") from None
     saved, mine = saved_cfg.model, cfg.model
     keys = ("n_layer", "n_head", "d_model", "seq_len")
     different = [

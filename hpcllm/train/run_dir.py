@@ -50,6 +50,12 @@ def fs_errors(operation: str, path: Path) -> Iterator[None]:
         raise fs_error(operation, path, err) from None
 
 
+def has_metrics(run_dir: Path) -> bool:
+    """Return whether ``run_dir`` holds the logged metrics of an earlier run."""
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
 def has_checkpoints(run_dir: Path) -> bool:
     """Return whether ``run_dir`` holds a checkpoint (finished or not) of an earlier run."""
     folder = run_dir / "checkpoints"
@@ -96,6 +102,20 @@ class RunLock:
     fd: int | None  # the fcntl-locked file, or None for the exclusive-create file
     created_folder: bool = False
     users: int = 1  # trainers of this process holding it (the lock is the process's)
+    moved_aside: Path | None = None  # where claim() moved an earlier run
+
+    def undo_move(self) -> None:
+        """Put an earlier run that :func:`claim` moved aside back (a run that failed to start).
+
+        Called after :meth:`release`, which removed the new folder if the run left it empty.
+        """
+        if self.moved_aside is None:
+            return
+        original = self.path.parent
+        if not original.exists():
+            with contextlib.suppress(OSError):
+                self.moved_aside.rename(original)
+        self.moved_aside = None
 
     def release(self) -> None:
         """Give the folder up, leaving no lock file, once its last user in this process does.
@@ -146,6 +166,11 @@ def _take(run_dir: Path, warn: Callable[[str], None]) -> RunLock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            # The holder removed the file between our open and our lock (it was releasing):
+            # the lock we got is on a file nobody else will look at. Start over.
+            os.close(fd)
+            return _take(run_dir, warn)
     except OSError as err:
         previous = _read(path)
         os.close(fd)
@@ -164,9 +189,12 @@ def _take(run_dir: Path, warn: Callable[[str], None]) -> RunLock:
     previous = _read(path)
     if previous.strip():
         warn(f"taking over the lock of {run_dir} from {_describe(previous)}, no longer running")
-    with fs_errors("write the lock file", path):
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+    except OSError as err:
+        os.close(fd)  # and with it the lock
+        raise fs_error("write the lock file", path, err) from None
     return RunLock(path, fd, created)
 
 
@@ -219,14 +247,23 @@ def move_aside(run_dir: Path) -> Path:
 def claim(run_dir: Path, resume: str, overwrite: bool, warn: Callable[[str], None]) -> RunLock:
     """Make ``run_dir`` this run's (rank 0 only): lock it, moving an earlier run aside if asked.
 
-    ``resume: none`` over checkpoints refuses unless ``overwrite``; then the earlier run is
-    locked first (it must not be running), moved aside whole, and a fresh folder is locked.
+    An earlier run (checkpoints, or logged metrics) that this run would not continue
+    (``resume: none``, or no checkpoint to resume from) refuses unless ``overwrite``; then the
+    earlier run is locked first (it must not be running), moved aside whole, and a fresh
+    folder is locked. Should this run fail to start, :meth:`RunLock.undo_move` puts it back.
     """
-    if resume == "none" and has_checkpoints(run_dir):
+    checkpoints = has_checkpoints(run_dir)
+    earlier = checkpoints or has_metrics(run_dir)
+    if earlier and (resume == "none" or not checkpoints):
         if not overwrite:
+            what = (
+                "checkpoints of an earlier run and run.resume is none; set run.resume=auto "
+                "to continue it,"
+                if checkpoints
+                else "the metrics of an earlier run but no checkpoint to continue from; set"
+            )
             raise UserError(
-                f"{run_dir} holds checkpoints of an earlier run and run.resume is none; "
-                "set run.resume=auto to continue it, run.overwrite=true to move it aside "
+                f"{run_dir} holds {what} run.overwrite=true to move it aside "
                 f"({run_dir.name}.old-<time>) and start over, or another run.dir"
             )
         earlier = lock(run_dir, warn)
@@ -238,4 +275,7 @@ def claim(run_dir: Path, resume: str, overwrite: bool, warn: Callable[[str], Non
             with contextlib.suppress(OSError):
                 (moved / name).unlink()
         warn(f"moved the earlier run in {run_dir} aside to {moved}")
+        held = lock(run_dir, warn)
+        held.moved_aside = moved
+        return held
     return lock(run_dir, warn)
