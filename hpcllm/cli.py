@@ -7,9 +7,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcllm import __version__
 from hpcllm.errors import run_reporting_errors
+
+if TYPE_CHECKING:
+    from hpcllm.config import Config
 
 
 def _positive(text: str) -> int:
@@ -124,30 +128,59 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_sections() -> str:
+    """Return every config section with its keys, as ``model (preset, n_layer, ...)``."""
+    import dataclasses
+
+    from hpcllm.config import Config
+
+    cfg = Config()
+    sections = [(s.name, dataclasses.fields(getattr(cfg, s.name))) for s in dataclasses.fields(cfg)]
+    return ", ".join(f"{name} ({', '.join(f.name for f in keys)})" for name, keys in sections)
+
+
+def _config_keys() -> str:
+    """Return one help line per config key: its type, default and allowed values."""
+    import dataclasses
+    import typing
+
+    from hpcllm.config import _CHOICES, Config
+
+    def shown(value: object) -> str:
+        if value is None or isinstance(value, bool):
+            return {None: "null", True: "true", False: "false"}[value]
+        return str(value)
+
+    cfg, rows = Config(), []
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(values))
+        for key in dataclasses.fields(values):
+            hint = hints[key.name]
+            kind = hint.__name__ if isinstance(hint, type) else str(hint)
+            choices = _CHOICES.get((section.name, key.name))
+            allowed = f"  [{' | '.join(choices)}]" if choices else ""
+            name, default = f"{section.name}.{key.name}", shown(getattr(values, key.name))
+            rows.append(f"  {name:<28} {kind:<16} {default}{allowed}")
+    return "\n".join(rows)
+
+
 def _add_train(verbs: argparse._SubParsersAction) -> None:
     train = verbs.add_parser(
         "train",
         help="train a GPT on prepared shards",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a GPT from a YAML config on every rank of the job (mpirun/srun, or "
-        "one process). Sections and keys: model (preset, n_layer, n_head, d_model, seq_len, "
-        "vocab_size, dropout, recompute, fused_kernels, compile, layer_norm_eps, init_std), "
-        "parallel (tp, pp, dp, vpp, schedule, "
-        "dp_engine, sequence_parallel, scatter_gather, pipeline_layers, ddp_bucket_mb, "
-        "ddp_bucket_view, "
-        "dp_compression, horovod_fusion_mb, horovod_cycle_ms), data (path, seed, prefetch), "
-        "train (steps, micro_batch_size, global_batch_size, lr, min_lr, warmup_steps, "
-        "lr_decay_steps, lr_scaling, lr_reference_batch, precision, grad_clip, weight_decay, "
-        "beta1, beta2, adam_eps, seed, log_interval, eval_interval, eval_iters, "
-        "save_interval, peak_tflops, profile_steps, max_bad_steps), run (dir, resume, "
-        "overwrite, save_failure, timeout_s, tensorboard).\n\n"
+        f"one process). Sections and keys: {_config_sections()}.\n\n"
         "The run folder gets config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and "
         "loss.png. SIGTERM or SIGUSR1 finishes the current step, saves a checkpoint and "
         "exits 0; run.resume: auto continues from checkpoints/latest.\n\n"
         "examples:\n"
         "  mpirun -np 2 hpcllm train --config jobs/configs/tiny-cpu.yaml\n"
         "  hpcllm train --config jobs/configs/tiny-cpu.yaml --set train.steps=20 "
-        "--set train.precision=bf16",
+        "--set train.precision=bf16\n"
+        "  hpcllm train --config jobs/configs/tiny-cpu.yaml --print-config --world-size 8\n\n"
+        f"config keys (SECTION.KEY  type  default  [allowed values]):\n{_config_keys()}",
     )
     _add_config_args(train)
     train.add_argument(
@@ -163,7 +196,25 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
         help="peak TFLOP/s per GPU for MFU (default: the device table; "
         "on CPU MFU is null unless given)",
     )
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (one line per log interval is still printed; without a "
+        "terminal there is no bar anyway)",
+    )
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML after the checks training makes before it "
+        "starts (grid, batch, pipeline; the data when data.path exists) and exit; starts "
+        "nothing and writes nothing",
+    )
+    train.add_argument(
+        "--world-size",
+        type=_positive,
+        metavar="N",
+        help="with --print-config: check for N ranks (default: the launcher's world size)",
+    )
     train.set_defaults(run=_run_train)
 
 
@@ -658,15 +709,62 @@ def _run_bench_data(args: argparse.Namespace) -> int:
     )
 
 
+def _check_for_print(cfg: Config, world_size: int) -> None:
+    """Raise a UserError for what training would refuse before it starts, touching nothing.
+
+    The checks :func:`~hpcllm.train.preflight.preflight` makes, then, where ``data.path``
+    exists, the ones the trainer makes against the data: its tokenizer's vocabulary and a
+    train split holding at least one global micro-batch (d x micro-batch size).
+    """
+    from hpcllm.datasets.shards import load_manifest
+    from hpcllm.errors import UserError
+    from hpcllm.topology import Layout
+    from hpcllm.train.preflight import preflight
+
+    preflight(cfg, world_size)
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not Path(cfg.data.path).exists():
+        return
+    manifest = load_manifest(cfg.data.path)
+    if m.vocab_size is not None and m.vocab_size < manifest.vocab_size:
+        raise UserError(
+            f"model.vocab_size {m.vocab_size} is smaller than the data's tokenizer "
+            f"({manifest.vocab_size})"
+        )
+    dp = Layout.for_world(world_size, tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp).dp
+    samples = max(0, (manifest.n_tokens("train") - 1) // m.seq_len)
+    if samples < dp * t.micro_batch_size:
+        raise UserError(
+            f"the train split has {samples} samples of {m.seq_len} tokens, fewer than one "
+            f"global micro-batch ({dp} ranks x {t.micro_batch_size}); use more data or a "
+            "shorter sequence"
+        )
+
+
 def _run_train(args: argparse.Namespace) -> int:
+    import time
+
     from hpcllm.config import load_config
 
+    started = time.perf_counter()
     overrides = list(args.overrides)
     if args.profile_steps:
         overrides.append(f"train.profile_steps={args.profile_steps}")
     if args.peak_tflops is not None:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     cfg = load_config(args.config, overrides)
+    if args.print_config:
+        import yaml
+
+        from hpcllm.launcher import detect_launcher
+
+        _check_for_print(cfg, args.world_size or detect_launcher().world_size)
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="", flush=True)
+        return 0
+    if args.world_size is not None:
+        from hpcllm.errors import UserError
+
+        raise UserError("--world-size goes with --print-config; the launcher sets a run's")
     from hpcllm import observe
     from hpcllm.train.trainer import Trainer
 
@@ -683,12 +781,19 @@ def _run_train(args: argparse.Namespace) -> int:
             flush=True,
         )
         if summary.get("val_loss") is not None:
-            print(f"validation loss {summary['val_loss']:.4f}   ", end="")
+            print(f"validation loss {summary['val_loss']:.4f}")
+        run_rate = summary.get("run_tokens_per_s")
+        if run_rate is not None:
+            print(f"run mean {run_rate:.0f} tokens/s (every log interval but the first)")
         if summary.get("tokens_per_s") is not None:
             print(
-                f"{summary['tokens_per_s']:.0f} tokens/s   "
+                f"last interval {summary['tokens_per_s']:.0f} tokens/s   "
                 f"{summary['tflops_per_gpu']:.4f} TFLOP/s per rank   MFU {mfu}"
             )
+        print(
+            f"wall time {summary['wall_s']:.1f} s training, "
+            f"{time.perf_counter() - started:.1f} s in all"
+        )
         print(f"run folder {trainer.run_dir}  (loss curve {plot})", flush=True)
     return 0
 

@@ -191,3 +191,35 @@ def plot_loss(run_dir: Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def interval_line(
+    record: dict[str, Any], total_steps: int, loss_scale: float | None, now: float
+) -> str:
+    """Return one logged step's record as an aligned, greppable line of text.
+
+    ``record`` is a metrics.jsonl record; its ``loss_mean`` (the mean over the interval) is
+    shown as the loss where present. ``loss_scale`` is fp16's (None: left out); ``now`` is
+    the wall-clock time (``time.time()``) the line is stamped with.
+    """
+    import time
+
+    width = len(str(total_steps))
+    loss = record.get("loss_mean", record["loss"])
+    mfu = f"{record['mfu']:6.1%}" if record.get("mfu") is not None else "   n/a"
+    fields = [
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)),
+        f"step {record['step']:>{width}}/{total_steps}",
+        f"samples {record['consumed_samples']:>9}",
+        f"loss {loss:8.4f}",
+        f"lr {record['lr']:.3e}",
+        f"grad_norm {record['grad_norm']:8.3f}",
+        *([f"loss_scale {loss_scale:g}"] if loss_scale is not None else []),
+        f"ms/step {record['step_time_s'] * 1e3:9.1f}",
+        f"tokens/s {record['tokens_per_s']:9.0f}",
+        f"TFLOP/s {record['tflops_per_gpu']:8.3f}",
+        f"MFU {mfu}",
+        f"mem MB {record['memory_mb']:8.0f}",
+        f"skipped {record['skipped_steps']}",
+    ]
+    return " | ".join(fields)

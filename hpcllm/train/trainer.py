@@ -72,7 +72,7 @@ class Trainer:
             self._set_up()
         except BaseException:
             self.process.restore()
-            self._release_run_dir()
+            self._release_run_dir(failed=True)
             raise
 
     def _set_up(self) -> None:
@@ -216,6 +216,8 @@ class Trainer:
                 result = work()
             except UserError as err:
                 error = str(err)
+            except OSError as err:  # a file-system failure is one line too
+                error = str(run_folder.fs_error("use", Path(err.filename or "?"), err))
         if self.grid.world_size > 1:
             if self.grid.world_comm is not None:
                 error = self.grid.world_comm.bcast(error, root=0)
@@ -261,9 +263,12 @@ class Trainer:
 
         self._on_rank0(write)
 
-    def _release_run_dir(self) -> None:
+    def _release_run_dir(self, failed: bool = False) -> None:
+        """Give the run folder up; a run that failed to start puts a moved-aside run back."""
         if self._lock is not None:
             self._lock.release()
+            if failed:
+                self._lock.undo_move()
             self._lock = None
 
     def _warn(self, message: str) -> None:
@@ -298,11 +303,12 @@ class Trainer:
                 "not line up"
             )
 
-    def save(self) -> Path | None:
+    def save(self, final: bool = False) -> Path | None:
         """Write a checkpoint of the current step (every rank must call this).
 
         Return its folder, or None when the save failed and ``run.save_failure: warn`` lets
-        the run go on (the next interval tries again).
+        the run go on (the next interval tries again). A ``final`` save (the last step, or a
+        stop signal) has no next interval: its failure always ends the run with an error.
         """
         import yaml
 
@@ -329,7 +335,7 @@ class Trainer:
             shard,
             meta,
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
-            on_failure=self.cfg.run.save_failure,
+            on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self._warn,
         )
 
@@ -389,7 +395,13 @@ class Trainer:
             self.optimizer.zero_grad()
         # Counted on the device; read on logged steps and before saving (_count_bad_steps).
         self._bad_pending += skipped
-        self._bad_streak = (self._bad_streak + 1) * skipped
+        bad = skipped
+        if self.scaler.is_enabled():
+            # fp16 skips while its scaler backs off from 2^16 are the scaler settling, not
+            # divergence (fp16 reads its verdict on the host anyway): the streak counts
+            # only skips once the scale is down to 1.
+            bad = skipped & (self.scaler.get_scale() <= 1.0)
+        self._bad_streak = (self._bad_streak + 1) * bad
         self.consumed_samples += self.global_batch
         self.step += 1
         loss_mean = loss_sum / self.accumulation
@@ -459,8 +471,9 @@ class Trainer:
             scale=self.scaler.scale,
             split_backward=parallelized.split_backward,
         )
-        if parallelized.pp_group is not None:
-            # Stages start together, so that the recorded timelines share one origin.
+        if timed and parallelized.pp_group is not None:
+            # Stages of a logged step start together, so that its recorded timelines share
+            # one origin; other steps skip it (on NCCL a barrier waits for the device).
             with watchdog.waiting("pipeline start barrier", axis="pp"):
                 dist.barrier(group=parallelized.pp_group)
         with (
@@ -616,10 +629,52 @@ class Trainer:
         )
         return record
 
+    def banner(self) -> list[str]:
+        """Return the run's start-up lines (every rank must call this: it counts parameters).
+
+        Versions, launcher, grid, run folder and where it resumes from, model, data and the
+        path of the resolved config, each line prefixed ``hpcllm:`` for grep.
+        """
+        from hpcllm import __version__
+
+        cfg, g, m = self.cfg, self.grid, self.cfg.model
+        resume = (
+            f"resumes from step {self.step} ({self._resume_from})"
+            if self._resume_from is not None
+            else "starts fresh"
+        )
+        lines = [
+            f"hpcllm {__version__}, torch {torch.__version__}, launcher {g.launch.launcher}, "
+            f"device {self.device.type}",
+            f"grid t={g.tp} p={g.pp} d={g.dp} v={cfg.parallel.vpp}, world size {g.world_size}",
+            f"run folder {self.run_dir}, {resume}",
+            f"model {self._model_parameters() / 1e6:.2f} M parameters: n_layer {m.n_layer}, "
+            f"n_head {m.n_head}, d_model {m.d_model}, seq_len {m.seq_len}, vocab "
+            f"{self.vocab_size} (padded {self.padded_vocab})",
+            f"data {cfg.data.path}: {self.manifest.n_tokens('train')} train tokens, "
+            f"{self.reader.dataset.n_samples} samples",
+            f"train {cfg.train.steps} steps, global batch {self.global_batch} "
+            f"({self.tokens_per_step} tokens/step), precision {cfg.train.precision}, "
+            f"log every {cfg.train.log_interval}",
+            f"config {self.run_dir / 'config.yaml'}",
+        ]
+        return [f"hpcllm: {line}" for line in lines]
+
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train to ``train.steps`` (or a stop signal); return the run's summary."""
+        """Train to ``train.steps`` (or a stop signal); return the run's summary.
+
+        Rank 0 prints :meth:`banner` first, then one line per logged step on stdout
+        (:func:`hpcllm.observe.interval_line`). ``progress`` shows a tqdm bar, and only where
+        stdout and stderr are terminals, so a batch job's log holds no carriage returns. The
+        summary's ``run_tokens_per_s`` is the rate over every interval but the first (which
+        pays compilation and warm-up), None with only one; ``wall_s`` is the loop's time.
+        """
         t = self.cfg.train
         is_root = self.grid.rank == 0
+        banner = self.banner()
+        if is_root:
+            print("\n".join(banner), flush=True)
+        started = time.perf_counter()
         log = (
             observe.MetricsLog(self.run_dir, self.cfg.run.tensorboard, self.step)
             if is_root
@@ -630,7 +685,7 @@ class Trainer:
         bar = tqdm(
             total=t.steps,
             initial=self.step,
-            disable=not (progress and is_root),
+            disable=not (progress and is_root and sys.stdout.isatty() and sys.stderr.isatty()),
             desc="train",
             unit="step",
             dynamic_ncols=True,
@@ -640,17 +695,27 @@ class Trainer:
         step_times: list[float] = []
         summary: dict[str, Any] = {"start_step": self.step, "stopped_by": None}
         first_step = self.step
+        # Summed on the device between logged steps: no step waits for the GPU to log it.
+        loss_sum: Any = 0.0
+        loss_steps = 0
+        intervals = run_steps = 0
+        run_time = 0.0
         dog: watchdog.Watchdog | None = None
+        # Phases that compute or write as well as wait may take up to twice their longest so
+        # far on top of run.timeout_s before the watchdog calls them stuck.
+        longest_step = longest_save = 0.0
         try:
             while self.step < t.steps:
                 if self.profile and self.step == self.profile[0] and self.device.type == "cuda":
                     torch.cuda.profiler.start()
                 logged = (self.step + 1) % t.log_interval == 0 or self.step + 1 == t.steps
+                step_started = time.monotonic()
                 with (
                     observe.nvtx_range(f"step {self.step}"),
-                    watchdog.waiting("train step", step=self.step + 1),
+                    watchdog.waiting("train step", allow_s=2 * longest_step, step=self.step + 1),
                 ):
                     record = self.train_step(batches, timed=logged, wait=logged)
+                longest_step = max(longest_step, time.monotonic() - step_started)
                 if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
                     torch.cuda.profiler.stop()
                 if dog is None:  # armed once the first step has compiled and autotuned
@@ -661,6 +726,8 @@ class Trainer:
                     if log:
                         log.write(record)
                     raise UserError(diverged)
+                loss_sum = loss_sum + record["loss"]
+                loss_steps += 1
                 # The first step of a process pays one-off costs; keep it out of the rates.
                 if self.step > first_step + 1 or t.steps - first_step == 1:
                     step_times.append(record["step_time_s"])
@@ -672,8 +739,13 @@ class Trainer:
                     or stop
                     or self.step == t.steps
                 ):
-                    with watchdog.waiting("checkpoint save", step=self.step):
-                        self.save()
+                    save_started = time.monotonic()
+                    last = stop or self.step == t.steps
+                    with watchdog.waiting(
+                        "checkpoint save", allow_s=2 * longest_save, step=self.step
+                    ):
+                        self.save(final=last)
+                    longest_save = max(longest_save, time.monotonic() - save_started)
                 evaluate = (
                     self.val_reader is not None
                     and not stop
@@ -688,13 +760,25 @@ class Trainer:
                     for key in ("loss", "grad_norm"):  # device tensors unless waited for
                         record[key] = float(record[key])
                     record["skipped"] = bool(record["skipped"])
+                    record["loss_mean"] = float(loss_sum) / loss_steps
+                    loss_sum, loss_steps = 0.0, 0
                     summary["last_loss"] = record["loss"]
+                    intervals += 1
+                    if intervals > 1:
+                        run_steps += len(step_times)
+                        run_time += sum(step_times)
                     record = self._metrics(record, step_times or [record["step_time_s"]])
                     step_times = []
                     if log:
                         log.write(record)
+                        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+                        line = observe.interval_line(record, t.steps, scale, time.time())
+                        if bar.disable:
+                            print(line, flush=True)
+                        else:
+                            bar.write(line, file=sys.stdout)
                     bar.set_postfix(
-                        loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
+                        loss=f"{record['loss_mean']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
                     )
                     summary.update(
                         {
@@ -717,6 +801,8 @@ class Trainer:
             if log:
                 log.close()
         summary.update(
+            run_tokens_per_s=self.tokens_per_step * run_steps / run_time if run_time else None,
+            wall_s=time.perf_counter() - started,
             step=self.step,
             skipped_steps=self.skipped_steps,
             parameters=self._model_parameters(),
