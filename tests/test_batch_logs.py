@@ -10,10 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from hpcllm.config import Config, load_config
-from hpcllm.datasets.prepare import PrepareOptions, prepare
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,13 +32,6 @@ INTERVAL = re.compile(
     r"lr [\d.e+-]+ \| grad_norm +[\d.]+ \| ms/step +[\d.]+ \| tokens/s +\d+ \| "
     r"TFLOP/s +[\d.]+ \| MFU +n/a \| mem MB +\d+ \| skipped 0$"
 )
-
-
-@pytest.fixture(scope="module")
-def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    return out
 
 
 def _hpcllm(*args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hpcllm.config import load_config
-from hpcllm.datasets.prepare import PrepareOptions, prepare
 from hpcllm.errors import UserError
 from hpcllm.observe import read_metrics
 from hpcllm.train import checkpoint
@@ -30,13 +29,6 @@ SMALL = [
     "train.grad_clip=0",
     "run.tensorboard=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    return out
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

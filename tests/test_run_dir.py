@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from hpcllm.datasets.prepare import PrepareOptions, prepare
 from hpcllm.errors import UserError
 from hpcllm.train import run_dir
 from hpcllm.train.run_dir import EXCLUSIVE_LOCK, LOCK
@@ -34,13 +33,6 @@ SMALL = [
     "train.save_interval=1",
     "run.tensorboard=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    return out
 
 
 def _train(stdlib: Path, folder: Path, *extra: str) -> subprocess.CompletedProcess:

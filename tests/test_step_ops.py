@@ -22,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
 from hpcllm.config import load_config
-from hpcllm.datasets.prepare import PrepareOptions, prepare
 from hpcllm.train.trainer import Trainer
 
 SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 128}
@@ -39,13 +38,6 @@ class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(scope="module")
-def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    return out
 
 
 def _hpcllm_ops(stdlib: Path, run_dir: Path, precision: str) -> tuple[collections.Counter, Any]:

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from mpirun import REPO, mpi_env
 
-from hpcllm.datasets.prepare import PrepareOptions, prepare
 from hpcllm.launcher import mpirun_command
 from hpcllm.observe import read_metrics
 from hpcllm.train import checkpoint
@@ -45,13 +44,6 @@ SMALL = [
     "train.precision=fp32",
     "run.tensorboard=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def stdlib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare(PrepareOptions(out=out, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    return out
 
 
 def _command(stdlib: Path, run_dir: Path, *extra: str) -> list[str]:
