@@ -569,6 +569,11 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
     allr.add_argument("--iters", type=_positive, default=50, help="[default: 50]")
     allr.add_argument("--warmup", type=int, default=5, help="[default: 5]")
     allr.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
+    allr.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else a line per transport)",
+    )
     allr.set_defaults(run=_run_bench_allreduce)
     pipe = targets.add_parser(
         "pipeline",
@@ -952,7 +957,9 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
 def _run_bench_allreduce(args: argparse.Namespace) -> int:
     from hpcllm.bench import allreduce
 
-    result = allreduce.bench_allreduce(args.bytes, args.iters, args.warmup)
+    result = allreduce.bench_allreduce(
+        args.bytes, args.iters, args.warmup, progress=not args.no_progress
+    )
     if result is not None:
         print(allreduce.render_allreduce(result))
         if args.json_out:
@@ -977,8 +984,16 @@ def _run_bench_prepare(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``hpcllm`` command line and return its exit code."""
 
+    words = sys.argv[1:] if argv is None else argv
+
     def parse_and_run() -> int:
-        args = _build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        if words[:2] == ["bench", "kernels"]:
+            # Its own parser takes every option: argparse's REMAINDER in a sub-command would
+            # refuse the ones that start with "-" (--cpu-smoke).
+            from hpcllm.bench import kernels
+
+            return kernels.main(words[2:])
+        args = _build_parser().parse_args(words)
         return args.run(args)
 
     return run_reporting_errors(parse_and_run)

@@ -1,4 +1,5 @@
-"""What a run reports: FLOPs and MFU, memory, NVTX ranges, metrics.jsonl and TensorBoard.
+"""What a run reports: FLOPs and MFU, memory, NVTX ranges, metrics.jsonl and TensorBoard, and
+which case of how many a benchmark is running.
 
 FLOPs follow Narayanan et al. (SC21), eq. 3: a GPT step on B sequences of s tokens with l
 layers, hidden size h and vocabulary V costs
@@ -18,9 +19,12 @@ import contextlib
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TextIO
 
 import torch
 
@@ -223,3 +227,97 @@ def interval_line(
         f"skipped {record['skipped_steps']}",
     ]
     return " | ".join(fields)
+
+
+class CaseProgress:
+    """Shows on stderr which case of how many a benchmark runs, and for how long.
+
+    On a terminal, a tqdm bar ``what: case i/N label |bar| elapsed, this case s``, redrawn
+    every second: a case may run for minutes without a step to advance the bar. Elsewhere (a
+    batch log, a pipe), one line per finished case and no carriage returns::
+
+        hpcllm bench dp: case 3/12 ddp d=2 fp32 ... done in 14.2 s, 5230 tokens/s
+
+    ``show`` False prints nothing: under MPI only rank 0 reports. Use it as a context manager
+    (it closes the bar) and call :meth:`start` then :meth:`done` around each case.
+    """
+
+    def __init__(
+        self, total: int, what: str, *, show: bool = True, stream: TextIO | None = None
+    ) -> None:
+        self.total, self.what, self.show = total, what, show
+        self.stream = sys.stderr if stream is None else stream
+        self.finished = 0
+        self._label = ""
+        self._started: float | None = None  # None between cases
+        self._bar: Any = None
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def __enter__(self) -> CaseProgress:
+        if self.show and self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.total,
+                desc=self.what,
+                file=self.stream,
+                bar_format="{desc} |{bar:12}| {elapsed} elapsed{postfix}",
+                dynamic_ncols=True,
+            )
+            self._ticker = threading.Thread(target=self._tick, name="case-progress", daemon=True)
+            self._ticker.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self._bar is None:
+            return
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        if error is None:
+            self._bar.set_description_str(
+                f"{self.what}: {self.finished}/{self.total} cases done", refresh=False
+            )
+            self._bar.set_postfix_str("")
+        self._bar.close()
+
+    def start(self, label: str) -> None:
+        """Begin the next case, named ``label`` (e.g. ``ddp d=2 fp32``)."""
+        self._label = label
+        self._started = time.perf_counter()
+        if self._bar is not None:
+            self._bar.set_description_str(
+                f"{self.what}: case {self.finished + 1}/{self.total} {label}", refresh=False
+            )
+            self._bar.set_postfix_str("this case 0 s")
+
+    def done(self, result: str = "") -> None:
+        """End the case begun last; ``result`` (e.g. ``5230 tokens/s``) ends its line."""
+        if self._started is None:
+            raise RuntimeError("CaseProgress.done() without start()")
+        self.finished += 1
+        seconds = time.perf_counter() - self._started
+        self._started = None
+        outcome = f"done in {seconds:.1f} s" + (f", {result}" if result else "")
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"case {outcome}", refresh=False)
+            self._bar.update(1)
+        elif self.show:
+            print(
+                f"{self.what}: case {self.finished}/{self.total} {self._label} ... {outcome}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def _tick(self) -> None:
+        # tqdm redraws only when the bar advances; the case's time should move meanwhile.
+        while not self._stop.wait(1.0):
+            started = self._started
+            if started is not None:
+                self._bar.set_postfix_str(f"this case {time.perf_counter() - started:.0f} s")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from hpcllm.errors import UserError
+from hpcllm.observe import CaseProgress
 
 
 def _time(fn: Any, iters: int, warmup: int, barrier: Any) -> float:
@@ -30,8 +32,14 @@ def _time(fn: Any, iters: int, warmup: int, barrier: Any) -> float:
     return statistics.median(times)
 
 
-def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | None:
-    """All-reduce one float32 buffer of ``nbytes`` via MPI, torch and Horovod; rank 0 gets it."""
+def bench_allreduce(
+    nbytes: int, iters: int, warmup: int, progress: bool = True
+) -> dict[str, Any] | None:
+    """All-reduce one float32 buffer of ``nbytes`` via MPI, torch and Horovod; rank 0 gets it.
+
+    ``progress`` False keeps rank 0 from reporting each transport on stderr (for a caller
+    that reports its own progress, as ``bench dp`` does).
+    """
     from hpcllm import topology
 
     grid = topology.init()
@@ -40,30 +48,38 @@ def bench_allreduce(nbytes: int, iters: int, warmup: int) -> dict[str, Any] | No
         raise UserError("hpcllm bench allreduce runs under mpirun with 2 or more ranks")
     n = grid.world_size
     count = nbytes // 4
+
+    # Each transport is set up only when its turn comes: Horovod's background thread keeps
+    # polling once started, and on a machine with as many ranks as cores it would slow the
+    # measurements before it. In place everywhere, as the engines reduce gradients.
+    def mpi() -> Callable[[], Any]:
+        from mpi4py import MPI
+
+        host = np.ones(count, dtype=np.float32)
+        return lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+
+    def torch_distributed() -> Callable[[], Any]:
+        import torch.distributed as dist
+
+        tensor = torch.ones(count, device=grid.device)
+        return lambda: dist.all_reduce(tensor)
+
+    def horovod() -> Callable[[], Any]:
+        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
+        import horovod.torch as hvd
+
+        hvd.init(comm=comm)
+        tensor = torch.ones(count, device=grid.device)
+        return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bench")
+
+    transports = {"mpi": mpi, f"torch-{grid.backend}": torch_distributed, "horovod": horovod}
     results = {}
-    # In place everywhere, as the engines reduce gradients: no output buffer to allocate.
-    host = np.ones(count, dtype=np.float32)
-    from mpi4py import MPI
-
-    results["mpi"] = _time(
-        lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM), iters, warmup, comm.Barrier
-    )
-    import torch.distributed as dist
-
-    tensor = torch.ones(count, device=grid.device)
-    results[f"torch-{grid.backend}"] = _time(
-        lambda: dist.all_reduce(tensor), iters, warmup, comm.Barrier
-    )
-    # Horovod last: its background thread keeps polling once started, and on a machine with
-    # as many ranks as cores it would slow the other two measurements.
-    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
-    import horovod.torch as hvd
-
-    hvd.init(comm=comm)
-    hv_tensor = torch.ones(count, device=grid.device)
-    results["horovod"] = _time(
-        lambda: hvd.allreduce_(hv_tensor, op=hvd.Sum, name="bench"), iters, warmup, comm.Barrier
-    )
+    show = progress and grid.rank == 0
+    with CaseProgress(len(transports), "hpcllm bench allreduce", show=show) as cases:
+        for name, setup in transports.items():
+            cases.start(name)
+            results[name] = _time(setup(), iters, warmup, comm.Barrier)
+            cases.done(f"{results[name] * 1e3:.3f} ms on rank 0")
     # Every rank's median; the slowest rank sets the collective's time.
     gathered = comm.gather(results, root=0)
     if grid.rank != 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcllm.datasets.reader import MicroBatchReader
+from hpcllm.observe import CaseProgress
 
 
 def bench_reader(
@@ -83,21 +84,24 @@ def run(
     launch = detect_launcher()
     comm = start_mpi().COMM_WORLD if launch.world_size > 1 else None
     results = []
-    for mb in cache_mb:
-        if comm is not None:
-            comm.Barrier()  # all ranks read at once, as in training
-        result = bench_reader(
-            data,
-            seq_len=seq_len,
-            micro_batch_size=micro_batch_size,
-            steps=steps,
-            warmup=warmup,
-            dp_rank=launch.rank,
-            dp_size=launch.world_size,
-            cache_mb=mb,
-        )
-        gathered = comm.gather(result, root=0) if comm is not None else [result]
-        results += gathered or []  # None on ranks other than 0
+    with CaseProgress(len(cache_mb), "hpcllm bench data", show=launch.rank == 0) as progress:
+        for mb in cache_mb:
+            progress.start(f"chunk cache {mb} MiB")
+            if comm is not None:
+                comm.Barrier()  # all ranks read at once, as in training
+            result = bench_reader(
+                data,
+                seq_len=seq_len,
+                micro_batch_size=micro_batch_size,
+                steps=steps,
+                warmup=warmup,
+                dp_rank=launch.rank,
+                dp_size=launch.world_size,
+                cache_mb=mb,
+            )
+            gathered = comm.gather(result, root=0) if comm is not None else [result]
+            results += gathered or []  # None on ranks other than 0
+            progress.done(f"rank 0 {result['tokens_per_s'] / 1e6:.2f} M tokens/s")
     if launch.rank == 0:
         if as_json:
             print(json.dumps({"reader": results}))

@@ -28,6 +28,7 @@ import torch
 
 from hpcllm.bench.allreduce import render_allreduce
 from hpcllm.launcher import mpirun_command, mpirun_env
+from hpcllm.observe import CaseProgress
 from hpcllm.train.preflight import cpu_has_native_bf16
 
 ALGORITHM = {  # what carries each engine's gradient reduction
@@ -94,6 +95,11 @@ def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
     }
 
 
+def engine_runs(dps: list[int], engines: list[str]) -> list[tuple[str, int]]:
+    """Return the (engine, d) runs of one precision: the single rank first, the baseline."""
+    return [("single", 1)] + [(e, d) for d in dps for e in engines]
+
+
 def bench_dp(
     config: Path | None,
     overrides: list[str],
@@ -103,8 +109,12 @@ def bench_dp(
     steps: int,
     warmup: int,
     out: Path,
+    progress: CaseProgress,
 ) -> dict[str, Any]:
-    """Run every configuration; return the rows of the comparison table."""
+    """Run every configuration; return the rows of the comparison table.
+
+    ``progress`` reports each run as a case: the :func:`engine_runs` in each precision.
+    """
     out.mkdir(parents=True, exist_ok=True)
     common = [*(["--config", str(config)] if config else []), "--no-progress"]
     for item in [
@@ -126,9 +136,9 @@ def bench_dp(
     )
     rows = []
     for precision in precisions:
-        runs = [("single", 1)] + [(e, d) for d in dps for e in engines]
         baseline = None
-        for engine, d in runs:
+        for engine, d in engine_runs(dps, engines):
+            progress.start(f"{engine} d={d} {precision}")
             run_dir = out / f"{engine}-d{d}-{precision}"
             args = [
                 "train",
@@ -157,6 +167,7 @@ def bench_dp(
             row["scaling_efficiency"] = row["speedup"] / d
             row["algorithm"] = ALGORITHM.get(engine, "none (one rank)")
             rows.append(row)
+            progress.done(f"{row['tokens_per_s']:.0f} tokens/s")
     return {"rows": rows, "steps": steps, "warmup": warmup, "threads_per_rank": threads}
 
 
@@ -257,14 +268,27 @@ def run(
         precisions, note = default_precisions(torch.cuda.is_available(), cpu_has_native_bf16())
         if note:
             print(note, flush=True)
-    result = bench_dp(config, overrides, dps, engines, precisions, steps, warmup, out)
-    nbytes = gradient_bytes(config, overrides)
-    allreduce_json = out / "allreduce.json"
-    _launch(
-        max(dps),
-        ["bench", "allreduce", "--bytes", str(nbytes), "--json-out", str(allreduce_json)],
-        timeout=600,
-    )
+    # The all-reduce benchmark is one more case: it starts mpirun and Horovod, seconds each.
+    total = len(precisions) * len(engine_runs(dps, engines)) + 1
+    with CaseProgress(total, "hpcllm bench dp") as progress:
+        result = bench_dp(config, overrides, dps, engines, precisions, steps, warmup, out, progress)
+        nbytes = gradient_bytes(config, overrides)
+        allreduce_json = out / "allreduce.json"
+        progress.start(f"all-reduce of {nbytes / 1e6:.1f} MB, d={max(dps)}")
+        _launch(
+            max(dps),
+            [
+                "bench",
+                "allreduce",
+                "--bytes",
+                str(nbytes),
+                "--json-out",
+                str(allreduce_json),
+                "--no-progress",
+            ],
+            timeout=600,
+        )
+        progress.done()
     result["allreduce"] = json.loads(allreduce_json.read_text())
     result["gradient_bytes"] = nbytes
     (out / "bench_dp.json").write_text(json.dumps(result, indent=2))

@@ -43,6 +43,7 @@ from hpcllm import kernels
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
 from hpcllm.kernels.choice import Timer, wall_clock_ms
+from hpcllm.observe import CaseProgress
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,12 @@ class OpCase:
     bwd_bytes: int
 
 
+# The ops _op_cases returns, in its order; known before their inputs are made, to count cases.
+OPS = ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
+
+
 def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
-    """Return the four ops with inputs in the dtypes a bf16-autocast step gives them."""
+    """Return the ops of OPS with inputs in the dtypes a bf16-autocast step gives them."""
     gen = torch.Generator(device=device).manual_seed(0)
     rows, h, ffn, v = sizes.rows, sizes.hidden, 4 * sizes.hidden, sizes.padded_vocab
 
@@ -245,6 +250,42 @@ def bench_op(
     return rows
 
 
+def bench_ops(
+    all_sizes: list[Sizes],
+    device: torch.device,
+    clock: Clock,
+    copy_gbps: float,
+    compile_backend: str,
+    progress: CaseProgress,
+) -> list[dict[str, Any]]:
+    """Return the rows of :func:`bench_op` for every op of OPS at each of ``all_sizes``.
+
+    ``progress`` reports each op at each size as a case.
+    """
+    was = kernels.enabled(), kernels.choosing()
+    kernels.set_enabled(True)  # the dispatch's fused path: the hpcllm custom ops
+    ops = []
+    try:
+        for sizes in all_sizes:
+            for case in _op_cases(sizes, device):
+                progress.start(f"{sizes.name} {case.name}")
+                eager = getattr(reference, case.name)
+                impls = {
+                    "eager": eager,
+                    "compile": torch.compile(eager, backend=compile_backend),
+                    "triton": getattr(kernels, case.name),
+                }
+                ops += bench_op(case, impls, clock, copy_gbps, sizes.name)
+                del case, impls
+                progress.done(f"Triton {ops[-1]['x_vs_compile']:.2f}x torch.compile")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        kernels.set_enabled(was[0], choose=was[1])
+    return ops
+
+
 # (name, model.fused_kernels, whether the model runs under torch.compile)
 TRAINING_VARIANTS = [
     ("kernels off", "off", False),
@@ -256,9 +297,17 @@ TRAINING_VARIANTS = [
 
 
 def bench_training(
-    sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str, timer: Timer
+    sizes: Sizes,
+    device: torch.device,
+    clock: Clock,
+    compile_backend: str,
+    timer: Timer,
+    progress: CaseProgress,
 ) -> list[dict[str, Any]]:
-    """Return tokens/s, TFLOP/s, MFU and the ops that ran Triton, per training-step variant."""
+    """Return tokens/s, TFLOP/s, MFU and the ops that ran Triton, per training-step variant.
+
+    ``progress`` reports each variant as a case.
+    """
     from hpcllm.config import load_config
     from hpcllm.model.gpt import GPT
     from hpcllm.observe import peak_tflops, step_flops
@@ -276,6 +325,7 @@ def bench_training(
     was = kernels.enabled(), kernels.choosing()
     results = []
     for variant, setting, compiled in TRAINING_VARIANTS:
+        progress.start(f"{sizes.name} training step, {variant}")
         kernels.set_enabled(setting != "off", choose=setting == "auto", timer=timer)
         kernels.reset_implementations_used()
         model = GPT(cfg.model, sizes.vocab, seed=0).to(device).train()
@@ -313,6 +363,7 @@ def bench_training(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        progress.done(f"{ms:.4g} ms/step")
     kernels.set_enabled(was[0], choose=was[1])
     return results
 
@@ -371,29 +422,18 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
     backend = "eager" if smoke else "inductor"
     clock = Clock(device, warmup=1 if smoke else 10, iters=iters)
     copy_gbps = copy_bandwidth_gbps(device, clock, (1 << 26) if smoke else (1 << 30))
-    was = kernels.enabled(), kernels.choosing()
-    kernels.set_enabled(True)  # the dispatch's fused path: the hpcllm custom ops
-    ops = []
-    try:
-        for sizes in all_sizes:
-            for case in _op_cases(sizes, device):
-                eager = getattr(reference, case.name)
-                impls = {
-                    "eager": eager,
-                    "compile": torch.compile(eager, backend=backend),
-                    "triton": getattr(kernels, case.name),
-                }
-                ops += bench_op(case, impls, clock, copy_gbps, sizes.name)
-                del case, impls
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        kernels.set_enabled(was[0], choose=was[1])
     sizes = all_sizes[0]
     step_clock = Clock(device, warmup=1 if smoke else 5, iters=steps)
     # auto's timing of each op on first use; once each in smoke mode, where times mean nothing
     choice_timer = functools.partial(wall_clock_ms, warmup=0, iters=1) if smoke else wall_clock_ms
+    total = len(all_sizes) * len(OPS) + (len(TRAINING_VARIANTS) if training else 0)
+    with CaseProgress(total, "hpcllm bench kernels") as progress:
+        ops = bench_ops(all_sizes, device, clock, copy_gbps, backend, progress)
+        training_rows = (
+            bench_training(sizes, device, step_clock, backend, choice_timer, progress)
+            if training
+            else []
+        )
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -402,9 +442,7 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
         "sizes": [asdict(s) for s in all_sizes],
         "copy_gbps": copy_gbps,
         "ops": ops,
-        "training": (
-            bench_training(sizes, device, step_clock, backend, choice_timer) if training else []
-        ),
+        "training": training_rows,
     }
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm.errors import UserError
+from hpcllm.observe import CaseProgress
 from hpcllm.parallel.pipeline.runtime import Channel, Runtime
 from hpcllm.parallel.pipeline.schedule import Interval, check_sizes, rank_actions
 from hpcllm.parallel.pipeline.simulate import theory_bubble
@@ -136,10 +137,11 @@ def run(
     if model == "gpt":
         torch.set_num_threads(1)
     t_b = 2 * t_f
-    rows: list[dict[str, Any]] = []
+    # The sizes a schedule cannot run are known before any runs: skip them up front, so
+    # that the progress counts only the cases that run.
+    cases = []
     for schedule in schedules:
         chunks = v if schedule == "interleaved" else 1
-        t_w = t_b / 2 if schedule == "zb-h1" else 0.0
         for m in microbatches:
             try:
                 check_sizes(schedule, grid.pp, m, chunks)
@@ -147,6 +149,13 @@ def run(
                 if grid.rank == 0:
                     print(f"skipped {schedule} m={m}: {err}", flush=True)
                 continue
+            cases.append((schedule, m, chunks))
+    rows: list[dict[str, Any]] = []
+    progress = CaseProgress(len(cases), "hpcllm bench pipeline", show=grid.rank == 0)
+    with progress:
+        for schedule, m, chunks in cases:
+            progress.start(f"{schedule} m={m}" + (f" v={chunks}" if chunks > 1 else ""))
+            t_w = t_b / 2 if schedule == "zb-h1" else 0.0
             actions = rank_actions(schedule, grid.pp, grid.pp_rank, m, chunks)
             last = chunks - 1 if grid.pp_rank == grid.pp - 1 else None
             first = 0 if grid.pp_rank == 0 else None
@@ -206,6 +215,7 @@ def run(
             rows.append(row)
             if timeline_dir is not None and grid.rank == 0:
                 _draw(timeline_dir, row, [g[2] for g in gathered])
+            progress.done(f"step {step_time:.3f} s")
     if grid.rank == 0:
         _ratios(rows)
         print(render(rows), flush=True)

@@ -6,6 +6,7 @@ into training the tokenizer (rank 0 alone) and tokenizing + writing shards (all 
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcllm.launcher import mpirun_command, mpirun_env
+from hpcllm.observe import CaseProgress
 
 
 def bench_prepare(
@@ -30,8 +32,10 @@ def bench_prepare(
     """
     settings = {"RAYON_NUM_THREADS": str(threads_per_rank)} if threads_per_rank else {}
     rows = []
-    for tokenizer in tokenizers:
-        for n in ranks:
+    cases = list(itertools.product(tokenizers, ranks))
+    with CaseProgress(len(cases), "hpcllm bench prepare") as progress:
+        for tokenizer, n in cases:
+            progress.start(f"{tokenizer} tokenizer, {n} rank(s)")
             out = out_root / f"{tokenizer}-{n}ranks"
             cmd = [
                 sys.executable,
@@ -61,6 +65,7 @@ def bench_prepare(
                     **prep["prepare"],
                 }
             )
+            progress.done(f"{rows[-1]['mb_per_s']:.2f} MB/s")
     return rows
 
 

@@ -42,7 +42,7 @@ from hpcllm import kernels
 from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
 from hpcllm.config import Config, load_config
 from hpcllm.files import atomic_write
-from hpcllm.observe import peak_tflops, step_flops
+from hpcllm.observe import CaseProgress, peak_tflops, step_flops
 from hpcllm.train.trainer import Trainer
 
 # Config overrides of each shape; the user's --set come after them and win.
@@ -86,7 +86,10 @@ ROWS = {
 
 
 def _say(message: str) -> None:
-    print(f"bench step: {message}", file=sys.stderr, flush=True)
+    from tqdm import tqdm
+
+    # Through tqdm, which lifts the progress bar (on a terminal) out of the line's way.
+    tqdm.write(f"bench step: {message}", file=sys.stderr)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -359,9 +362,10 @@ def run(
         "overrides": list(overrides or []),
         "shapes": [],
     }
-    for name in shapes:
-        result["shapes"].append(
-            bench_shape(
+    with CaseProgress(len(shapes), "hpcllm bench step") as progress:
+        for name in shapes:
+            progress.start(name)
+            shape = bench_shape(
                 name,
                 config,
                 list(overrides or []),
@@ -372,10 +376,12 @@ def run(
                 warmup,
                 loop_steps,
             )
-        )
-        gc.collect()  # the shape's models, before the next one's are built
-        if cuda:
-            torch.cuda.empty_cache()
+            result["shapes"].append(shape)
+            gc.collect()  # the shape's models, before the next one's are built
+            if cuda:
+                torch.cuda.empty_cache()
+            ours = next(row for row in shape["rows"] if row["key"] == "hpcllm")
+            progress.done(f"hpcllm step {ours['vs_plain_eager']:.2f}x plain eager")
     return result
 
 
