@@ -26,6 +26,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -106,6 +116,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_inspect(verbs)
     _add_train(verbs)
     _add_generate(verbs)
+    _add_evaluate(verbs)
     _add_convert(verbs)
     _add_bench(verbs)
     tl = verbs.add_parser(
@@ -218,19 +229,31 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
     train.set_defaults(run=_run_train)
 
 
+def _step_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--step",
+        type=_non_negative_int,
+        metavar="N",
+        help=f"{what} the checkpoint of step N [default: the newest that verifies]",
+    )
+
+
 def _add_generate(verbs: argparse._SubParsersAction) -> None:
     gen = verbs.add_parser(
         "generate",
-        help="sample text from a run's latest checkpoint",
-        description="Load RUN_DIR's latest checkpoint (tp=1, pp=1) and continue a prompt.",
+        help="sample text from a run's checkpoint",
+        description="Load RUN_DIR's newest checkpoint (or --step N's), of any layout: "
+        "tensor-parallel slices and pipeline stages are merged in memory on one process; "
+        "then continue a prompt.",
     )
     gen.add_argument(
         "--checkpoint",
         type=Path,
         required=True,
         metavar="RUN_DIR",
-        help="a run folder (with checkpoints/latest and tokenizer.json)",
+        help="a run folder (with checkpoints/ and tokenizer.json)",
     )
+    _step_arg(gen, "sample from")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--tokens", type=_positive, default=100, help="new tokens [default: 100]")
     gen.add_argument(
@@ -244,34 +267,96 @@ def _add_generate(verbs: argparse._SubParsersAction) -> None:
     gen.set_defaults(run=_run_generate)
 
 
-def _add_convert(verbs: argparse._SubParsersAction) -> None:
-    conv = verbs.add_parser(
-        "convert",
-        help="Hugging Face GPT-2 checkpoints in and out",
-        description="--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint "
-        "holds a Hugging Face GPT-2 (config.json + model.safetensors); train from it with "
-        "--set run.dir=RUN_DIR. --to-hf DIR --checkpoint RUN_DIR writes a run's latest "
-        "checkpoint as a GPT2LMHeadModel folder.",
+def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
+    ev = verbs.add_parser(
+        "evaluate",
+        help="a checkpoint's loss and perplexity on a prepared dataset",
+        description="Merge RUN_DIR's newest checkpoint (or --step N's), of any layout, into "
+        "one model on one process and print its mean loss and perplexity over micro-batches "
+        "of PATH's split, read in the order the trainer's validation reads them.",
     )
-    way = conv.add_mutually_exclusive_group(required=True)
-    way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
-    way.add_argument("--to-hf", type=Path, metavar="DIR", help="Hugging Face folder to write")
-    way.add_argument(
-        "--tp",
+    ev.add_argument(
+        "--checkpoint", type=Path, required=True, metavar="RUN_DIR", help="a run folder"
+    )
+    _step_arg(ev, "evaluate")
+    ev.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="prepared shards (hpcllm prepare --out PATH), tokenized as the run's data",
+    )
+    ev.add_argument("--split", choices=("val", "train"), default="val", help="[default: val]")
+    ev.add_argument(
+        "--micro-batch-size",
+        type=_positive,
+        metavar="B",
+        help="samples per micro-batch [default: the run's train.micro_batch_size]",
+    )
+    ev.add_argument(
+        "--iters",
         type=_positive,
         metavar="N",
-        help="re-cut --checkpoint RUN_DIR's latest checkpoint (weights and "
-        "optimizer state) for tensor-parallel size N, into --out RUN_DIR",
+        help="micro-batches [default: every whole micro-batch of the split]",
+    )
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(run=_run_evaluate)
+
+
+def _add_convert(verbs: argparse._SubParsersAction) -> None:
+    from hpcllm.config import _CHOICES
+
+    conv = verbs.add_parser(
+        "convert",
+        help="re-cut a checkpoint for another layout; Hugging Face GPT-2 in and out",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Re-cut: --checkpoint RUN_DIR --out NEW_RUN with any of --tp, --pp, --vpp, "
+        "--dp, --schedule writes the checkpoint (weights, optimizer state, data position, "
+        "random states) for that layout; `hpcllm train --set run.dir=NEW_RUN` resumes it. "
+        "Axes not given keep the checkpoint's.\n"
+        "--to-hf DIR --checkpoint RUN_DIR writes a checkpoint of any layout as a "
+        "GPT2LMHeadModel folder (config.json + model.safetensors).\n"
+        "--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint holds a "
+        "Hugging Face GPT-2; train from it with --set run.dir=RUN_DIR.\n\n"
+        "examples:\n"
+        "  hpcllm convert --checkpoint runs/pp2 --out runs/t2 --tp 2 --pp 1\n"
+        "  hpcllm convert --checkpoint runs/pp2 --out runs/v2 --pp 2 --vpp 2\n"
+        "  hpcllm convert --checkpoint runs/pp2 --to-hf hf/pp2 --step 200",
+    )
+    way = conv.add_mutually_exclusive_group()
+    way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
+    way.add_argument("--to-hf", type=Path, metavar="DIR", help="Hugging Face folder to write")
+    conv.add_argument("--tp", type=_positive, metavar="T", help="new tensor-parallel size")
+    conv.add_argument("--pp", type=_positive, metavar="P", help="new number of pipeline ranks")
+    conv.add_argument(
+        "--vpp",
+        type=_positive,
+        metavar="V",
+        help="new chunks per pipeline rank (interleaved schedule) [default: the checkpoint's "
+        "with p > 1, else 1]",
     )
     conv.add_argument(
-        "--out", type=Path, metavar="RUN_DIR", help="new run folder (with --from-hf or --tp)"
+        "--dp",
+        type=_positive,
+        metavar="D",
+        help="new data-parallel size (the global batch is kept) [default: world / (t*p)]",
+    )
+    conv.add_argument(
+        "--schedule",
+        choices=_CHOICES[("parallel", "schedule")],
+        help="pipeline schedule [default: interleaved with --vpp > 1; else the checkpoint's, "
+        "1f1b in place of interleaved]",
+    )
+    conv.add_argument(
+        "--out", type=Path, metavar="RUN_DIR", help="new run folder (re-cut or --from-hf)"
     )
     conv.add_argument(
         "--checkpoint",
         type=Path,
         metavar="RUN_DIR",
-        help="run folder to read (with --to-hf or --tp)",
+        help="run folder to read (re-cut or --to-hf)",
     )
+    _step_arg(conv, "read")
     conv.set_defaults(run=_run_convert)
 
 
@@ -850,8 +935,26 @@ def _run_generate(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,
+            step=args.step,
         )
     )
+    return 0
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from hpcllm.evaluate import evaluate
+
+    result = evaluate(
+        args.checkpoint,
+        args.data,
+        step=args.step,
+        split=args.split,
+        micro_batch_size=args.micro_batch_size,
+        iters=args.iters,
+    )
+    print(json.dumps(dataclasses.asdict(result)) if args.json else result.line())
     return 0
 
 
@@ -859,20 +962,32 @@ def _run_convert(args: argparse.Namespace) -> int:
     from hpcllm import convert
     from hpcllm.errors import UserError
 
-    if args.tp is not None:
-        if args.checkpoint is None or args.out is None:
-            raise UserError("--tp needs --checkpoint RUN_DIR and --out RUN_DIR")
-        from hpcllm.train.reshard import convert_tp
-
-        print(f"wrote {convert_tp(args.checkpoint, args.out, args.tp)}")
-    elif args.from_hf is not None:
+    axes = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "dp", "schedule")}
+    recut = any(v is not None for v in axes.values())
+    if args.from_hf is not None:
+        if recut or args.step is not None or args.checkpoint is not None:
+            raise UserError("--from-hf takes --out RUN_DIR only")
         if args.out is None:
             raise UserError("--from-hf needs --out RUN_DIR")
         print(f"wrote {convert.from_hf(args.from_hf, args.out)}")
-    else:
+    elif args.to_hf is not None:
+        if recut or args.out is not None:
+            raise UserError("--to-hf takes --checkpoint RUN_DIR [--step N], not a layout")
         if args.checkpoint is None:
             raise UserError("--to-hf needs --checkpoint RUN_DIR")
-        print(f"wrote {convert.to_hf(args.checkpoint, args.to_hf)}")
+        print(f"wrote {convert.to_hf(args.checkpoint, args.to_hf, step=args.step)}")
+    else:
+        if not recut:
+            raise UserError(
+                "say what to convert: --tp/--pp/--vpp/--dp/--schedule (re-cut), --to-hf DIR "
+                "or --from-hf DIR"
+            )
+        if args.checkpoint is None or args.out is None:
+            raise UserError("re-cutting needs --checkpoint RUN_DIR and --out NEW_RUN")
+        from hpcllm.train.reshard import convert as recut_checkpoint
+
+        out = recut_checkpoint(args.checkpoint, args.out, step=args.step, **axes)
+        print(f"wrote {out}")
     return 0
 
 

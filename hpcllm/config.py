@@ -173,6 +173,8 @@ class RunConfig:
     save_failure: str = "fail"  # fail | warn (and go on) when a checkpoint cannot be written
     timeout_s: float = 600.0  # seconds a collective may hang before the job aborts
     tensorboard: bool = True
+    reshard: bool = False  # resume a checkpoint of another layout (t, p, v) by re-cutting it
+    keep_checkpoints: int | None = None  # keep the newest N checkpoints; None: all
 
 
 @dataclass
@@ -398,6 +400,7 @@ _BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], .
             ("train", "log_interval"),
             ("train", "eval_iters"),
             ("train", "max_bad_steps"),
+            ("run", "keep_checkpoints"),  # null: keep every checkpoint
         ),
         lambda v: v >= 1,
         "must be positive",

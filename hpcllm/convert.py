@@ -16,6 +16,7 @@ import torch
 
 from hpcllm.config import Config, ModelConfig
 from hpcllm.errors import UserError
+from hpcllm.files import honour_umask, new_folder
 from hpcllm.model.gpt import GPT
 
 _LAYER = {  # ours -> theirs, inside block i; "T" marks a Conv1D weight (transposed)
@@ -91,20 +92,28 @@ def from_hf_state(state: dict[str, torch.Tensor], model: GPT) -> None:
     model.load_state_dict({k: v.float().contiguous() for k, v in ours.items()})
 
 
-def to_hf(run_dir: Path, out_dir: Path) -> Path:
-    """Write a run's latest checkpoint as a Hugging Face GPT-2 folder; return it."""
+def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+    """Write a run's checkpoint (any layout) as a Hugging Face GPT-2 folder; return it.
+
+    The newest checkpoint that verifies, or the one of ``step``. The folder appears whole or
+    not at all, its files with the user's umask.
+    """
     from safetensors.torch import save_file
 
     from hpcllm.generate import load_run_model
 
-    model, tokenizer = load_run_model(run_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(
-        json.dumps(hf_config(model.cfg, model.vocab_size, tokenizer.eos_id), indent=2)
-    )
-    if tokenizer.kind == "hf":
-        shutil.copy(Path(run_dir) / "tokenizer.json", out_dir / "tokenizer.json")
+    model, tokenizer = load_run_model(run_dir, step=step)
+    try:
+        with new_folder(out_dir) as partial:
+            weights = partial / "model.safetensors"
+            save_file(to_hf_state(model), str(weights), metadata={"format": "pt"})
+            honour_umask(weights)
+            config = hf_config(model.cfg, model.vocab_size, tokenizer.eos_id)
+            (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if tokenizer.kind == "hf":
+                shutil.copyfile(Path(run_dir) / "tokenizer.json", partial / "tokenizer.json")
+    except OSError as err:
+        raise UserError(f"writing {out_dir} failed: {err}") from None
     return out_dir
 
 

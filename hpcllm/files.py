@@ -10,7 +10,12 @@ the page cache.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from hpcllm.user_error import UserError
 
 
 def fsync_path(path: Path) -> None:
@@ -55,3 +60,49 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def umask() -> int:
+    """Return the process's umask without changing it (Linux reports it in /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it, and put it back at once
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file the mode ``open()`` would have (0666 less the umask).
+
+    For files that a library writes with a mode of its own (safetensors writes 0600).
+    """
+    os.chmod(path, 0o666 & ~umask())
+
+
+@contextmanager
+def new_folder(final: Path) -> Iterator[Path]:
+    """Yield a hidden folder to fill; it becomes ``final`` only if the block completes.
+
+    ``final`` must not exist, or be an empty folder. Every file is flushed to disk before the
+    rename, so a reader (or a crash) sees the whole folder or none of it.
+    """
+    final = Path(final)
+    if final.exists() and not (final.is_dir() and not any(final.iterdir())):
+        raise UserError(f"{final} exists and is not an empty folder; name a new folder")
+    partial = partial_path(final)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        for path in partial.rglob("*"):
+            if path.is_file():
+                fsync_path(path)
+        if final.exists():
+            final.rmdir()
+        durable_replace(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

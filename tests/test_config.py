@@ -280,3 +280,18 @@ def test_every_key_is_listed_in_train_help() -> None:
     for section in dataclasses.fields(Config):
         keys = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
         assert f"{section.name} ({keys})" in text
+
+
+def test_checkpoint_keys_take_their_values_from_the_command_line_and_yaml(tmp_path) -> None:
+    cfg = load_config()
+    assert (cfg.run.reshard, cfg.run.keep_checkpoints) == (False, None)
+    cfg = load_config(None, ["run.reshard=true", "run.keep_checkpoints=3"])
+    assert (cfg.run.reshard, cfg.run.keep_checkpoints) == (True, 3)
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  reshard: true\n  keep_checkpoints: 2\n")
+    cfg = load_config(path)
+    assert (cfg.run.reshard, cfg.run.keep_checkpoints) == (True, 2)
+    path.write_text("run:\n  keep_checkpoints: null\n")
+    assert load_config(path).run.keep_checkpoints is None
+    with pytest.raises(UserError, match="run.keep_checkpoints must be positive"):
+        load_config(None, ["run.keep_checkpoints=0"])

@@ -31,7 +31,7 @@ LAYERS = [
     ("parallel", ["hpcllm.parallel"]),
     ("model", ["hpcllm.model"]),
     ("train", ["hpcllm.train"]),
-    ("tools", ["hpcllm.bench", "hpcllm.convert", "hpcllm.generate"]),
+    ("tools", ["hpcllm.bench", "hpcllm.convert", "hpcllm.evaluate", "hpcllm.generate"]),
     ("cli", ["hpcllm.cli", "hpcllm.__main__"]),
 ]
 

@@ -86,9 +86,9 @@ def build_chunks(
 def chunks_state_dict(chunks: nn.ModuleList, pp: int) -> dict[str, Any]:
     """Return the chunks' weights keyed as checkpoints hold them.
 
-    With one pipeline stage the keys are the whole GPT's (``blocks.3.attn.qkv.weight``), which
-    ``generate``, the Hugging Face export and ``convert --tp`` read; a pipeline rank's keys
-    start with the chunk's index (``0.blocks.3.attn.qkv.weight``).
+    With one pipeline stage the keys are the whole GPT's (``blocks.3.attn.qkv.weight``); a
+    pipeline rank's keys start with the chunk's index (``0.blocks.3.attn.qkv.weight``).
+    :mod:`hpcllm.train.reshard` reads both.
     """
     return chunks[0].state_dict() if pp == 1 else chunks.state_dict()
 

@@ -96,7 +96,7 @@ def shard_file(tp_rank: int, pp_rank: int) -> str:
     return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
 
 
-def _stderr_warning(message: str) -> None:
+def stderr_warning(message: str) -> None:
     print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -268,7 +268,7 @@ def save(
     config_yaml: str,
     *,
     on_failure: str = "fail",
-    warn: Warn = _stderr_warning,
+    warn: Warn = stderr_warning,
 ) -> Path | None:
     """Write the checkpoint of ``step`` (a collective: every rank calls it); return its path.
 
@@ -375,7 +375,41 @@ def write_offline(
     return root / _name(step)
 
 
+def prune(newest: Path, keep: int, warn: Warn = stderr_warning) -> list[Path]:
+    """Delete the checkpoints older than ``newest`` beyond the newest ``keep``; return them.
+
+    Only once ``newest`` verifies: until then an older checkpoint may be the one a resume
+    needs. Each is renamed to a hidden name before it is removed, so a crash halfway through
+    leaves nothing that looks like a checkpoint. Folders of later steps (another attempt's,
+    after a resume from an earlier checkpoint) are left alone.
+    """
+    newest = Path(newest)
+    verdict = verify(newest)
+    if verdict.status != "ok":
+        warn(f"kept every older checkpoint: {newest} does not verify ({verdict.reason})")
+        return []
+    step = step_of(newest)
+    older = [f for f in checkpoints(newest.parent.parent) if step_of(f) < step]
+    doomed = older[max(0, keep - 1) :]
+    for folder in doomed:
+        hidden = folder.parent / f".{folder.name}.deleting"
+        try:
+            folder.rename(hidden)
+            shutil.rmtree(hidden)
+        except OSError as err:
+            warn(f"could not delete the old checkpoint {folder}: {_describe(err)}")
+    return doomed
+
+
 # -- finding and verifying -------------------------------------------------------------------
+
+
+def step_of(folder: Path) -> int:
+    """Return the step a checkpoint folder's name gives (``step_00000200`` -> 200)."""
+    match = _STEP_FOLDER.fullmatch(Path(folder).name)
+    if not match:
+        raise ValueError(f"{folder} is not a checkpoint folder")
+    return int(match.group(1))
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -650,9 +684,27 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
     if (meta["tp"], meta["pp"]) != (tp, pp):
         raise UserError(
             f"{folder} was saved with tp={meta['tp']}, pp={meta['pp']} and this "
-            f"run has tp={tp}, pp={pp}; hpcllm convert --tp N re-cuts tensor-"
-            "parallel shards (pipeline stages must match)"
+            f"run has tp={tp}, pp={pp}; set run.reshard=true to re-cut it on load, or "
+            "re-cut a copy with hpcllm convert --tp T --pp P"
         )
+    return read_shard(folder, tp_rank, pp_rank, meta)
+
+
+def read_shard(
+    folder: Path,
+    tp_rank: int,
+    pp_rank: int,
+    meta: dict[str, Any] | None = None,
+    *,
+    mmap: bool = False,
+) -> dict[str, Any]:
+    """Return the (tp_rank, pp_rank) shard of a checkpoint, after checking its checksum.
+
+    ``mmap`` maps the file instead of reading it: tensors that are never touched (the Adam
+    moments, when only weights are wanted) are never read from disk.
+    """
+    folder = Path(folder)
+    meta = read_meta(folder) if meta is None else meta
     path = folder / shard_file(tp_rank, pp_rank)
     hint = f"hpcllm inspect --verify {folder.parent.parent} checks every checkpoint"
     if not path.is_file():
@@ -672,7 +724,7 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
         allowed = _format_1_globals()
     try:
         with torch.serialization.safe_globals(allowed):
-            shard = torch.load(path, map_location="cpu", weights_only=True)
+            shard = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
         raise UserError(
             f"checkpoint shard {path} is unreadable ({_first_line(err)}); {hint}",
@@ -685,7 +737,11 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
 
 
 def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
-    """Refuse, in one line, to resume ``cfg`` from a checkpoint of another model or stage cut."""
+    """Refuse, in one line, to resume ``cfg`` from a checkpoint of another model.
+
+    Another layout of the same model (t, p, v, the stage cut) is :mod:`hpcllm.train.reshard`'s
+    question, not this one.
+    """
     path = Path(folder) / "config.yaml"
     try:
         raw = load_yaml(path.read_text())
@@ -704,12 +760,6 @@ def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
         for k in keys
         if getattr(saved, k) != getattr(mine, k)
     ]
-    if cfg.parallel.pp > 1 and saved_cfg.parallel.pp == cfg.parallel.pp:
-        # Same p but another cut of the blocks: each rank's shard holds other layers.
-        for key in ("vpp", "pipeline_layers"):
-            was, now = getattr(saved_cfg.parallel, key), getattr(cfg.parallel, key)
-            if was != now:
-                different.append(f"parallel.{key} {was} vs {now}")
     saved_vocab = read_meta(folder).get("vocab_size")
     if saved_vocab not in (None, vocab_size):
         different.append(f"vocabulary {saved_vocab} vs {vocab_size}")

@@ -1,141 +1,442 @@
-"""``hpcllm convert --tp N``: a checkpoint saved at one tensor-parallel size, re-cut for another.
+"""Checkpoints of any layout, read whole or re-cut for another (t, p, v, d).
 
-Through a consolidated form: every tensor-parallel slice (weights and Adam's moments) is
-merged into the whole tensor, the embedding's padding rows are dropped, then the whole
-tensors are cut for the new size (padding the vocabulary to 128·t again, with zeros). The
-optimizer's step, the loss scale, the data position and the RNG states carry over, so the
-converted run resumes where the original stopped.
+A checkpoint holds one file per (tp, pp) rank. Pipeline rank r's file holds its v chunks
+(chunk c is stage c·p + r, keys ``c.blocks.7.…``; with p = 1 the whole GPT's keys), each
+tensor-parallel rank's slice of the split weights, and the Adam moments of those slices,
+numbered as that rank's optimizer numbered its parameters (:func:`rank_parameters`).
+Re-cutting goes through the names of the whole model:
+
+1. the stage cut of the saved layout says which files hold a name (a block's stage, the
+   embedding on the first stage with its tied copy on the last, the final LayerNorm on the
+   last), and only those files are read, memory-mapped, so the Adam moments are not even
+   read when only weights are wanted;
+2. the tp slices of a name are merged with the partition its layer declares (``stride`` 3
+   for the fused q|k|v projection), and the embedding's vocabulary padding is dropped;
+3. for the new layout each rank's names are listed in its chunks' parameter order, cut
+   again (the vocabulary padded to 128·t with zeros) and numbered as
+   :func:`hpcllm.train.optim.build_optimizer` numbers them.
+
+The optimizer step, loss scale, data position, skipped-step count and the random states
+carry over. Data parallelism needs no re-cut: the d replicas hold the same state (dp rank 0
+saved it), and a run resumed at another d reads the same global batches as long as the
+global batch is the same.
+
+Why not ``torch.distributed.checkpoint``: its planners re-cut tensors that are contiguous
+chunks of a global tensor (DTensor, ShardedTensor). Ours are not: the q|k|v projection's
+slice on a tp rank is three separate row blocks, the embedding's row count depends on t
+(padding), the tied embedding lives on two stages, and the optimizer state is keyed by
+per-rank indices. Describing those to its planners would take more code than merging them,
+and the checkpoint format keeps its manifest and checksums (:mod:`hpcllm.train.checkpoint`).
 """
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from hpcllm.config import config_from_dict, load_yaml, padded_vocab
+from hpcllm.config import Config, ModelConfig, config_from_dict, load_yaml, padded_vocab
 from hpcllm.errors import UserError
+from hpcllm.files import new_folder
 from hpcllm.model.gpt import GPT
+from hpcllm.model.stages import split_layers
 from hpcllm.parallel.tensor.layers import merge_shards, shard_of
 from hpcllm.train import checkpoint
 
 
-def _template(folder: Path) -> tuple[Any, GPT, int]:
-    cfg = config_from_dict(load_yaml((folder / "config.yaml").read_text()))
-    vocab = checkpoint.read_meta(folder)["vocab_size"]
-    # A t = 1 model gives every parameter's name, shape class and how tp slices it.
-    return cfg, GPT(cfg.model, vocab), vocab
+@dataclass(frozen=True)
+class Layout:
+    """How a model is cut: tensor-parallel size, pipeline ranks, chunks per rank, stage cut."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    pipeline_layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, cfg: Config) -> Layout:
+        """Return the layout a config asks for."""
+        p = cfg.parallel
+        layers = tuple(p.pipeline_layers) if p.pipeline_layers else None
+        return cls(p.tp, p.pp, p.vpp if p.pp > 1 else 1, layers if p.pp > 1 else None)
+
+    def stages(self, n_layer: int) -> list[range]:
+        """Return each stage's block indices (stage c·p + r is chunk c of pipeline rank r)."""
+        try:
+            return split_layers(n_layer, self.pp * self.vpp, self.pipeline_layers)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+
+    def same_cut(self, other: Layout, n_layer: int) -> bool:
+        """Return whether every rank of ``other`` holds what the same rank here holds."""
+        return (self.tp, self.pp, self.vpp) == (other.tp, other.pp, other.vpp) and self.stages(
+            n_layer
+        ) == other.stages(n_layer)
+
+    def __str__(self) -> str:
+        text = f"tp={self.tp}, pp={self.pp}"
+        if self.vpp > 1:
+            text += f", vpp={self.vpp}"
+        if self.pipeline_layers:
+            text += f", pipeline_layers={list(self.pipeline_layers)}"
+        return text
 
 
-def _optimizer_names(model: GPT) -> list[str]:
-    """Return parameter names in the optimizer's index order (see build_optimizer)."""
-    named = list(model.named_parameters())
-    return [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the whole model: its rank and how tensor parallelism slices it."""
+
+    name: str
+    dim: int
+    partition: tuple[int, int] | None  # (dim, stride) of the tp slices; None: whole on every rank
 
 
-def _merge(
-    name: str, parts: list[torch.Tensor], partition: tuple[int, int] | None, vocab: int
-) -> torch.Tensor:
-    whole = merge_shards(parts, *partition) if partition else parts[0]
-    return whole[:vocab] if name == "wte.weight" else whole
+def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param]:
+    # The model's own constructor on the meta device: names, order and partitions without
+    # a byte of weights, and no second copy of the rules that place them.
+    with torch.device("meta"):
+        stage = GPT(cfg, 1, layers=layers, pre=pre, post=post)
+    return [
+        Param(name, param.dim(), getattr(param, "partition", None))
+        for name, param in stage.named_parameters()
+    ]
 
 
-def _cut(
-    name: str,
-    whole: torch.Tensor,
-    partition: tuple[int, int] | None,
-    vocab: int,
-    rank: int,
-    tp: int,
-) -> torch.Tensor:
-    if name == "wte.weight":
+def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[list[Param]]:
+    """Return a pipeline rank's parameters, one list per chunk, in the chunks' module order.
+
+    The optimizer numbers them as :func:`optimizer_order` gives.
+    """
+    stages = layout.stages(cfg.n_layer)
+    last = len(stages) - 1
+    return [
+        _stage(cfg, stages[stage], stage == 0, stage == last)
+        for stage in range(pp_rank, len(stages), layout.pp)
+    ]
+
+
+def optimizer_order(chunks: list[list[Param]]) -> list[tuple[int, Param]]:
+    """Return (chunk, parameter) in the optimizer's index order: matrices, then the rest."""
+    flat = [(c, param) for c, params in enumerate(chunks) for param in params]
+    return [item for item in flat if item[1].dim >= 2] + [item for item in flat if item[1].dim < 2]
+
+
+def _key(layout: Layout, chunk: int, name: str) -> str:
+    # As hpcllm.model.stages.chunks_state_dict keys them.
+    return name if layout.pp == 1 else f"{chunk}.{name}"
+
+
+def checkpoint_config(folder: Path) -> Config:
+    """Return the config a checkpoint was saved with (its own config.yaml)."""
+    path = Path(folder) / "config.yaml"
+    try:
+        return config_from_dict(load_yaml(path.read_text()))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise UserError(f"{path} is unreadable ({err})") from None
+    except UserError as err:
+        raise UserError(f"{path} (the checkpoint's config): {err}") from None
+
+
+def saved_layout(folder: Path) -> Layout:
+    """Return the layout a checkpoint was saved in."""
+    meta = checkpoint.read_meta(folder)
+    saved = Layout.of(checkpoint_config(folder))
+    # meta.json is what the files are cut by; the config says how the stages were split.
+    pp = meta["pp"]
+    return replace(
+        saved,
+        tp=meta["tp"],
+        pp=pp,
+        vpp=saved.vpp if pp > 1 else 1,
+        pipeline_layers=saved.pipeline_layers if pp > 1 else None,
+    )
+
+
+class SavedState:
+    """A checkpoint's state by whole-model parameter name, read file by file on demand."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.meta = checkpoint.read_meta(self.folder)
+        self.cfg = checkpoint_config(self.folder)
+        self.layout = saved_layout(self.folder)
+        self.vocab = self.meta.get("vocab_size") or self.cfg.model.vocab_size
+        if not self.vocab:
+            raise UserError(f"{self.folder / 'meta.json'} lacks vocab_size")
+        self._where: dict[str, tuple[int, int]] = {}  # name -> (pp rank, chunk), first stage
+        self._index: dict[int, dict[str, int]] = {}  # pp rank -> name -> optimizer index
+        self.params: dict[str, Param] = {}
+        first: dict[str, int] = {}  # name -> the earliest stage holding it
+        for rank in range(self.layout.pp):
+            chunks = rank_parameters(self.cfg.model, self.layout, rank)
+            for chunk, params in enumerate(chunks):
+                stage = chunk * self.layout.pp + rank
+                for param in params:
+                    self.params.setdefault(param.name, param)
+                    if stage < first.get(param.name, stage + 1):
+                        first[param.name] = stage
+                        self._where[param.name] = (rank, chunk)
+            self._index[rank] = {
+                param.name: i for i, (_, param) in enumerate(optimizer_order(chunks))
+            }
+        self._files: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def shard(self, tp_rank: int, pp_rank: int) -> dict[str, Any]:
+        """Return one saved file's contents (memory-mapped, read once)."""
+        if (tp_rank, pp_rank) not in self._files:
+            self._files[tp_rank, pp_rank] = checkpoint.read_shard(
+                self.folder, tp_rank, pp_rank, self.meta, mmap=True
+            )
+        return self._files[tp_rank, pp_rank]
+
+    def holder(self, name: str) -> int:
+        """Return the saved pipeline rank whose file holds ``name`` (its first stage)."""
+        return self._where[name][0]
+
+    def _slices(self, name: str, pick: Any) -> list[Any]:
+        rank, chunk = self._where[name]
+        key = _key(self.layout, chunk, name)
+        return [pick(self.shard(t, rank), key, rank) for t in range(self.layout.tp)]
+
+    def _merge(self, name: str, slices: list[torch.Tensor]) -> torch.Tensor:
+        partition = self.params[name].partition
+        whole = merge_shards(slices, *partition) if partition else slices[0]
+        return whole[: self.vocab] if name == "wte.weight" else whole
+
+    def weight(self, name: str) -> torch.Tensor:
+        """Return a parameter whole, without the embedding's padding rows."""
+        return self._merge(name, self._slices(name, lambda shard, key, _: shard["model"][key]))
+
+    def has_optimizer(self) -> bool:
+        """Return whether the checkpoint holds optimizer state (a converted HF model has none)."""
+        return self.shard(0, 0).get("optimizer") is not None
+
+    def moments(self, name: str) -> dict[str, Any] | None:
+        """Return a parameter's optimizer state, its tensors whole; None if it has none."""
+
+        def pick(shard: dict[str, Any], _key: str, rank: int) -> Any:
+            return shard["optimizer"]["state"].get(self._index[rank][name])
+
+        states = self._slices(name, pick)
+        if states[0] is None:
+            return None
+        return {
+            key: self._merge(name, [s[key] for s in states])
+            if torch.is_tensor(value) and value.dim() > 0
+            else value
+            for key, value in states[0].items()
+        }
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Return the optimizer's groups' settings (decay, then no decay), without indices."""
+        groups = self.shard(0, 0)["optimizer"]["param_groups"]
+        return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
+def _cut(param: Param, whole: torch.Tensor, vocab: int, tp_rank: int, tp: int) -> torch.Tensor:
+    if param.name == "wte.weight":
         rows = padded_vocab(vocab, tp)
         whole = torch.cat([whole, whole.new_zeros(rows - vocab, *whole.shape[1:])])
-    return shard_of(whole, *partition, rank, tp).clone() if partition else whole.clone()
+    part = shard_of(whole, *param.partition, tp_rank, tp) if param.partition else whole
+    return part.clone()  # owns its memory: the file it came from may be unmapped
 
 
-def reshard(folder: Path, tp: int) -> tuple[list[dict[str, Any]], dict[str, Any], Any]:
-    """Return (one shard per new tp rank, meta, config) for a checkpoint folder."""
-    cfg, template, vocab = _template(folder)
-    meta = checkpoint.read_meta(folder)
-    if meta["pp"] != 1:
-        raise UserError(
-            f"{folder} has pp={meta['pp']}; converting pipeline stages is not supported yet"
+def cut_shard(
+    saved: SavedState, layout: Layout, tp_rank: int, pp_rank: int, *, optimizer: bool = True
+) -> dict[str, Any]:
+    """Return what rank (tp_rank, pp_rank) of ``layout`` would have saved at this step."""
+    if saved.cfg.model.n_head % layout.tp:
+        raise UserError(f"model.n_head {saved.cfg.model.n_head} is not divisible by tp {layout.tp}")
+    chunks = rank_parameters(saved.cfg.model, layout, pp_rank)
+    vocab = saved.vocab
+    model = {
+        _key(layout, chunk, param.name): _cut(
+            param, saved.weight(param.name), vocab, tp_rank, layout.tp
         )
-    if cfg.model.n_head % tp:
-        raise UserError(f"model.n_head {cfg.model.n_head} is not divisible by --tp {tp}")
-    old = [checkpoint.load_shard(folder, r, 0, meta["tp"], 1) for r in range(meta["tp"])]
-    partition = {n: getattr(p, "partition", None) for n, p in template.named_parameters()}
-    whole = {n: _merge(n, [s["model"][n] for s in old], partition[n], vocab) for n in partition}
-    names = _optimizer_names(template)
-    moments: dict[int, dict[str, Any]] = {}
-    if old[0].get("optimizer") is not None:
-        for index, state in old[0]["optimizer"]["state"].items():
-            name = names[index]
-            moments[index] = {
-                key: (
-                    _merge(
-                        name,
-                        [s["optimizer"]["state"][index][key] for s in old],
-                        partition[name],
-                        vocab,
-                    )
+        for chunk, params in enumerate(chunks)
+        for param in params
+    }
+    # Scaler and random states from the saved rank that held this rank's first stage.
+    first = chunks[0][0].name
+    source = saved.shard(min(tp_rank, saved.layout.tp - 1), saved.holder(first))
+    shard: dict[str, Any] = {"model": model, "optimizer": None}
+    for key in ("scaler", "rng"):
+        if key in source:
+            shard[key] = source[key]
+    if optimizer and saved.has_optimizer():
+        order = optimizer_order(chunks)
+        state = {}
+        for index, (_, param) in enumerate(order):
+            moments = saved.moments(param.name)
+            if moments is not None:
+                state[index] = {
+                    key: _cut(param, value, vocab, tp_rank, layout.tp)
                     if torch.is_tensor(value) and value.dim() > 0
                     else value
-                )
-                for key, value in state.items()
-            }
-    shards = []
-    for rank in range(tp):
-        shard = {k: v for k, v in old[0].items() if k not in ("model", "optimizer")}
-        shard["model"] = {n: _cut(n, w, partition[n], vocab, rank, tp) for n, w in whole.items()}
-        if old[0].get("optimizer") is not None:
-            state = {
-                index: {
-                    key: (
-                        _cut(names[index], value, partition[names[index]], vocab, rank, tp)
-                        if torch.is_tensor(value) and value.dim() > 0
-                        else value
-                    )
-                    for key, value in entry.items()
+                    for key, value in moments.items()
                 }
-                for index, entry in moments.items()
-            }
-            shard["optimizer"] = {
-                "state": state,
-                "param_groups": old[0]["optimizer"]["param_groups"],
-            }
-        shards.append(shard)
-    cfg.parallel.tp = tp
-    cfg.parallel.dp = None
-    return shards, {**meta, "tp": tp}, cfg
+        matrices = sum(1 for _, param in order if param.dim >= 2)
+        decay, no_decay = saved.param_groups()
+        shard["optimizer"] = {
+            "state": state,
+            "param_groups": [
+                {**decay, "params": list(range(matrices))},
+                {**no_decay, "params": list(range(matrices, len(order)))},
+            ],
+        }
+    return shard
 
 
-def convert_tp(run_dir: Path, out_dir: Path, tp: int) -> Path:
-    """Write ``run_dir``'s latest checkpoint, re-cut for ``tp``, as a new run folder."""
-    folder = checkpoint.latest(run_dir)
-    if folder is None:
-        raise UserError(f"{run_dir} has no checkpoint (no checkpoints/latest)")
-    if Path(out_dir).resolve() == Path(run_dir).resolve():
+def whole_model_state(folder: Path) -> tuple[Config, int, dict[str, torch.Tensor]]:
+    """Return (the checkpoint's config, vocabulary, the whole GPT's weights) from any layout.
+
+    Merged in memory on one process; the optimizer state is not read.
+    """
+    saved = SavedState(folder)
+    shard = cut_shard(saved, Layout(), 0, 0, optimizer=False)
+    return saved.cfg, saved.vocab, shard["model"]
+
+
+def check_resumable(folder: Path, cfg: Config) -> Layout | None:
+    """Return the checkpoint's layout if resuming ``cfg`` from it needs a re-cut, else None.
+
+    Raises one line naming both layouts and the two ways out when it does and
+    ``run.reshard`` is off.
+    """
+    saved = saved_layout(folder)
+    mine = Layout.of(cfg)
+    n_layer = cfg.model.n_layer
+    if saved.same_cut(mine, n_layer):
+        return None
+    if not cfg.run.reshard:
+        raise UserError(
+            f"{folder} was saved with {saved} and this run has {mine}; set "
+            "run.reshard=true to re-cut it on load, or write a re-cut copy with hpcllm convert "
+            f"--checkpoint {folder.parent.parent} --out NEW_RUN --tp {mine.tp} --pp {mine.pp}"
+            + (f" --vpp {mine.vpp}" if mine.vpp > 1 else "")
+        )
+    return saved
+
+
+def _target_config(
+    cfg: Config,
+    meta: dict[str, Any],
+    *,
+    tp: int | None,
+    pp: int | None,
+    vpp: int | None,
+    dp: int | None,
+    schedule: str | None,
+) -> Config:
+    """Return the saved config with the new layout, the rest (batch, data) kept."""
+    p = cfg.parallel
+    old_stages = p.pp * p.vpp
+    p.tp = tp or p.tp
+    new_pp = pp or p.pp
+    if vpp is None:
+        vpp = p.vpp if new_pp > 1 else 1
+    if new_pp == 1 and vpp > 1:
+        raise UserError(f"--vpp {vpp} needs a pipeline (--pp > 1)")
+    p.pp, p.vpp = new_pp, vpp
+    if schedule is not None:
+        p.schedule = schedule
+    elif vpp > 1:
+        p.schedule = "interleaved"
+    elif p.schedule == "interleaved":
+        p.schedule = "1f1b"
+    if p.pp * p.vpp != old_stages:
+        p.pipeline_layers = None  # a cut for another number of stages: split evenly again
+    if cfg.model.n_head % p.tp:
+        raise UserError(f"model.n_head {cfg.model.n_head} is not divisible by --tp {p.tp}")
+    Layout.of(cfg).stages(cfg.model.n_layer)  # every stage gets a block
+    batch = meta.get("global_batch") or cfg.train.global_batch_size
+    if dp is not None:
+        step = cfg.train.micro_batch_size * dp
+        if batch and batch % step:
+            raise UserError(
+                f"the run's global batch {batch} is not a multiple of micro-batch size "
+                f"{cfg.train.micro_batch_size} x --dp {dp}"
+            )
+    # The run keeps its global batch whatever d becomes, or its data position would slip.
+    cfg.train.global_batch_size = batch
+    p.dp = dp
+    return cfg
+
+
+def convert(
+    run_dir: Path,
+    out_dir: Path,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    dp: int | None = None,
+    schedule: str | None = None,
+    step: int | None = None,
+) -> Path:
+    """Write a run's checkpoint (the latest, or ``step``) re-cut for another layout; return it.
+
+    The new run folder holds the config with the new layout, the tokenizer and one checkpoint
+    (weights, optimizer state, data position, random states), so ``hpcllm train --set
+    run.dir=OUT`` resumes it where the original stopped. It appears whole or not at all.
+    """
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if out_dir.resolve() == run_dir.resolve():
         raise UserError("--out must be a new run folder, not the one converted")
-    shards, meta, cfg = reshard(folder, tp)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg.dump(out_dir / "config.yaml")
-    tokenizer = Path(run_dir) / "tokenizer.json"
-    if tokenizer.is_file():
-        (out_dir / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    step = meta.pop("step")
-    checkpoint.write_offline(
-        out_dir,
-        step,
-        {(r, 0): s for r, s in enumerate(shards)},
-        {k: v for k, v in meta.items() if k not in ("tp", "pp", "dp")},
-        config_yaml,
-        tp=tp,
-        pp=1,
-        dp=meta.get("dp", 1),
+    folder = select(run_dir, step)
+    saved = SavedState(folder)
+    cfg = _target_config(
+        checkpoint_config(folder), saved.meta, tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule
     )
+    layout = Layout.of(cfg)
+    cfg.run.dir = str(out_dir)
+    written_anew = ("tp", "pp", "dp", "step", "format_version")
+    meta = {k: v for k, v in saved.meta.items() if k not in written_anew}
+    try:
+        with new_folder(out_dir) as partial:
+            shards = {
+                (t, r): cut_shard(saved, layout, t, r)
+                for r in range(layout.pp)
+                for t in range(layout.tp)
+            }
+            cfg.dump(partial / "config.yaml")
+            tokenizer = run_dir / "tokenizer.json"
+            if tokenizer.is_file():
+                shutil.copyfile(tokenizer, partial / "tokenizer.json")  # the umask's mode
+            checkpoint.write_offline(
+                partial,
+                saved.meta["step"],
+                shards,
+                meta,
+                yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+                tp=layout.tp,
+                pp=layout.pp,
+                dp=dp,
+            )
+    except OSError as err:
+        raise UserError(f"writing {out_dir} failed: {err}") from None
     return out_dir
+
+
+def select(run_dir: Path, step: int | None = None) -> Path:
+    """Return a run's checkpoint folder: the one of ``step``, or the newest that verifies."""
+    run_dir = Path(run_dir)
+    folders = checkpoint.checkpoints(run_dir)
+    if not folders:
+        raise UserError(f"{run_dir} has no checkpoint (no checkpoints/step_*)")
+    if step is None:
+        folder = checkpoint.resumable(run_dir, checkpoint.stderr_warning)
+        assert folder is not None  # there are folders: resumable returns one or raises
+        return folder
+    named = [f for f in folders if checkpoint.step_of(f) == step]
+    if not named:
+        steps = ", ".join(str(checkpoint.step_of(f)) for f in reversed(folders))
+        raise UserError(f"{run_dir} has no checkpoint of step {step} (it has steps {steps})")
+    verdict = checkpoint.verify(named[0])
+    if verdict.status == "bad":
+        raise UserError(f"checkpoint {named[0]} is damaged: {verdict.reason}")
+    return named[0]

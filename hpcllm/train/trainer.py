@@ -34,7 +34,7 @@ from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.parallel.tensor.layers import is_split
-from hpcllm.train import checkpoint, grads
+from hpcllm.train import checkpoint, grads, reshard
 from hpcllm.train import run_dir as run_folder
 from hpcllm.train.optim import (
     autocast,
@@ -246,10 +246,13 @@ class Trainer:
         self._lock = self._on_rank0(claim)
         # The newest checkpoint that verifies; a damaged newer one is named and passed over.
         self._resume_from: Path | None = None
+        self._reshard_from: reshard.Layout | None = None
         if r.resume == "auto":
             self._resume_from = checkpoint.agreed_resumable(self.run_dir, self.grid, self._warn)
             if self._resume_from is not None:
                 checkpoint.check_same_model(self._resume_from, self.cfg, vocab)
+                # The saved layout when it differs from this run's (run.reshard re-cuts it).
+                self._reshard_from = reshard.check_resumable(self._resume_from, self.cfg)
 
     def _write_run_dir(self) -> None:
         """Write the resolved config and the tokenizer (so generate and convert need not find
@@ -282,9 +285,17 @@ class Trainer:
         folder = self._resume_from
         if folder is None:
             return
-        shard = checkpoint.load_shard(
-            folder, self.grid.tp_rank, self.grid.pp_rank, self.grid.tp, self.grid.pp
-        )
+        if self._reshard_from is None:
+            shard = checkpoint.load_shard(
+                folder, self.grid.tp_rank, self.grid.pp_rank, self.grid.tp, self.grid.pp
+            )
+        else:
+            shard = reshard.cut_shard(
+                reshard.SavedState(folder),
+                reshard.Layout.of(self.cfg),
+                self.grid.tp_rank,
+                self.grid.pp_rank,
+            )
         load_chunks_state_dict(self.model, self.grid.pp, shard["model"])
         if shard.get("optimizer") is not None:
             load_optimizer_state(self.optimizer, shard["optimizer"])
@@ -328,7 +339,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "vocab_size": self.vocab_size,
         }
-        return checkpoint.save(
+        folder = checkpoint.save(
             self.run_dir,
             self.step,
             self.grid,
@@ -338,6 +349,10 @@ class Trainer:
             on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self._warn,
         )
+        keep = self.cfg.run.keep_checkpoints
+        if folder is not None and keep is not None and self.grid.rank == 0:
+            checkpoint.prune(folder, keep, self._warn)
+        return folder
 
     # -- one step ------------------------------------------------------------------------
 
@@ -643,6 +658,8 @@ class Trainer:
             if self._resume_from is not None
             else "starts fresh"
         )
+        if self._reshard_from is not None:
+            resume += f", re-cut from {self._reshard_from} (run.reshard)"
         lines = [
             f"hpcllm {__version__}, torch {torch.__version__}, launcher {g.launch.launcher}, "
             f"device {self.device.type}",
