@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from datasets_fixtures import prepare_corpus
+from full_disk import open_on_full_disk
 
 from hpcllm.cli import main
 from hpcllm.config import load_config
@@ -199,13 +200,13 @@ def test_a_checkpoint_from_before_manifests_is_resumed_unchecked(run):
 
 
 def _disk_full_for(monkeypatch, suffix):
-    # Files ending in ``suffix`` are written into /dev/full: a real ENOSPC (torch.save wraps
-    # it in a RuntimeError, buffered text writes raise it at flush).
+    # Files ending in ``suffix`` land on a full disk: ENOSPC from the OS call (torch.save
+    # wraps it in a RuntimeError, buffered text writes raise it at flush).
     real_open = open
 
     def open_full(path, mode="r", *args, **kwargs):
         if str(path).endswith(suffix) and "w" in mode:
-            return real_open("/dev/full", mode, *args, **kwargs)
+            return open_on_full_disk(path, mode, *args, **kwargs)
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "open", open_full, raising=False)

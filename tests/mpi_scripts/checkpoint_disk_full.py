@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for full_disk
+from full_disk import open_on_full_disk  # noqa: E402
+
 from hpcllm import topology
 from hpcllm.errors import UserError
 from hpcllm.train import checkpoint
@@ -24,7 +27,7 @@ def main(run_dir: Path) -> None:
 
         def open_full(path, mode="r", *args, **kwargs):
             if "w" in mode:
-                return real_open("/dev/full", mode, *args, **kwargs)
+                return open_on_full_disk(path, mode, *args, **kwargs)
             return real_open(path, mode, *args, **kwargs)
 
         checkpoint.open = open_full
