@@ -1,16 +1,7 @@
 """What a run reports: FLOPs and MFU, memory, NVTX ranges, metrics.jsonl and TensorBoard, and
 which case of how many a benchmark is running.
 
-FLOPs follow Narayanan et al. (SC21), eq. 3: a GPT step on B sequences of s tokens with l
-layers, hidden size h and vocabulary V costs
-
-    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))      without recomputation,
-    96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))      with full recomputation (one more forward of
-                                                 every layer; the output layer is not redone).
-
-Selective recomputation redoes only the attention core, 4·B·s²·h per layer. ``tflops_per_gpu``
-counts the work done (recomputation included, as the paper reports it); ``mfu`` divides the
-model's FLOPs (the 72· count) by the device's peak, as Chowdhery et al. (PaLM) define it.
+FLOPs: :mod:`hpcllm.flops` (Megatron's count, recomputation included).
 """
 
 from __future__ import annotations
@@ -41,19 +32,6 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
     "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
 }
-
-
-def step_flops(
-    batch: int, seq_len: int, n_layer: int, d_model: int, vocab: int, recompute: str = "none"
-) -> float:
-    """Return the FLOPs of one training step on ``batch`` sequences (Megatron's count)."""
-    b, s, layers, h, v = batch, seq_len, n_layer, d_model, vocab
-    if recompute == "full":
-        return 96.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
-    flops = 72.0 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
-    if recompute == "selective":
-        flops += 4.0 * b * s * s * h * layers
-    return flops
 
 
 def peak_tflops(device: torch.device, precision: str, override: float | None) -> float | None:

@@ -7,8 +7,8 @@ import torch
 from hpcllm.config import ModelConfig, load_config, padded_vocab
 from hpcllm.convert import from_hf_state, hf_config, to_hf_state
 from hpcllm.errors import UserError
+from hpcllm.flops import step_flops
 from hpcllm.model.gpt import GPT
-from hpcllm.observe import step_flops
 from hpcllm.train.optim import lr_at
 
 

@@ -309,8 +309,9 @@ def bench_training(
     ``progress`` reports each variant as a case.
     """
     from hpcllm.config import load_config
+    from hpcllm.flops import step_flops
     from hpcllm.model.gpt import GPT
-    from hpcllm.observe import peak_tflops, step_flops
+    from hpcllm.observe import peak_tflops
     from hpcllm.train.optim import autocast, build_optimizer
 
     overrides = [f"model.{k}={'null' if v is None else v}" for k, v in sizes.model.items()]

@@ -16,7 +16,7 @@ of the block's time per step; on a GPU a block waits for the device once, at its
 
 Both sides train on the same batches (the plain one reads them from the trainer's reader up
 front, so it pays no data loading) and the same padded vocabulary, so they do the same FLOPs
-(:func:`hpcllm.observe.step_flops`, the same count for every row). The gpt2 shapes give the
+(:func:`hpcllm.flops.step_flops`, the same count for every row). The gpt2 shapes give the
 model GPT-2's vocabulary (50257, padded to 50304) whatever the prepared data's tokenizer,
 whose ids are all smaller; ``cpu-smoke`` keeps the data's tokenizer.
 """
@@ -42,7 +42,8 @@ from hpcllm import kernels
 from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
 from hpcllm.config import Config, load_config
 from hpcllm.files import atomic_write
-from hpcllm.observe import CaseProgress, peak_tflops, step_flops
+from hpcllm.flops import step_flops
+from hpcllm.observe import CaseProgress, peak_tflops
 from hpcllm.train.trainer import Trainer
 
 # Config overrides of each shape; the user's --set come after them and win.

@@ -30,6 +30,7 @@ from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
+from hpcllm.flops import step_flops
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.parallel.pipeline.schedule import Interval
@@ -149,7 +150,7 @@ class Trainer:
             prefetch=cfg.data.prefetch,
         )
         self.val_reader = self._val_reader()
-        self.flops_per_step = observe.step_flops(
+        self.flops_per_step = step_flops(
             self.global_batch,
             cfg.model.seq_len,
             cfg.model.n_layer,
@@ -157,7 +158,7 @@ class Trainer:
             self.padded_vocab,
             cfg.model.recompute,
         )
-        self.model_flops_per_step = observe.step_flops(
+        self.model_flops_per_step = step_flops(
             self.global_batch,
             cfg.model.seq_len,
             cfg.model.n_layer,
