@@ -118,6 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_generate(verbs)
     _add_evaluate(verbs)
     _add_convert(verbs)
+    _add_plan(verbs)
     _add_bench(verbs)
     tl = verbs.add_parser(
         "timeline",
@@ -312,7 +313,8 @@ def _add_convert(verbs: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Re-cut: --checkpoint RUN_DIR --out NEW_RUN with any of --tp, --pp, --vpp, "
         "--dp, --schedule writes the checkpoint (weights, optimizer state, data position, "
-        "random states) for that layout; `hpcllm train --set run.dir=NEW_RUN` resumes it. "
+        "random states) for that layout; `hpcllm train --config NEW_RUN/config.yaml` resumes "
+        "it. "
         "Axes not given keep the checkpoint's.\n"
         "--to-hf DIR --checkpoint RUN_DIR writes a checkpoint of any layout as a "
         "GPT2LMHeadModel folder (config.json + model.safetensors).\n"
@@ -358,6 +360,120 @@ def _add_convert(verbs: argparse._SubParsersAction) -> None:
     )
     _step_arg(conv, "read")
     conv.set_defaults(run=_run_convert)
+
+
+def _add_plan(verbs: argparse._SubParsersAction) -> None:
+    plan = verbs.add_parser(
+        "plan",
+        help="choose t, p, d, micro-batch, schedule and recomputation for a cluster",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Estimate every layout of a GPT on N GPUs of a cluster (memory per GPU, "
+        "step time by part) and print the fastest that fit, with why the others lost. "
+        "Choices given (--tp, --pp, ...) are held; the rest are searched. The model and its "
+        "validation against the SC21 paper: docs/plan.md.\n\n"
+        "examples:\n"
+        "  hpcllm plan --model gpt2-1.3b --gpus 64 --cluster jobs/clusters/dgx-a100.yaml "
+        "--global-batch 512\n"
+        "  hpcllm plan --layers 96 --hidden 12288 --heads 96 --seq 2048 --gpus 1536 "
+        "--global-batch 2304 --cluster jobs/clusters/dgx-a100.yaml --recompute full --json",
+    )
+    plan.add_argument("--model", metavar="PRESET", help="a model preset (model.preset's values)")
+    plan.add_argument("--layers", type=_positive, metavar="L", help="transformer layers")
+    plan.add_argument("--hidden", type=_positive, metavar="H", help="hidden size")
+    plan.add_argument("--heads", type=_positive, metavar="A", help="attention heads")
+    plan.add_argument("--seq", type=_positive, metavar="S", help="sequence length")
+    plan.add_argument(
+        "--vocab", type=_positive, default=51200, metavar="V", help="vocabulary [default: 51200]"
+    )
+    plan.add_argument("--global-batch", type=_positive, required=True, metavar="B")
+    plan.add_argument("--gpus", type=_positive, required=True, metavar="N")
+    plan.add_argument("--cluster", type=Path, required=True, metavar="FILE", help="cluster YAML")
+    plan.add_argument(
+        "--cluster-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a cluster field (gpu_spec.FIELD too); repeatable",
+    )
+    plan.add_argument("--tp", type=_positive, metavar="T")
+    plan.add_argument("--pp", type=_positive, metavar="P")
+    plan.add_argument("--vpp", type=_positive, metavar="V")
+    plan.add_argument("--micro-batch", type=_positive, metavar="B")
+    plan.add_argument("--recompute", choices=("none", "selective", "full"))
+    plan.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    plan.add_argument(
+        "--software",
+        choices=("hpcllm", "megatron-2021"),
+        default="hpcllm",
+        help="how the step runs: hpcllm (fp32 weights under autocast, flash attention, DDP "
+        "overlapping the backward) or megatron-2021 (the SC21 paper's: fp16 weights, unfused "
+        "attention, no overlap) [default: hpcllm]",
+    )
+    plan.add_argument(
+        "--precision", choices=("bf16", "fp16", "fp32"), help="[default: the software's]"
+    )
+    plan.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="optimizer state sharded over the data-parallel group",
+    )
+    plan.add_argument("--top", type=_positive, default=5, metavar="K", help="[default: 5]")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument(
+        "--write-config", type=Path, metavar="F", help="write a train config of the best layout"
+    )
+    plan.add_argument(
+        "--png", type=Path, metavar="F", help="draw where the time of the top layouts goes"
+    )
+    plan.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from hpcllm.config import PRESETS
+    from hpcllm.errors import UserError
+    from hpcllm.plan import search
+    from hpcllm.plan.costs import Model, Software
+    from hpcllm.plan.hardware import load_cluster
+
+    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
+    if args.model is not None:
+        if args.model not in PRESETS:
+            raise UserError(f"unknown --model {args.model}; presets: {', '.join(PRESETS)}")
+        preset = PRESETS[args.model]
+        given = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
+        shape = {k: v if v is not None else preset[given[k]] for k, v in shape.items()}
+    missing = [k for k, v in shape.items() if v is None]
+    if missing:
+        raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
+    model = Model(vocab=args.vocab, **shape)
+    cluster = load_cluster(args.cluster, args.cluster_set)
+    software = Software.megatron_2021() if args.software == "megatron-2021" else Software()
+    if args.precision:
+        software = dataclasses.replace(software, precision=args.precision)
+    if args.distributed_optimizer:
+        software = dataclasses.replace(software, distributed_optimizer=True)
+    fixed = search.Fixed(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        micro_batch=args.micro_batch,
+        schedule=args.schedule,
+        recompute=args.recompute,
+    )
+    plan = search.search(model, args.gpus, args.global_batch, cluster, software, fixed)
+    if args.json:
+        print(json.dumps(search.to_json(plan, args.top)))
+    else:
+        print(search.render(plan, args.top))
+    if args.write_config:
+        path = search.write_config(plan, args.write_config, args.model)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    if args.png:
+        path = search.draw(plan, args.png, args.top)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
 
 
 def _add_prepare(verbs: argparse._SubParsersAction) -> None:

@@ -98,6 +98,7 @@ def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
     The newest checkpoint that verifies, or the one of ``step``. The folder appears whole or
     not at all, its files with the user's umask.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from hpcllm.generate import load_run_model
@@ -112,7 +113,7 @@ def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
             (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             if tokenizer.kind == "hf":
                 shutil.copyfile(Path(run_dir) / "tokenizer.json", partial / "tokenizer.json")
-    except OSError as err:
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk its own way
         raise UserError(f"writing {out_dir} failed: {err}") from None
     return out_dir
 

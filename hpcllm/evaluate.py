@@ -55,7 +55,7 @@ def evaluate(
     ``micro_batch_size`` and ``seed`` default to the run's; ``iters`` (micro-batches) to one
     pass over the split.
     """
-    model, run_cfg = load_model(select(run_dir, step))
+    model, run_cfg = load_model(select(run_dir, step), verified=True)
     cfg = model.cfg
     manifest = load_manifest(data)
     if manifest.vocab_size > model.vocab_size:

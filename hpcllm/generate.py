@@ -14,12 +14,13 @@ from hpcllm.model.gpt import GPT
 from hpcllm.train import reshard
 
 
-def load_model(folder: Path) -> tuple[GPT, Config]:
+def load_model(folder: Path, *, verified: bool = False) -> tuple[GPT, Config]:
     """Return (the whole GPT in eval mode, on the CPU; its run's config) from a checkpoint.
 
     Any layout: tensor-parallel slices and pipeline stages are merged in memory.
+    ``verified``: :func:`hpcllm.train.reshard.select` checked the folder already.
     """
-    cfg, vocab, weights = reshard.whole_model_state(folder)
+    cfg, vocab, weights = reshard.whole_model_state(folder, verified=verified)
     with torch.device("meta"):
         model = GPT(cfg.model, vocab)
     model.load_state_dict(weights, assign=True)
@@ -37,7 +38,7 @@ def load_run_model(
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path} is missing; it is copied there when training starts")
-    model, _ = load_model(reshard.select(run_dir, step))
+    model, _ = load_model(reshard.select(run_dir, step), verified=True)
     return model.to(device or torch.device("cpu")), load_tokenizer(tokenizer_path)
 
 

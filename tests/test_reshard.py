@@ -241,6 +241,8 @@ def test_resume_at_another_layout_without_reshard_is_one_line(stdlib, tmp_path):
         (["--dp", "3"], "not a multiple of micro-batch size 2 x --dp 3"),
         (["--tp", "2", "--step", "7"], "no checkpoint of step 7"),
         ([], "say what to convert"),
+        (["--pp", "2", "--schedule", "interleaved"], "interleaved needs parallel.vpp >= 2"),
+        (["--pp", "2", "--vpp", "2", "--schedule", "1f1b"], "needs parallel.schedule: inter"),
     ],
 )
 def test_convert_refuses_bad_layouts_in_one_line(args, message, stdlib, tmp_path):
@@ -326,3 +328,23 @@ def test_exports_take_the_users_umask(mask, mode, stdlib, tmp_path):
         assert done.returncode == 0, done.stderr
     files = [p for p in [*hf.rglob("*"), *recut.rglob("*")] if p.is_file()]
     assert files and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(mode)}
+
+
+def test_only_the_rank_that_starts_where_a_saved_stage_started_continues_its_streams(tmp_path):
+    from hpcllm.config import Config
+
+    cfg = Config()
+    cfg.model.preset, cfg.model.n_layer = None, 4
+    cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len = 4, 64, 32
+    cfg.parallel.pp = 2
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    cfg.dump(folder / "config.yaml")
+    (folder / "meta.json").write_text('{"step": 1, "tp": 1, "pp": 2, "vocab_size": 300}')
+    saved = reshard.SavedState(folder)
+    # p 2 -> 4: new ranks 0 and 2 start where saved stages 0 and 1 started; 1 and 3 split them.
+    four = [saved.rng_source(reshard.Layout(pp=4), r) for r in range(4)]
+    assert four == [0, None, 1, None]
+    assert saved.rng_source(reshard.Layout(pp=1), 0) == 0
+    interleaved = reshard.Layout(pp=2, vpp=2)  # rank 1's first stage is stage 1: block 1
+    assert [saved.rng_source(interleaved, r) for r in range(2)] == [0, None]

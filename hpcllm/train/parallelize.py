@@ -63,8 +63,11 @@ class ParallelModel:
         return list(self.chunks.parameters())
 
 
-def check_pipeline(cfg: Config, accumulation: int) -> None:
-    """Refuse, in one line, a pipeline the schedule cannot run."""
+def check_pipeline(cfg: Config, accumulation: int | None) -> None:
+    """Refuse, in one line, a pipeline the schedule cannot run.
+
+    ``accumulation`` (micro-batches per step) None checks all but the micro-batch count.
+    """
     p = cfg.parallel
     if p.pp == 1:
         if p.vpp > 1:
@@ -79,7 +82,8 @@ def check_pipeline(cfg: Config, accumulation: int) -> None:
             f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved (not {p.schedule})"
         )
     try:
-        check_sizes(p.schedule, p.pp, accumulation, p.vpp)
+        if accumulation is not None:
+            check_sizes(p.schedule, p.pp, accumulation, p.vpp)
         split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
     except ValueError as err:
         raise UserError(

@@ -46,6 +46,7 @@ from hpcllm.model.gpt import GPT
 from hpcllm.model.stages import split_layers
 from hpcllm.parallel.tensor.layers import merge_shards, shard_of
 from hpcllm.train import checkpoint
+from hpcllm.train.parallelize import check_pipeline
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ def checkpoint_config(folder: Path) -> Config:
     try:
         return config_from_dict(load_yaml(path.read_text()))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise UserError(f"{path} is unreadable ({err})") from None
+        # A read that fails on one rank only (a file system hiccup) must still be told.
+        raise UserError(f"{path} is unreadable ({err})", same_on_all_ranks=False) from None
     except UserError as err:
         raise UserError(f"{path} (the checkpoint's config): {err}") from None
 
@@ -159,8 +161,9 @@ def saved_layout(folder: Path) -> Layout:
 class SavedState:
     """A checkpoint's state by whole-model parameter name, read file by file on demand."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, verified: bool = False) -> None:
         self.folder = Path(folder)
+        self.verified = verified  # every file already checked against the manifest
         self.meta = checkpoint.read_meta(self.folder)
         self.cfg = checkpoint_config(self.folder)
         self.layout = saved_layout(self.folder)
@@ -189,13 +192,23 @@ class SavedState:
         """Return one saved file's contents (memory-mapped, read once)."""
         if (tp_rank, pp_rank) not in self._files:
             self._files[tp_rank, pp_rank] = checkpoint.read_shard(
-                self.folder, tp_rank, pp_rank, self.meta, mmap=True
+                self.folder, tp_rank, pp_rank, self.meta, mmap=True, check=not self.verified
             )
         return self._files[tp_rank, pp_rank]
 
-    def holder(self, name: str) -> int:
-        """Return the saved pipeline rank whose file holds ``name`` (its first stage)."""
-        return self._where[name][0]
+    def rng_source(self, layout: Layout, pp_rank: int) -> int | None:
+        """Return the saved pipeline rank whose random states ``pp_rank`` of ``layout`` takes.
+
+        The saved rank whose stage starts where this rank's first stage starts: pipeline
+        stages draw from different streams, so where several new ranks come from one saved
+        rank, only the one that starts where it started continues its streams (None: the
+        rest keep their fresh seeds).
+        """
+        start = layout.stages(self.cfg.model.n_layer)[pp_rank].start
+        for stage, layers in enumerate(self.layout.stages(self.cfg.model.n_layer)):
+            if layers.start == start:
+                return stage % self.layout.pp
+        return None
 
     def _slices(self, name: str, pick: Any) -> list[Any]:
         rank, chunk = self._where[name]
@@ -245,6 +258,17 @@ def _cut(param: Param, whole: torch.Tensor, vocab: int, tp_rank: int, tp: int) -
     return part.clone()  # owns its memory: the file it came from may be unmapped
 
 
+def _owned(value: Any) -> Any:
+    """Return ``value`` with every tensor in it copied out of the memory-mapped file."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
+
+
 def cut_shard(
     saved: SavedState, layout: Layout, tp_rank: int, pp_rank: int, *, optimizer: bool = True
 ) -> dict[str, Any]:
@@ -260,13 +284,15 @@ def cut_shard(
         for chunk, params in enumerate(chunks)
         for param in params
     }
-    # Scaler and random states from the saved rank that held this rank's first stage.
-    first = chunks[0][0].name
-    source = saved.shard(min(tp_rank, saved.layout.tp - 1), saved.holder(first))
     shard: dict[str, Any] = {"model": model, "optimizer": None}
-    for key in ("scaler", "rng"):
-        if key in source:
-            shard[key] = source[key]
+    # The loss scale is the same on every saved rank. The default random stream is the same on
+    # every tp rank of a stage (replicated regions need equal dropout masks): tp rank 0's.
+    first = saved.shard(0, 0)
+    if "scaler" in first:
+        shard["scaler"] = _owned(first["scaler"])
+    source = saved.rng_source(layout, pp_rank)
+    if source is not None and "rng" in saved.shard(0, source):
+        shard["rng"] = _owned(saved.shard(0, source)["rng"])
     if optimizer and saved.has_optimizer():
         order = optimizer_order(chunks)
         state = {}
@@ -276,7 +302,7 @@ def cut_shard(
                 state[index] = {
                     key: _cut(param, value, vocab, tp_rank, layout.tp)
                     if torch.is_tensor(value) and value.dim() > 0
-                    else value
+                    else _owned(value)
                     for key, value in moments.items()
                 }
         matrices = sum(1 for _, param in order if param.dim >= 2)
@@ -291,12 +317,16 @@ def cut_shard(
     return shard
 
 
-def whole_model_state(folder: Path) -> tuple[Config, int, dict[str, torch.Tensor]]:
+def whole_model_state(
+    folder: Path, *, verified: bool = False
+) -> tuple[Config, int, dict[str, torch.Tensor]]:
     """Return (the checkpoint's config, vocabulary, the whole GPT's weights) from any layout.
 
-    Merged in memory on one process; the optimizer state is not read.
+    Merged in memory on one process; the optimizer state is mapped but never copied.
+    ``verified``: the folder's files were checked against its manifest already (by
+    :func:`select`), so they are not read a second time for that.
     """
-    saved = SavedState(folder)
+    saved = SavedState(folder, verified=verified)
     shard = cut_shard(saved, Layout(), 0, 0, optimizer=False)
     return saved.cfg, saved.vocab, shard["model"]
 
@@ -317,7 +347,8 @@ def check_resumable(folder: Path, cfg: Config) -> Layout | None:
             f"{folder} was saved with {saved} and this run has {mine}; set "
             "run.reshard=true to re-cut it on load, or write a re-cut copy with hpcllm convert "
             f"--checkpoint {folder.parent.parent} --out NEW_RUN --tp {mine.tp} --pp {mine.pp}"
-            + (f" --vpp {mine.vpp}" if mine.vpp > 1 else "")
+            + (f" --vpp {mine.vpp}" if mine.pp > 1 else "")
+            + (" (which cuts the stages evenly)" if mine.pipeline_layers else "")
         )
     return saved
 
@@ -352,8 +383,8 @@ def _target_config(
         p.pipeline_layers = None  # a cut for another number of stages: split evenly again
     if cfg.model.n_head % p.tp:
         raise UserError(f"model.n_head {cfg.model.n_head} is not divisible by --tp {p.tp}")
-    Layout.of(cfg).stages(cfg.model.n_layer)  # every stage gets a block
     batch = meta.get("global_batch") or cfg.train.global_batch_size
+    accumulation = None
     if dp is not None:
         step = cfg.train.micro_batch_size * dp
         if batch and batch % step:
@@ -361,9 +392,11 @@ def _target_config(
                 f"the run's global batch {batch} is not a multiple of micro-batch size "
                 f"{cfg.train.micro_batch_size} x --dp {dp}"
             )
+        accumulation = batch // step if batch else None
     # The run keeps its global batch whatever d becomes, or its data position would slip.
     cfg.train.global_batch_size = batch
     p.dp = dp
+    check_pipeline(cfg, accumulation)  # the schedule, v and the stage cut; m once d is known
     return cfg
 
 
@@ -381,19 +414,19 @@ def convert(
     """Write a run's checkpoint (the latest, or ``step``) re-cut for another layout; return it.
 
     The new run folder holds the config with the new layout, the tokenizer and one checkpoint
-    (weights, optimizer state, data position, random states), so ``hpcllm train --set
-    run.dir=OUT`` resumes it where the original stopped. It appears whole or not at all.
+    (weights, optimizer state, data position, random states), so ``hpcllm train --config
+    OUT/config.yaml`` resumes it where the original stopped. It appears whole or not at all.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.resolve() == run_dir.resolve():
         raise UserError("--out must be a new run folder, not the one converted")
     folder = select(run_dir, step)
-    saved = SavedState(folder)
+    saved = SavedState(folder, verified=True)
     cfg = _target_config(
         checkpoint_config(folder), saved.meta, tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule
     )
     layout = Layout.of(cfg)
-    cfg.run.dir = str(out_dir)
+    cfg.run.dir = str(out_dir.resolve())  # resumes from wherever training starts
     written_anew = ("tp", "pp", "dp", "step", "format_version")
     meta = {k: v for k, v in saved.meta.items() if k not in written_anew}
     try:
@@ -423,7 +456,7 @@ def convert(
 
 
 def select(run_dir: Path, step: int | None = None) -> Path:
-    """Return a run's checkpoint folder: the one of ``step``, or the newest that verifies."""
+    """Return a run's checkpoint folder that verifies: the one of ``step``, or the newest."""
     run_dir = Path(run_dir)
     folders = checkpoint.checkpoints(run_dir)
     if not folders:

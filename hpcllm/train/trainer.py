@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,6 +70,7 @@ class Trainer:
         self.process = ProcessSettings()
         self._closed = False
         self._lock: run_folder.RunLock | None = None
+        self._pruning: threading.Thread | None = None
         try:
             self._set_up()
         except BaseException:
@@ -175,6 +177,7 @@ class Trainer:
 
         The trainer cannot train after this.
         """
+        self._finish_pruning()
         self.process.restore()
         self._release_run_dir()
         self._closed = True
@@ -327,6 +330,7 @@ class Trainer:
         diverged = self._count_bad_steps()
         if diverged:  # never a checkpoint of a stalled run: the last good one stays newest
             raise UserError(diverged)
+        self._finish_pruning()  # one pruning at a time, and never of a folder being written
 
         shard = {
             "model": chunks_state_dict(self.model, self.grid.pp),
@@ -352,8 +356,19 @@ class Trainer:
         )
         keep = self.cfg.run.keep_checkpoints
         if folder is not None and keep is not None and self.grid.rank == 0:
-            checkpoint.prune(folder, keep, self._warn)
+            # Verifying reads the whole checkpoint: rank 0 does it beside training, not in
+            # the way of the next step's collectives.
+            self._pruning = threading.Thread(
+                target=checkpoint.prune, args=(folder, keep, self._warn), name="prune"
+            )
+            self._pruning.start()
         return folder
+
+    def _finish_pruning(self) -> None:
+        """Wait for the pruning of older checkpoints that the last save started."""
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
 
     # -- one step ------------------------------------------------------------------------
 
@@ -814,6 +829,7 @@ class Trainer:
             bar.close()
             batches.close()
             self.write_timeline()
+            self._finish_pruning()
             # The run's signal handlers end with it; the rest is the trainer's until close().
             self.process.restore("signals")
             if log:
