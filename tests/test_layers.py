@@ -25,13 +25,16 @@ LAYERS = [
     ("launcher", ["hpcllm.launcher", "hpcllm.files"]),
     ("errors", ["hpcllm.errors", "hpcllm.watchdog"]),
     ("topology", ["hpcllm.topology"]),
-    ("config", ["hpcllm.config"]),
+    ("config", ["hpcllm.config", "hpcllm.flops"]),
     ("observe", ["hpcllm.observe"]),
     ("data+kernels", ["hpcllm.datasets", "hpcllm.kernels"]),
     ("parallel", ["hpcllm.parallel"]),
     ("model", ["hpcllm.model"]),
     ("train", ["hpcllm.train"]),
-    ("tools", ["hpcllm.bench", "hpcllm.convert", "hpcllm.evaluate", "hpcllm.generate"]),
+    (
+        "tools",
+        ["hpcllm.bench", "hpcllm.convert", "hpcllm.evaluate", "hpcllm.generate", "hpcllm.plan"],
+    ),
     ("cli", ["hpcllm.cli", "hpcllm.__main__"]),
 ]
 

@@ -1,0 +1,388 @@
+"""Memory per GPU and time per step of one layout of a GPT on a cluster.
+
+Memory (bytes per GPU, the busiest pipeline rank):
+
+- weights, gradients and optimizer state per parameter the rank holds: hpcllm keeps fp32
+  weights and gradients and Adam's two fp32 moments (4 + 4 + 8 bytes); ``weights: mixed``
+  (Megatron-LM) keeps 16-bit weights, fp32 gradients and an fp32 master copy with the moments
+  (2 + 4 + 12). The distributed optimizer divides the optimizer part by d.
+- activations per layer and micro-batch after Korthikanti et al. (2022), in 16-bit bytes:
+  s·b·h·(10 + 24/t + 5·a·s/(h·t)) without sequence parallelism, s·b·h·(34/t + 5·a·s/(h·t))
+  with it; selective recomputation drops the 5·a·s/(h·t) term of the attention core, and so
+  does flash attention, which never stores the s×s scores; full recomputation keeps only each
+  layer's input, 2·s·b·h (/t with sequence parallelism), plus one layer's worth while it is
+  recomputed. Times the micro-batches the first pipeline rank holds at its peak (gpipe: m;
+  1f1b and zb-h1: p; interleaved: p + (p-1)/v, in stage units: the same counts
+  :func:`hpcllm.parallel.pipeline.schedule.peak_in_flight` gives for the real schedules), plus
+  the logits of one micro-batch on the last stage.
+
+Time: each stage's forward and backward per micro-batch, from
+
+- every GEMM's FLOPs at the fraction of peak its shape reaches
+  (:func:`hpcllm.plan.hardware.gemm_efficiency`); a backward GEMM pair costs twice the
+  forward one;
+- attention: flash (hpcllm, causal: half the score FLOPs at FlashAttention's efficiency,
+  backward 2.5 times the forward), or unfused (Megatron-LM in 2021: two batched GEMMs over
+  head_dim, and the scale-mask-softmax and dropout over b·a·s²/t elements in HBM);
+- the element-wise ops (LayerNorm, bias-GeLU, bias-dropout-add; their bytes) at HBM bandwidth;
+- the tensor-parallel all-reduces (2 per layer forward, 2 backward, 2 more when recomputed;
+  sequence parallelism's all-gather + reduce-scatter move the same bytes), ring cost inside a
+  node;
+
+then the pipeline: m micro-batches plus the schedule's bubble (the papers' formulas, from
+:func:`hpcllm.parallel.pipeline.simulate.theory_bubble`), point-to-point transfers between
+stages on the critical path (over the network when a stage's neighbour sits on another node,
+1/t of the bytes each with scatter/gather), the data-parallel all-reduce (ring over d ranks;
+hpcllm overlaps it with the last backward, Megatron-LM in 2021 did not), and the optimizer's
+pass over its state at HBM bandwidth.
+
+Left out: kernel launch overheads, the embedding's gather and the tied embedding's
+all-reduce, imbalance from the embedding stage, NCCL's protocol choice, congestion between
+jobs, and stragglers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hpcllm.flops import step_flops
+from hpcllm.parallel.pipeline.simulate import theory_bubble
+from hpcllm.plan.hardware import Cluster, gemm_efficiency
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Model:
+    """A GPT's shape."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+    def parameters(self) -> int:
+        """Return the parameter count: 12·h² + 13·h per layer, embeddings, final LayerNorm."""
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq) * h + 2 * h
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a step: the grid, the micro-batch, the schedule, the recomputation."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    scatter_gather: bool = True
+
+
+@dataclass(frozen=True)
+class Software:
+    """How the training code runs a step (what it computes is the same).
+
+    ``hpcllm()`` is this project; ``megatron_2021()`` the Megatron-LM of the SC21 paper.
+    """
+
+    precision: str = "bf16"
+    attention: str = "flash"  # flash | unfused
+    weights: str = "fp32"  # fp32 | mixed
+    grad_bytes: int = 4  # bytes per gradient element in the data-parallel all-reduce
+    dp_overlap: bool = True  # the all-reduce overlaps the last backward
+    distributed_optimizer: bool = False
+
+    @property
+    def grad_accumulation_bytes(self) -> int:
+        """Return the bytes per parameter that adding a micro-batch's gradient moves.
+
+        fp32: the new gradient written and read, the sum read and written (4 × 4); mixed:
+        the 16-bit gradient written and read, added into an fp32 main gradient (2 + 2 + 4 + 4).
+        """
+        return 12 if self.weights == "mixed" else 16
+
+    @classmethod
+    def hpcllm(cls, precision: str = "bf16") -> Software:
+        """Return hpcllm's way: fp32 weights under autocast, SDPA, DDP overlapping."""
+        return cls(precision=precision)
+
+    @classmethod
+    def megatron_2021(cls) -> Software:
+        """Return Megatron-LM's way in the SC21 paper: fp16 weights and gradients, no overlap."""
+        return cls("fp16", "unfused", "mixed", 2, False)
+
+
+@dataclass
+class Estimate:
+    """What one layout costs: time by part, memory by part, throughput."""
+
+    layout: Layout
+    step_time_s: float
+    tflops_per_gpu: float  # FLOPs done (recomputation counted, as the paper reports)
+    mfu: float  # model FLOPs (no recomputation) / peak
+    tokens_per_s: float
+    bubble: float  # bubble time / step time
+    memory_parts_gb: dict[str, float]
+    fits: bool
+    time_parts_s: dict[str, float]  # compute, bubble, and each axis's exposed communication
+    hidden_comm_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def memory_gb(self) -> float:
+        """Return the memory per GPU, all parts."""
+        return sum(self.memory_parts_gb.values())
+
+
+def _bytes_per_value(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def _gemm_s(cluster: Cluster, peak: float, m: int, n: int, k: int, e: int = 2) -> float:
+    """Return a GEMM's time: its FLOPs at its shape's efficiency, or its bytes if more.
+
+    The bytes bound matters where one dimension is small: the attention scores (k = the head
+    dimension) write s² values per head for 2·head_dim FLOPs each.
+    """
+    flops = 2.0 * m * n * k
+    compute = flops / (peak * 1e12 * gemm_efficiency(cluster.gpu, (m, n, k)))
+    return max(compute, _memory_s(cluster, (m * k + k * n + m * n) * e))
+
+
+def _memory_s(cluster: Cluster, nbytes: float) -> float:
+    gpu = cluster.gpu
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.memory_efficiency)
+
+
+def _ring_allreduce_s(nbytes: float, ranks: int, gbps: float, latency_us: float) -> float:
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + 2 * (ranks - 1) * latency_us * 1e-6
+
+
+def _spans_nodes(cluster: Cluster, ranks_apart: int, count: int) -> bool:
+    """Return whether ``count`` ranks ``ranks_apart`` apart reach beyond one node."""
+    return ranks_apart * (count - 1) >= cluster.gpus_per_node
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One transformer layer's times for one micro-batch on one GPU."""
+
+    gemm_f: float
+    attention_f: float
+    attention_b: float
+    elementwise_f: float
+    tp_f: float  # exposed all-reduce time of one forward
+    weight_grad: float  # the share of the backward that computes weight gradients
+
+    @property
+    def forward(self) -> float:
+        return self.gemm_f + self.attention_f + self.elementwise_f + self.tp_f
+
+    def backward(self, recompute: str) -> float:
+        redo = {"none": 0.0, "selective": self.attention_f, "full": self.forward}[recompute]
+        return 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.tp_f + redo
+
+
+def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
+    b, s, h, t = layout.micro_batch, model.seq, model.hidden, layout.tp
+    heads = model.heads // t
+    head_dim = h // model.heads
+    peak = cluster.gpu.peak(software.precision)
+    e = _bytes_per_value(software.precision)
+    rows = b * s
+    gemm = (
+        _gemm_s(cluster, peak, rows, 3 * h // t, h, e)  # q|k|v
+        + _gemm_s(cluster, peak, rows, h, h // t, e)  # attention output
+        + _gemm_s(cluster, peak, rows, 4 * h // t, h, e)  # MLP up
+        + _gemm_s(cluster, peak, rows, h, 4 * h // t, e)  # MLP down
+    )
+    if software.attention == "flash":
+        # Causal: half of the 4·b·s²·h/t score and context FLOPs are computed.
+        flops = 2.0 * b * s * s * h / t
+        attention_f = flops / (peak * 1e12 * cluster.gpu.flash_efficiency)
+        attention_b = 2.5 * attention_f
+    else:
+        scores = b * heads * s * s
+        bmm = (
+            heads
+            * b
+            * (
+                _gemm_s(cluster, peak, s, s, head_dim, e)
+                + _gemm_s(cluster, peak, s, head_dim, s, e)
+            )
+        )
+        # Scale-mask-softmax read and written once, dropout read, written, and its mask (1 B);
+        # backward: dropout's and softmax's gradients (read 3, write 2 values, and the mask).
+        # The context's heads are permuted back into place: b·s·h/t values copied.
+        permute = _memory_s(cluster, 2 * b * s * h / t * e)
+        attention_f = bmm + _memory_s(cluster, scores * (4 * e + 1)) + permute
+        attention_b = 2 * bmm + _memory_s(cluster, scores * (5 * e + 1)) + 2 * permute
+    # LayerNorms and bias-dropout-adds (replicated over tp unless sequence-parallel), and the
+    # bias-GeLU on the 4h/t MLP activation: values read and written, plus dropout masks.
+    replicated = b * s * h / (t if layout.sequence_parallel else 1)
+    elementwise = _memory_s(
+        cluster, replicated * (2 * 2 * e + 2 * (3 * e + 1)) + 4 * b * s * h / t * 2 * e
+    )
+    tp_f = 0.0
+    if t > 1:
+        gbps, latency = (
+            (cluster.inter_node_gbps, cluster.inter_node_latency_us)
+            if _spans_nodes(cluster, 1, t)
+            else (cluster.intra_node_gbps, cluster.intra_node_latency_us)
+        )
+        tp_f = 2 * _ring_allreduce_s(b * s * h * e, t, gbps, latency)
+    return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, weight_grad=gemm)
+
+
+def _in_flight(layout: Layout, m: int) -> float:
+    """Return the activations the first pipeline rank holds at its peak, in stage units."""
+    p, v = layout.pp, layout.vpp
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved":
+        return min(m, p + (p - 1) / v)
+    return min(m, p)
+
+
+def _activation_bytes_per_layer(model: Model, layout: Layout, software: Software) -> float:
+    s, b, h, a, t = model.seq, layout.micro_batch, model.hidden, model.heads, layout.tp
+    sbh = s * b * h * _bytes_per_value(software.precision) / 2
+    scores = 0.0 if software.attention == "flash" else 5 * a * s / (h * t)
+    if layout.sequence_parallel and t > 1:
+        stored = 34 / t
+    else:
+        stored = 10 + 24 / t
+    if layout.recompute == "selective":
+        scores = 0.0
+    return sbh * (stored + scores)
+
+
+def memory_parts(
+    model: Model, layout: Layout, cluster: Cluster, software: Software, global_batch: int
+) -> dict[str, float]:
+    """Return the busiest rank's memory in GB by part (weights, gradients, optimizer, ...)."""
+    t, p, v = layout.tp, layout.pp, layout.vpp
+    m = global_batch // (layout.dp * layout.micro_batch)
+    layers_per_rank = v * math.ceil(model.layers / (p * v))
+    h = model.hidden
+    params = layers_per_rank * (12 * h * h + 13 * h) / t + (model.vocab * h) / t + model.seq * h
+    if software.weights == "mixed":
+        weight_b, grad_b, optimizer_b = 2, 4, 12
+    else:
+        weight_b, grad_b, optimizer_b = 4, 4, 8
+    if software.distributed_optimizer:
+        optimizer_b /= layout.dp
+    per_layer = _activation_bytes_per_layer(model, layout, software)
+    e = _bytes_per_value(software.precision)
+    s, b = model.seq, layout.micro_batch
+    if layout.recompute == "full":
+        inputs = s * b * h * e / (t if layout.sequence_parallel else 1)
+        activations = inputs * (layers_per_rank / v) * _in_flight(layout, m) + per_layer
+    else:
+        activations = per_layer * (layers_per_rank / v) * _in_flight(layout, m)
+    logits = 2 * s * b * model.vocab / t * 4  # fp32 logits and their gradient, one micro-batch
+    return {
+        "weights": params * weight_b / 1e9,
+        "gradients": params * grad_b / 1e9,
+        "optimizer": params * optimizer_b / 1e9,
+        "activations": activations / 1e9,
+        "logits": logits / 1e9,
+    }
+
+
+def estimate(
+    model: Model, layout: Layout, cluster: Cluster, software: Software, global_batch: int
+) -> Estimate:
+    """Return the time and memory of one training step of ``layout``."""
+    t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch
+    m = global_batch // (d * b)
+    peak = cluster.gpu.peak(software.precision)
+    e = _bytes_per_value(software.precision)
+    layer = _layer(model, layout, cluster, software)
+    layers_per_rank = v * math.ceil(model.layers / (p * v))
+    s, h = model.seq, model.hidden
+    # The output layer (last stage): logits GEMM, the loss over b·s·V/t values.
+    head_gemm = _gemm_s(cluster, peak, b * s, model.vocab // t, h, e)
+    head_memory = _memory_s(cluster, b * s * model.vocab / t * 4 * 3)
+    stage_f = layers_per_rank * layer.forward + head_gemm + head_memory / 3
+    stage_b = layers_per_rank * layer.backward(layout.recompute) + 2 * head_gemm + head_memory
+    stage_w = layers_per_rank * layer.weight_grad + head_gemm
+    # Pipeline point-to-point: an activation forward and its gradient back per chunk boundary.
+    p2p = 0.0
+    if p > 1:
+        nbytes = b * s * h * e
+        remote = _spans_nodes(cluster, t * d, 2)
+        gbps, latency = (
+            (cluster.inter_node_gbps, cluster.inter_node_latency_us)
+            if remote
+            else (cluster.intra_node_gbps, cluster.intra_node_latency_us)
+        )
+        split = t > 1 and (layout.scatter_gather or layout.sequence_parallel)
+        one = (nbytes / t if split else nbytes) / (gbps * 1e9) + latency * 1e-6
+        if split and not layout.sequence_parallel:  # the all-gather inside the node
+            one += (t - 1) / t * nbytes / (cluster.intra_node_gbps * 1e9)
+        p2p = 2 * v * one
+    # Each micro-batch's weight gradients are added into the step's (read both, write one).
+    params = layers_per_rank * (12 * h * h + 13 * h) / t + model.vocab * h / t
+    stage_b += _memory_s(cluster, params * software.grad_accumulation_bytes)
+    compute = m * (stage_f + stage_b)
+    if p > 1:
+        if layout.schedule == "zb-h1":
+            ratio = theory_bubble("zb-h1", p, m, 1, stage_f, stage_b - stage_w, stage_w)
+        else:
+            ratio = theory_bubble(layout.schedule, p, m, v, stage_f, stage_b, 0.0)
+        bubble = ratio * m * (stage_f + stage_b) + (p - 1) / v * p2p
+    else:
+        bubble = 0.0
+    pp_exposed = m * p2p
+    # Data parallelism: a ring over the d replicas of each shard, t ranks apart.
+    dp_time = 0.0
+    if d > 1:
+        if _spans_nodes(cluster, t, d):
+            # Each node holds gpus_per_node/t members of the ring, each with its own adapter.
+            members = max(1, cluster.gpus_per_node // t)
+            gbps = min(cluster.intra_node_gbps, cluster.inter_node_gbps * members)
+            latency = cluster.inter_node_latency_us
+        else:
+            gbps, latency = cluster.intra_node_gbps, cluster.intra_node_latency_us
+        dp_time = _ring_allreduce_s(params * software.grad_bytes, d, gbps, latency)
+    hidden_dp = min(dp_time, stage_b) if software.dp_overlap else 0.0
+    dp_exposed = dp_time - hidden_dp
+    state_bytes = 30 if software.weights == "mixed" else 28  # Adam reads and writes per param
+    optimizer = _memory_s(
+        cluster, params * state_bytes / (d if software.distributed_optimizer else 1)
+    )
+    tp_total = m * layers_per_rank * layer.tp_f * (2 + (layout.recompute == "full"))
+    step_time = compute + bubble + pp_exposed + dp_exposed + optimizer
+    gpus = t * p * d
+    done = step_flops(global_batch, s, model.layers, h, model.vocab, layout.recompute)
+    useful = step_flops(global_batch, s, model.layers, h, model.vocab, "none")
+    parts = memory_parts(model, layout, cluster, software, global_batch)
+    usable = cluster.gpu.memory_gb * cluster.usable_memory_fraction
+    return Estimate(
+        layout=layout,
+        step_time_s=step_time,
+        tflops_per_gpu=done / step_time / gpus / 1e12,
+        mfu=useful / step_time / gpus / (peak * 1e12),
+        tokens_per_s=global_batch * s / step_time,
+        bubble=bubble / step_time,
+        memory_parts_gb=parts,
+        fits=sum(parts.values()) <= usable,
+        time_parts_s={
+            "compute": compute - tp_total,
+            "tp": tp_total,
+            "bubble": bubble,
+            "pp": pp_exposed,
+            "dp": dp_exposed,
+            "optimizer": optimizer,
+        },
+        hidden_comm_s={"dp": hidden_dp},
+    )

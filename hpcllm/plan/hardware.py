@@ -1,0 +1,201 @@
+"""What the planner knows of a machine: GPU kinds from their specifications, clusters from YAML.
+
+Peaks are the dense (no sparsity) tensor-core figures of NVIDIA's data sheets; ``fp32`` is
+TF32, which hpcllm's fp32 runs use on tensor cores. What a kernel achieves is a fraction of
+those peaks:
+
+- ``gemm_ceiling``: the share of peak the best-shaped BF16 GEMM sustains, the "maximum
+  achievable matmul FLOPS" that Stas Bekman's *Machine Learning Engineering* lists from its
+  ``mamf-finder`` sweeps: A100 SXM 267.9 of 312 TFLOP/s (0.86), H100 SXM 792.1 of 989 (0.80);
+  H100 PCIe and H200 take the H100 SXM's share. Smaller GEMMs lose to tile and wave
+  quantization (:func:`gemm_efficiency`).
+- ``flash_efficiency``: FlashAttention-2's fraction of peak, forward and backward together
+  (Dao 2023: 50–73% of an A100's peak forward, lower backward; on H100 about 35–50%).
+- ``memory_efficiency``: the share of HBM bandwidth a streaming kernel reaches. H100: 0.9,
+  measured on this project's H100 (about 3,000 GB/s copy bandwidth of 3,350); A100: 0.87
+  (STREAM-like copies at about 1.75 TB/s of 2.04).
+
+A cluster file names a GPU kind (or describes one with a ``gpu_spec`` mapping, as the CPU file
+does) and the network. Bandwidths are what collectives achieve (nccl-tests' "bus bandwidth"),
+per GPU and per direction: inside a node over NVLink/NVSwitch, between nodes over each GPU's
+own network adapter (one per GPU on DGX systems).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hpcllm.user_error import UserError
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU kind: peak TFLOP/s by precision, memory, bandwidth, and achieved fractions."""
+
+    name: str
+    peak_bf16: float  # TFLOP/s, dense; fp16 is the same on every kind listed
+    peak_fp32: float  # TFLOP/s, TF32 tensor cores
+    memory_gb: float
+    hbm_gbps: float  # GB/s
+    gemm_ceiling: float
+    flash_efficiency: float
+    memory_efficiency: float
+
+    def peak(self, precision: str) -> float:
+        """Return the peak TFLOP/s for ``bf16``, ``fp16`` or ``fp32``."""
+        return self.peak_fp32 if precision == "fp32" else self.peak_bf16
+
+
+GPUS: dict[str, GPU] = {
+    gpu.name: gpu
+    for gpu in (
+        GPU("a100-40gb", 312.0, 156.0, 40.0, 1555.0, 0.86, 0.55, 0.87),
+        GPU("a100-80gb", 312.0, 156.0, 80.0, 2039.0, 0.86, 0.55, 0.87),
+        GPU("h100-sxm", 989.4, 494.7, 80.0, 3350.0, 0.80, 0.45, 0.90),
+        GPU("h100-pcie", 756.0, 378.0, 80.0, 2000.0, 0.80, 0.45, 0.90),
+        GPU("h200", 989.4, 494.7, 141.0, 4800.0, 0.80, 0.45, 0.90),
+    )
+}
+
+# Fraction of ``gemm_ceiling`` by a GEMM's smallest dimension: 128×128 and 256×128 tiles are
+# filled only from 128 on, and a GEMM needs a few tiles per SM (108 on an A100, 132 on an
+# H100) to fill the waves; from about 2,048 on the shape no longer matters. Between the
+# points, linear in log2 of the dimension.
+SHAPE_FACTOR: tuple[tuple[int, float], ...] = (
+    (16, 0.08),
+    (32, 0.15),
+    (64, 0.30),
+    (128, 0.50),
+    (256, 0.70),
+    (512, 0.85),
+    (1024, 0.95),
+    (2048, 1.00),
+)
+
+
+def gemm_efficiency(gpu: GPU, dims: Sequence[int]) -> float:
+    """Return the fraction of peak a GEMM of these dimensions (M, N, K) reaches."""
+    small = max(1, min(dims))
+    if small >= SHAPE_FACTOR[-1][0]:
+        return gpu.gemm_ceiling
+    if small <= SHAPE_FACTOR[0][0]:
+        return gpu.gemm_ceiling * SHAPE_FACTOR[0][1] * small / SHAPE_FACTOR[0][0]
+    for (d0, f0), (d1, f1) in zip(SHAPE_FACTOR, SHAPE_FACTOR[1:], strict=False):
+        if small <= d1:
+            share = (math.log2(small) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
+            return gpu.gemm_ceiling * (f0 + share * (f1 - f0))
+    return gpu.gemm_ceiling
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs per node and the network between them."""
+
+    name: str
+    gpu: GPU
+    gpus_per_node: int
+    intra_node_gbps: float  # per GPU and direction, what collectives achieve
+    inter_node_gbps: float  # per GPU and direction, over its own network adapter
+    intra_node_latency_us: float
+    inter_node_latency_us: float
+    usable_memory_fraction: float = 0.9  # the rest: CUDA context, workspaces, fragmentation
+
+
+_REQUIRED = (
+    "gpus_per_node",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "intra_node_latency_us",
+    "inter_node_latency_us",
+)
+
+
+def _number(where: str, key: str, value: Any, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{where}: {key} must be a number, got {value!r}")
+    if value <= 0 if positive else value < 0:
+        raise UserError(f"{where}: {key} must be {'above' if positive else 'at least'} 0")
+    return float(value)
+
+
+def _gpu(where: str, raw: dict[str, Any]) -> GPU:
+    if "gpu_spec" in raw:
+        spec = raw["gpu_spec"]
+        if not isinstance(spec, dict):
+            raise UserError(f"{where}: gpu_spec must be a mapping of the GPU fields")
+        names = [f.name for f in fields(GPU) if f.name != "name"]
+        missing = [n for n in names if n not in spec]
+        if missing:
+            raise UserError(f"{where}: gpu_spec lacks {', '.join(missing)}")
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise UserError(f"{where}: gpu_spec has unknown field {unknown[0]}")
+        return GPU(str(raw.get("gpu", "custom")), **{n: _number(where, n, spec[n]) for n in names})
+    kind = raw.get("gpu")
+    if kind not in GPUS:
+        raise UserError(f"{where}: unknown gpu {kind!r}; kinds: {', '.join(GPUS)} (or a gpu_spec)")
+    return GPUS[kind]
+
+
+def cluster_from_dict(raw: Any, where: str = "cluster") -> Cluster:
+    """Return the cluster a mapping describes; one-line :class:`UserError` if it cannot."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: a cluster file is a YAML mapping")
+    missing = [key for key in ("gpu", *_REQUIRED) if key not in raw]
+    if missing:
+        raise UserError(
+            f"{where}: missing field {missing[0]} (fields: gpu, {', '.join(_REQUIRED)})"
+        )
+    known = {"name", "gpu", "gpu_spec", "usable_memory_fraction", *_REQUIRED}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise UserError(f"{where}: unknown field {unknown[0]}")
+    per_node = raw["gpus_per_node"]
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        raise UserError(f"{where}: gpus_per_node must be a positive integer, got {per_node!r}")
+    usable = _number(where, "usable_memory_fraction", raw.get("usable_memory_fraction", 0.9))
+    if usable > 1:
+        raise UserError(f"{where}: usable_memory_fraction must be at most 1")
+    return Cluster(
+        name=str(raw.get("name", where)),
+        gpu=_gpu(where, raw),
+        gpus_per_node=per_node,
+        intra_node_gbps=_number(where, "intra_node_gbps", raw["intra_node_gbps"]),
+        inter_node_gbps=_number(where, "inter_node_gbps", raw["inter_node_gbps"]),
+        intra_node_latency_us=_number(
+            where, "intra_node_latency_us", raw["intra_node_latency_us"], positive=False
+        ),
+        inter_node_latency_us=_number(
+            where, "inter_node_latency_us", raw["inter_node_latency_us"], positive=False
+        ),
+        usable_memory_fraction=usable,
+    )
+
+
+def load_cluster(path: Path, overrides: Sequence[str] = ()) -> Cluster:
+    """Return the cluster of a YAML file, with ``key=value`` overrides (``gpu_spec.x=…`` too)."""
+    from hpcllm.config import load_yaml
+
+    path = Path(path)
+    try:
+        raw = load_yaml(path.read_text())
+    except OSError as err:
+        raise UserError(f"cannot read the cluster file {path}: {err.strerror or err}") from None
+    except Exception as err:  # noqa: BLE001 - any parse error is one line
+        raise UserError(f"{path}: not YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a cluster file is a YAML mapping")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--cluster-set takes key=value, got {item!r}")
+        value = load_yaml(text) if text else text
+        if key.startswith("gpu_spec."):
+            raw.setdefault("gpu_spec", {})[key.removeprefix("gpu_spec.")] = value
+        else:
+            raw[key] = value
+    return cluster_from_dict(raw, str(path))
