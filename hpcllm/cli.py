@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpcllm import __version__
 from hpcllm.errors import run_reporting_errors
@@ -16,34 +16,24 @@ if TYPE_CHECKING:
     from hpcllm.config import Config
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _at_least(convert: type, low: float, what: str) -> Any:
+    """Return an argparse type: ``convert`` of the text, refused below ``low`` as not ``what``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+_positive = _at_least(int, 1, "a positive integer")
+_non_negative_int = _at_least(int, 0, "an integer >= 0")
+_non_negative = _at_least(float, 0.0, "a number >= 0")
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -208,3 +208,18 @@ def test_the_written_config_trains_under_mpirun_with_its_layout(stdlib, tmp_path
     assert "grid t=2 p=2 d=1" in result.stdout + result.stderr
     meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert (meta["tp"], meta["pp"], meta["dp"]) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (2, 2)])
+def test_weights_per_rank_are_those_hpcllm_builds(pp, vpp):
+    from hpcllm.config import ModelConfig
+    from hpcllm.model.stages import build_chunks
+    from hpcllm.plan.costs import rank_parameters
+
+    cfg = ModelConfig(preset=None, n_layer=4, n_head=4, d_model=64, seq_len=32)
+    chunks = build_chunks(
+        cfg, 300, p=pp, rank=0, v=vpp, tp_group=None, seed=1, sequence_parallel=False
+    )
+    built = sum(p.numel() for p in chunks.parameters())
+    layout = Layout(1, pp, 1, vpp, 1, "interleaved" if vpp > 1 else "1f1b")
+    assert rank_parameters(Model(4, 64, 4, 32, 300), layout) == built

@@ -145,11 +145,11 @@ def test_hf_export_of_a_sharded_run_matches_its_distributed_forward(
 def test_parameter_lists_match_the_chunks_and_the_optimizer():
     cfg = load_config(None, TINY)
     for layout in (
-        reshard.Layout(pp=1),
-        reshard.Layout(pp=2),
-        reshard.Layout(pp=2, vpp=2),
-        reshard.Layout(pp=4),
-        reshard.Layout(pp=3, pipeline_layers=(1, 2, 1)),
+        reshard.Cut(pp=1),
+        reshard.Cut(pp=2),
+        reshard.Cut(pp=2, vpp=2),
+        reshard.Cut(pp=4),
+        reshard.Cut(pp=3, pipeline_layers=(1, 2, 1)),
     ):
         for rank in range(layout.pp):
             chunks = build_chunks(
@@ -343,8 +343,8 @@ def test_only_the_rank_that_starts_where_a_saved_stage_started_continues_its_str
     (folder / "meta.json").write_text('{"step": 1, "tp": 1, "pp": 2, "vocab_size": 300}')
     saved = reshard.SavedState(folder)
     # p 2 -> 4: new ranks 0 and 2 start where saved stages 0 and 1 started; 1 and 3 split them.
-    four = [saved.rng_source(reshard.Layout(pp=4), r) for r in range(4)]
+    four = [saved.rng_source(reshard.Cut(pp=4), r) for r in range(4)]
     assert four == [0, None, 1, None]
-    assert saved.rng_source(reshard.Layout(pp=1), 0) == 0
-    interleaved = reshard.Layout(pp=2, vpp=2)  # rank 1's first stage is stage 1: block 1
+    assert saved.rng_source(reshard.Cut(pp=1), 0) == 0
+    interleaved = reshard.Cut(pp=2, vpp=2)  # rank 1's first stage is stage 1: block 1
     assert [saved.rng_source(interleaved, r) for r in range(2)] == [0, None]

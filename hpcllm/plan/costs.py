@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hpcllm.config import padded_vocab
 from hpcllm.flops import step_flops
 from hpcllm.parallel.pipeline.simulate import theory_bubble
 from hpcllm.plan.hardware import Cluster, gemm_efficiency
@@ -138,6 +139,21 @@ class Estimate:
     def memory_gb(self) -> float:
         """Return the memory per GPU, all parts."""
         return sum(self.memory_parts_gb.values())
+
+
+def rank_parameters(model: Model, layout: Layout) -> float:
+    """Return the parameters the first pipeline rank holds (its layers, both embeddings).
+
+    Per layer, the column- and row-parallel weights and the column-parallel biases are split
+    over t (12·h² + 7·h), the row-parallel biases and LayerNorms are whole (6·h); the token
+    embedding is padded to a multiple of 128·t rows and split.
+    """
+    h, t = model.hidden, layout.tp
+    layers = layout.vpp * math.ceil(model.layers / (layout.pp * layout.vpp))
+    per_layer = (12 * h * h + 7 * h) / t + 6 * h
+    embedding = padded_vocab(model.vocab, t) * h / t + model.seq * h
+    final_norm = 2 * h if layout.pp == 1 else 0
+    return layers * per_layer + embedding + final_norm
 
 
 def _bytes_per_value(precision: str) -> int:
@@ -273,7 +289,7 @@ def memory_parts(
     m = global_batch // (layout.dp * layout.micro_batch)
     layers_per_rank = v * math.ceil(model.layers / (p * v))
     h = model.hidden
-    params = layers_per_rank * (12 * h * h + 13 * h) / t + (model.vocab * h) / t + model.seq * h
+    params = rank_parameters(model, layout)
     if software.weights == "mixed":
         weight_b, grad_b, optimizer_b = 2, 4, 12
     else:
@@ -331,7 +347,7 @@ def estimate(
             one += (t - 1) / t * nbytes / (cluster.intra_node_gbps * 1e9)
         p2p = 2 * v * one
     # Each micro-batch's weight gradients are added into the step's (read both, write one).
-    params = layers_per_rank * (12 * h * h + 13 * h) / t + model.vocab * h / t
+    params = rank_parameters(model, layout)
     stage_b += _memory_s(cluster, params * software.grad_accumulation_bytes)
     compute = m * (stage_f + stage_b)
     if p > 1:

@@ -50,7 +50,7 @@ from hpcllm.train.parallelize import check_pipeline
 
 
 @dataclass(frozen=True)
-class Layout:
+class Cut:
     """How a model is cut: tensor-parallel size, pipeline ranks, chunks per rank, stage cut."""
 
     tp: int = 1
@@ -59,7 +59,7 @@ class Layout:
     pipeline_layers: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, cfg: Config) -> Layout:
+    def of(cls, cfg: Config) -> Cut:
         """Return the layout a config asks for."""
         p = cfg.parallel
         layers = tuple(p.pipeline_layers) if p.pipeline_layers else None
@@ -72,7 +72,7 @@ class Layout:
         except ValueError as err:
             raise UserError(str(err)) from None
 
-    def same_cut(self, other: Layout, n_layer: int) -> bool:
+    def same_as(self, other: Cut, n_layer: int) -> bool:
         """Return whether every rank of ``other`` holds what the same rank here holds."""
         return (self.tp, self.pp, self.vpp) == (other.tp, other.pp, other.vpp) and self.stages(
             n_layer
@@ -107,7 +107,7 @@ def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param
     ]
 
 
-def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[list[Param]]:
+def rank_parameters(cfg: ModelConfig, layout: Cut, pp_rank: int) -> list[list[Param]]:
     """Return a pipeline rank's parameters, one list per chunk, in the chunks' module order.
 
     The optimizer numbers them as :func:`optimizer_order` gives.
@@ -126,7 +126,7 @@ def optimizer_order(chunks: list[list[Param]]) -> list[tuple[int, Param]]:
     return [item for item in flat if item[1].dim >= 2] + [item for item in flat if item[1].dim < 2]
 
 
-def _key(layout: Layout, chunk: int, name: str) -> str:
+def _key(layout: Cut, chunk: int, name: str) -> str:
     # As hpcllm.model.stages.chunks_state_dict keys them.
     return name if layout.pp == 1 else f"{chunk}.{name}"
 
@@ -143,10 +143,10 @@ def checkpoint_config(folder: Path) -> Config:
         raise UserError(f"{path} (the checkpoint's config): {err}") from None
 
 
-def saved_layout(folder: Path) -> Layout:
+def saved_layout(folder: Path) -> Cut:
     """Return the layout a checkpoint was saved in."""
     meta = checkpoint.read_meta(folder)
-    saved = Layout.of(checkpoint_config(folder))
+    saved = Cut.of(checkpoint_config(folder))
     # meta.json is what the files are cut by; the config says how the stages were split.
     pp = meta["pp"]
     return replace(
@@ -196,7 +196,7 @@ class SavedState:
             )
         return self._files[tp_rank, pp_rank]
 
-    def rng_source(self, layout: Layout, pp_rank: int) -> int | None:
+    def rng_source(self, layout: Cut, pp_rank: int) -> int | None:
         """Return the saved pipeline rank whose random states ``pp_rank`` of ``layout`` takes.
 
         The saved rank whose stage starts where this rank's first stage starts: pipeline
@@ -270,7 +270,7 @@ def _owned(value: Any) -> Any:
 
 
 def cut_shard(
-    saved: SavedState, layout: Layout, tp_rank: int, pp_rank: int, *, optimizer: bool = True
+    saved: SavedState, layout: Cut, tp_rank: int, pp_rank: int, *, optimizer: bool = True
 ) -> dict[str, Any]:
     """Return what rank (tp_rank, pp_rank) of ``layout`` would have saved at this step."""
     if saved.cfg.model.n_head % layout.tp:
@@ -327,20 +327,20 @@ def whole_model_state(
     :func:`select`), so they are not read a second time for that.
     """
     saved = SavedState(folder, verified=verified)
-    shard = cut_shard(saved, Layout(), 0, 0, optimizer=False)
+    shard = cut_shard(saved, Cut(), 0, 0, optimizer=False)
     return saved.cfg, saved.vocab, shard["model"]
 
 
-def check_resumable(folder: Path, cfg: Config) -> Layout | None:
+def check_resumable(folder: Path, cfg: Config) -> Cut | None:
     """Return the checkpoint's layout if resuming ``cfg`` from it needs a re-cut, else None.
 
     Raises one line naming both layouts and the two ways out when it does and
     ``run.reshard`` is off.
     """
     saved = saved_layout(folder)
-    mine = Layout.of(cfg)
+    mine = Cut.of(cfg)
     n_layer = cfg.model.n_layer
-    if saved.same_cut(mine, n_layer):
+    if saved.same_as(mine, n_layer):
         return None
     if not cfg.run.reshard:
         raise UserError(
@@ -425,7 +425,7 @@ def convert(
     cfg = _target_config(
         checkpoint_config(folder), saved.meta, tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule
     )
-    layout = Layout.of(cfg)
+    layout = Cut.of(cfg)
     cfg.run.dir = str(out_dir.resolve())  # resumes from wherever training starts
     written_anew = ("tp", "pp", "dp", "step", "format_version")
     meta = {k: v for k, v in saved.meta.items() if k not in written_anew}

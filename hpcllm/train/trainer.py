@@ -250,7 +250,7 @@ class Trainer:
         self._lock = self._on_rank0(claim)
         # The newest checkpoint that verifies; a damaged newer one is named and passed over.
         self._resume_from: Path | None = None
-        self._reshard_from: reshard.Layout | None = None
+        self._reshard_from: reshard.Cut | None = None
         if r.resume == "auto":
             self._resume_from = checkpoint.agreed_resumable(self.run_dir, self.grid, self._warn)
             if self._resume_from is not None:
@@ -296,7 +296,7 @@ class Trainer:
         else:
             shard = reshard.cut_shard(
                 reshard.SavedState(folder),
-                reshard.Layout.of(self.cfg),
+                reshard.Cut.of(self.cfg),
                 self.grid.tp_rank,
                 self.grid.pp_rank,
             )
