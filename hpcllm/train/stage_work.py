@@ -54,7 +54,11 @@ class GPTStageWork:
         self.chunks, self.engine, self.batches = chunks, engine, batches
         self.modules = list(chunks) if modules is None else list(modules)
         # NVTX names say the chunk only when a rank holds several.
-        self._names = [f" chunk {c}" if len(chunks) > 1 else "" for c in range(len(chunks))]
+        # NVTX names that read as the schedule: "forward mb3 stage 5 chunk 1".
+        self._names = [
+            f" stage {getattr(chunk, 'stage', c)}" + (f" chunk {c}" if len(chunks) > 1 else "")
+            for c, chunk in enumerate(chunks)
+        ]
         self.m = len(batches)
         self.autocast, self.scale = autocast, scale
         self.split_backward = split_backward

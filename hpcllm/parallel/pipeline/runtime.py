@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hpcllm.observe import nvtx_range
 from hpcllm.parallel.pipeline.schedule import Action, Interval, Kind
 from hpcllm.watchdog import waiting
 
@@ -231,7 +232,11 @@ class Runtime:
                 )
                 targets.append((received_f if forward else received_b, key, buffer))
         # Asynchronous, except the first on NCCL, which connects the two ranks.
-        with waiting("post sends and receives", axis="pp", microbatch=batch[0].microbatch):
+        label = ", ".join(f"{a.kind.name.lower()} mb{a.microbatch} chunk {a.chunk}" for a in batch)
+        with (
+            nvtx_range(f"p2p post {label}"),
+            waiting("post sends and receives", axis="pp", microbatch=batch[0].microbatch),
+        ):
             requests = dist.batch_isend_irecv(ops)
         if len(requests) != len(ops):  # a backend that returns one request for the batch
             requests = [requests[0]] * len(ops)
@@ -258,7 +263,10 @@ class Runtime:
             if forward
             else ("recv gradient", self.channel.next)
         )
-        with waiting(what, axis="pp", peer=peer, microbatch=microbatch, chunk=chunk):
+        with (
+            nvtx_range(f"p2p wait {what} mb{microbatch} chunk {chunk}"),
+            waiting(what, axis="pp", peer=peer, microbatch=microbatch, chunk=chunk),
+        ):
             request.wait()
         with waiting("gather the received parts", axis="tp", microbatch=microbatch, chunk=chunk):
             return self.channel.incoming(buffer)
