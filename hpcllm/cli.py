@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Any
 from hpcllm import __version__
 from hpcllm.errors import run_reporting_errors
 
+# `hpcllm train`'s exit status when SIGTERM or SIGUSR1 stopped it after it saved a checkpoint
+# (EX_TEMPFAIL: try again later); jobs/slurm.sbatch requeues the job on it. 0 means finished.
+STOPPED_EXIT = 75
+
 if TYPE_CHECKING:
     from hpcllm.config import Config
 
@@ -176,7 +180,8 @@ def _add_train(verbs: argparse._SubParsersAction) -> None:
         f"one process). Sections and keys: {_config_sections()}.\n\n"
         "The run folder gets config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and "
         "loss.png. SIGTERM or SIGUSR1 finishes the current step, saves a checkpoint and "
-        "exits 0; run.resume: auto continues from checkpoints/latest.\n\n"
+        f"exits {STOPPED_EXIT} (0: finished; 2: a user error); run.resume: auto continues "
+        "from the newest checkpoint.\n\n"
         "examples:\n"
         "  mpirun -np 2 hpcllm train --config jobs/configs/tiny-cpu.yaml\n"
         "  hpcllm train --config jobs/configs/tiny-cpu.yaml --set train.steps=20 "
@@ -991,7 +996,8 @@ def _run_train(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - started:.1f} s in all"
         )
         print(f"run folder {trainer.run_dir}  (loss curve {plot})", flush=True)
-    return 0
+    # Stopped by a signal after a good save: not finished, so a batch script can requeue it.
+    return STOPPED_EXIT if summary["stopped_by"] else 0
 
 
 def _run_timeline(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ its schedule; a step runs the schedule's forwards and backwards over ``accumulat
 micro-batches through the pipeline runtime (with one stage, plain gradient accumulation),
 finishes the gradients and steps the optimizer (:mod:`hpcllm.train.grads`), then records
 metrics. Evaluation runs the forward-only schedule the same way.
-SIGTERM or SIGUSR1 finishes the step in flight, saves a checkpoint and ends the run cleanly.
+SIGTERM or SIGUSR1 finishes the step in flight, saves a checkpoint and ends the run cleanly
+(``hpcllm train`` then exits 75, so that a batch script can requeue the job).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from mpirun import REPO, mpi_env
 
+from hpcllm.cli import STOPPED_EXIT
 from hpcllm.launcher import mpirun_command
 from hpcllm.observe import read_metrics
 from hpcllm.train import checkpoint
@@ -254,7 +255,7 @@ def test_a_second_job_on_a_folder_in_use_exits_2_and_the_first_goes_on(stdlib, t
         assert first.poll() is None  # the first run is untouched
         first.send_signal(signal.SIGUSR1)
         code, out, err = _finish(first)
-        assert code == 0 and "stopped by SIGUSR1" in out, err
+        assert code == STOPPED_EXIT and "stopped by SIGUSR1" in out, err
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
@@ -277,7 +278,7 @@ def test_a_stop_signal_while_saving_every_step_leaves_a_good_checkpoint(stdlib, 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert code == 0, err
+    assert code == STOPPED_EXIT, err
     assert time.monotonic() - signalled < 30  # the step in flight, a save, the exit
     _nothing_lost(run_dir, before)
     assert all(
