@@ -378,7 +378,10 @@ def _add_plan(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--heads", type=_positive, metavar="A", help="attention heads")
     plan.add_argument("--seq", type=_positive, metavar="S", help="sequence length")
     plan.add_argument(
-        "--vocab", type=_positive, default=51200, metavar="V", help="vocabulary [default: 51200]"
+        "--vocab",
+        type=_positive,
+        metavar="V",
+        help="vocabulary [default: 51200; --write-config writes it only when given]",
     )
     plan.add_argument("--global-batch", type=_positive, required=True, metavar="B")
     plan.add_argument("--gpus", type=_positive, required=True, metavar="N")
@@ -442,7 +445,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     missing = [k for k, v in shape.items() if v is None]
     if missing:
         raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
-    model = Model(vocab=args.vocab, **shape)
+    model = Model(vocab=args.vocab or 51200, **shape)
     cluster = load_cluster(args.cluster, args.cluster_set)
     software = Software.megatron_2021() if args.software == "megatron-2021" else Software()
     if args.precision:
@@ -463,7 +466,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         print(search.render(plan, args.top))
     if args.write_config:
-        path = search.write_config(plan, args.write_config, args.model)
+        path = search.write_config(plan, args.write_config, args.model, args.vocab)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     if args.png:
         path = search.draw(plan, args.png, args.top)

@@ -59,12 +59,15 @@ if [[ "$tp" =~ ^[1-9][0-9]*$ ]] && ((GPUS_PER_NODE % tp)); then
   echo "hpcllm: warning: GPUS_PER_NODE=$GPUS_PER_NODE is not a multiple of tp=$tp: tensor-parallel groups will span nodes" >&2
 fi
 
-if [ -n "${DRY_RUN:-}" ]; then
+if [ "${DRY_RUN:-0}" = 1 ]; then
   hosts=()
   if [ -n "${HOSTFILE:-}" ]; then
     [ -r "$HOSTFILE" ] || fail "HOSTFILE $HOSTFILE cannot be read"
-    while read -r host _; do
-      [ -n "$host" ] && [ "${host:0:1}" != "#" ] && hosts+=("$host")
+    # One entry per host, in order (Open MPI merges a host listed twice); a last line without
+    # a newline counts too.
+    while read -r host _ || [ -n "${host:-}" ]; do
+      [ -n "$host" ] && [ "${host:0:1}" != "#" ] || continue
+      [[ " ${hosts[*]:-} " == *" $host "* ]] || hosts+=("$host")
     done <"$HOSTFILE"
   else
     hosts=("$(hostname)")

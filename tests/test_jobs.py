@@ -67,6 +67,16 @@ def test_dry_run_places_tensor_parallel_groups_inside_hosts(tmp_path):
         assert {rows[r][0] for r in layout.tp_group(rank)} == {host}, rank
 
 
+def test_dry_run_reads_hostfiles_as_open_mpi_does(tmp_path):
+    hostfile = tmp_path / "hosts"
+    # A host listed twice is one host; the last line has no newline.
+    hostfile.write_text("node-a slots=4\n\n# spare\nnode-a\nnode-b slots=4")
+    done = _dry_run(tmp_path, ["topo"], NP="8", GPUS_PER_NODE="4", HOSTFILE=str(hostfile))
+    assert done.returncode == 0, done.stderr
+    hosts = [host for host, _, _ in _table(done.stdout).values()]
+    assert hosts == ["node-a"] * 4 + ["node-b"] * 4
+
+
 def test_dry_run_forwards_every_setting_the_ranks_read(tmp_path):
     read = {
         "NCCL_IB_HCA": "mlx5_0",

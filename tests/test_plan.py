@@ -170,6 +170,9 @@ def test_the_command_ranks_gpt2_1_3b_on_64_gpus_in_seconds(tmp_path):
         (["--gpus", "8", "--cluster-set", "gpu=a100-13gb"], "unknown gpu 'a100-13gb'"),
         (["--gpus", "8", "--cluster-set", "gpus_per_node=0"], "gpus_per_node must be a positive"),
         (["--gpus", "8", "--model", "gpt5"], "unknown --model gpt5"),
+        (["--gpus", "8", "--cluster-set", "gpus_per_node=[1"], "not a YAML value"),
+        (["--gpus", "8", "--pp", "1", "--vpp", "2"], "--vpp 2 needs a pipeline"),
+        (["--gpus", "8", "--png", "/nonexistent/x.png"], "cannot write /nonexistent/x.png"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -223,3 +226,41 @@ def test_weights_per_rank_are_those_hpcllm_builds(pp, vpp):
     built = sum(p.numel() for p in chunks.parameters())
     layout = Layout(1, pp, 1, vpp, 1, "interleaved" if vpp > 1 else "1f1b")
     assert rank_parameters(Model(4, 64, 4, 32, 300), layout) == built
+
+
+def test_interleaving_holds_more_activations_not_fewer():
+    model = Model(24, 2048, 16, 2048, 51200)
+    cluster = load_cluster(DGX_A100)
+    one, two = (
+        estimate(model, Layout(1, 4, 2, v, 1, s), cluster, Software(), 64)
+        for s, v in (("1f1b", 1), ("interleaved", 2))
+    )
+    # p + (p - 1)/v whole stages in flight against p: 5.5 / 4 of 1f1b's.
+    ratio = two.memory_parts_gb["activations"] / one.memory_parts_gb["activations"]
+    assert ratio == pytest.approx((4 + 3 / 2) / 4, rel=1e-6)
+
+
+def test_fixed_choices_are_held_and_the_config_is_the_planned_model(tmp_path):
+    cluster = load_cluster(DGX_A100)
+    model = Model(24, 2048, 16, 2048, 51200)
+    plan = search(model, 64, 512, cluster, Software(), Fixed(schedule="zb-h1"))
+    assert {e.layout.schedule for e in plan.ranked} == {"zb-h1"}
+    assert all(e.layout.pp > 1 for e in plan.ranked)
+    config = tmp_path / "planned.yaml"
+    done = _plan(
+        "--model", "gpt2-1.3b", "--layers", "48", "--gpus", "64", "--global-batch", "512",
+        "--cluster", str(DGX_A100), "--write-config", str(config),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    from hpcllm.config import load_config
+
+    written = load_config(config).model
+    assert (written.n_layer, written.d_model, written.vocab_size) == (48, 2048, None)
+
+
+def test_when_nothing_fits_the_closest_layout_comes_first():
+    cluster = load_cluster(DGX_A100, ["usable_memory_fraction=0.0001"])
+    plan = search(Model(24, 2048, 16, 2048, 51200), 64, 512, cluster, Software())
+    assert not plan.ranked
+    sizes = [e.memory_gb for e, _ in plan.losers]
+    assert sizes[0] == min(sizes) and "does not fit" in plan.losers[0][1]

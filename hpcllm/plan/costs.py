@@ -301,9 +301,10 @@ def memory_parts(
     s, b = model.seq, layout.micro_batch
     if layout.recompute == "full":
         inputs = s * b * h * e / (t if layout.sequence_parallel else 1)
-        activations = inputs * (layers_per_rank / v) * _in_flight(layout, m) + per_layer
+        activations = inputs * layers_per_rank * _in_flight(layout, m) + per_layer
     else:
-        activations = per_layer * (layers_per_rank / v) * _in_flight(layout, m)
+        # _in_flight counts the rank's whole stage (all v chunks) per micro-batch held.
+        activations = per_layer * layers_per_rank * _in_flight(layout, m)
     logits = 2 * s * b * model.vocab / t * 4  # fp32 logits and their gradient, one micro-batch
     return {
         "weights": params * weight_b / 1e9,

@@ -193,7 +193,11 @@ def load_cluster(path: Path, overrides: Sequence[str] = ()) -> Cluster:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise UserError(f"--cluster-set takes key=value, got {item!r}")
-        value = load_yaml(text) if text else text
+        try:
+            value = load_yaml(text) if text else text
+        except Exception as err:  # noqa: BLE001 - any parse error is one line
+            first = str(err).splitlines()[0]
+            raise UserError(f"--cluster-set {item}: not a YAML value ({first})") from None
         if key.startswith("gpu_spec."):
             raw.setdefault("gpu_spec", {})[key.removeprefix("gpu_spec.")] = value
         else:

@@ -75,8 +75,10 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
         )
     if fixed.vpp and fixed.vpp > 1 and fixed.schedule not in (None, "interleaved"):
         raise UserError(f"--vpp {fixed.vpp} needs --schedule interleaved")
-    if fixed.schedule == "interleaved" and fixed.pp == 1:
-        raise UserError("--schedule interleaved needs --pp > 1")
+    pipelined = fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1
+    if pipelined and fixed.pp == 1:
+        what = f"--vpp {fixed.vpp}" if (fixed.vpp or 1) > 1 else f"--schedule {fixed.schedule}"
+        raise UserError(f"{what} needs a pipeline (--pp > 1)")
 
 
 def _schedules(p: int, m: int, layers: int, fixed: Fixed) -> Iterator[tuple[str, int]]:
@@ -102,6 +104,9 @@ def layouts(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> Iterato
             continue
         for p in _divisors(gpus // t) if fixed.pp is None else [fixed.pp]:
             if p > model.layers or gpus % (t * p):
+                continue
+            # One stage runs 1f1b (plain accumulation): a fixed pipeline choice needs p > 1.
+            if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
                 continue
             d = gpus // (t * p)
             if global_batch % d:
@@ -161,8 +166,13 @@ def search(
         e for e in found if e.fits
     ]
     ranked = sorted(in_node, key=lambda e: e.step_time_s)
-    best = ranked[0] if ranked else min(found, key=lambda e: e.memory_gb)
-    rest = sorted((e for e in found if e is not best), key=lambda e: (not e.fits, e.step_time_s))
+    if ranked:
+        best = ranked[0]
+        others = (e for e in found if e is not best)
+        rest = sorted(others, key=lambda e: (not e.fits, e.step_time_s))
+    else:  # nothing fits: the losers, smallest first, are the closest to fitting
+        rest = sorted(found, key=lambda e: e.memory_gb)
+        best = rest[0]
     return Plan(
         model,
         gpus,
@@ -264,19 +274,26 @@ def render(plan: Plan, top: int) -> str:
     return "\n".join(lines)
 
 
-def write_config(plan: Plan, path: Path, preset: str | None) -> Path:
-    """Write a train config for the best layout (runnable by ``hpcllm train``); return it."""
-    from hpcllm.config import Config, config_from_dict
+def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | None = None) -> Path:
+    """Write a train config for the best layout (runnable by ``hpcllm train``); return it.
+
+    ``preset`` is named only if the planned model is that preset's; ``vocab_size`` is
+    written only when given (otherwise the data's tokenizer decides, as in any run).
+    """
+    from hpcllm.config import PRESETS, Config, config_from_dict
 
     if not plan.ranked:
         raise UserError("no layout fits in memory: there is no config to write")
     lay = plan.ranked[0].layout
+    m = plan.model
     cfg = Config()
-    cfg.model.preset = preset
-    if preset is None:
-        m = plan.model
-        cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model = m.layers, m.heads, m.hidden
-    cfg.model.seq_len = plan.model.seq
+    sizes = {"n_layer": m.layers, "n_head": m.heads, "d_model": m.hidden, "seq_len": m.seq}
+    cfg.model.preset = preset if PRESETS.get(preset or "") == sizes else None
+    if cfg.model.preset is None:
+        for key, value in sizes.items():
+            setattr(cfg.model, key, value)
+    cfg.model.seq_len = m.seq
+    cfg.model.vocab_size = vocab_size
     cfg.model.recompute = lay.recompute
     p = cfg.parallel
     p.tp, p.pp, p.dp, p.vpp, p.schedule = lay.tp, lay.pp, lay.dp, lay.vpp, lay.schedule
@@ -320,6 +337,10 @@ def draw(plan: Plan, path: Path, top: int) -> Path:
     ax.set_title(f"where the time goes: {plan.gpus} x {plan.cluster.gpu.name}")
     ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
     return Path(path)
