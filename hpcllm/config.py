@@ -121,8 +121,13 @@ class ParallelConfig:
     ddp_bucket_mb: float = 25.0
     ddp_bucket_view: bool = True  # gradient_as_bucket_view: grads live in DDP's buckets
     dp_compression: str = "none"  # none | fp16 | bf16: gradients cast for the all-reduce
-    horovod_fusion_mb: float | None = None  # None: Horovod's default (64 MiB)
-    horovod_cycle_ms: float | None = None  # None: Horovod's default (1 ms)
+    # Horovod's settings; None: the HOROVOD_* variable if set, else hpcllm's default for the
+    # device (cycle 5 ms on CPU), else Horovod's (128 MiB, 1 ms, cache 1024, autotune off).
+    horovod_fusion_mb: float | None = None  # HOROVOD_FUSION_THRESHOLD
+    horovod_cycle_ms: float | None = None  # HOROVOD_CYCLE_TIME
+    horovod_response_cache: int | None = None  # HOROVOD_CACHE_CAPACITY; 0 turns it off
+    horovod_autotune: bool | None = None  # HOROVOD_AUTOTUNE
+    horovod_autotune_log: str | None = None  # HOROVOD_AUTOTUNE_LOG: a CSV of what it tried
 
 
 @dataclass
@@ -427,6 +432,7 @@ _BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], .
         (
             ("parallel", "horovod_fusion_mb"),
             ("parallel", "horovod_cycle_ms"),
+            ("parallel", "horovod_response_cache"),
             ("train", "min_lr"),
             ("train", "grad_clip"),
             ("train", "weight_decay"),

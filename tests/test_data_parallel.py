@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -192,6 +193,7 @@ def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
         "2",
         "--engines",
         "ps",
+        "horovod",
         "--precisions",
         "fp32",
         "--steps",
@@ -201,12 +203,23 @@ def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
         "--out",
         str(tmp_path / "b"),
     ]
-    for item in [*SMALL, f"data.path={data}"]:
+    for item in [*SMALL, f"data.path={data}", "parallel.horovod_cycle_ms=2"]:
         cmd += ["--set", item]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "HOROVOD_FUSION_THRESHOLD": str(16 * 2**20)}
+    env.pop("HOROVOD_CACHE_CAPACITY", None)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     result = json.loads((tmp_path / "b" / "bench_dp.json").read_text())
-    assert [(r["engine"], r["dp"]) for r in result["rows"]] == [("single", 1), ("ps", 2)]
+    assert [(r["engine"], r["dp"]) for r in result["rows"]] == [
+        ("single", 1),
+        ("ps", 2),
+        ("horovod", 2),
+    ]
+    # The settings each engine ran with, and where each came from.
+    horovod = result["settings"]["horovod"]
+    assert "fusion 16 MiB (environment), cycle 2 ms (config)" in horovod
+    assert "response cache 1024 (Horovod default)" in horovod
+    assert f"  horovod: {horovod}" in run.stdout
     assert result["rows"][0]["speedup"] == 1.0
     assert len(result["rows"][1]["busy_share"]) == 2
     assert set(result["allreduce"]["results"]) == {"mpi", "torch-gloo", "horovod"}

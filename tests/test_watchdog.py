@@ -209,11 +209,15 @@ def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, pr
     import sys
     from types import SimpleNamespace
 
-    from hpcllm.parallel.data_parallel import HorovodEngine
+    from hpcllm.parallel.data_parallel import HOROVOD_KEYS, HorovodEngine
 
     names = ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
-    for name in (*names, "HOROVOD_CPU_OPERATIONS"):
-        monkeypatch.delenv(name, raising=False)
+    # Every variable the engine sets, so that they are restored after the test.
+    settings = [variable for variable, _ in HOROVOD_KEYS.values()]
+    for name in (*names, *settings, "HOROVOD_CPU_OPERATIONS"):
+        # Set, then deleted: monkeypatch restores only what it saw, and the engine sets these.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name, value in preset.items():
         monkeypatch.setenv(name, value)
     seen = {}

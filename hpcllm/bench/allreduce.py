@@ -47,7 +47,24 @@ def bench_allreduce(
     if comm is None:
         raise UserError("hpcllm bench allreduce runs under mpirun with 2 or more ranks")
     n = grid.world_size
+    if n < 2:
+        raise UserError(
+            "hpcllm bench allreduce needs 2 or more ranks: on one rank an all-reduce moves "
+            "nothing, so there is nothing to compare"
+            + (
+                " (this node has one GPU; run it across nodes, or on a node with more GPUs)"
+                if grid.device.type == "cuda" and torch.cuda.device_count() < 2
+                else ""
+            )
+        )
     count = nbytes // 4
+    # Horovod runs with the settings a training run would have (parallel.horovod_* keys
+    # reach this process as HOROVOD_* variables; hpcllm's defaults otherwise).
+    from hpcllm.config import ParallelConfig
+    from hpcllm.parallel.data_parallel import describe_horovod, horovod_settings
+
+    hvd_settings = horovod_settings(ParallelConfig(), os.environ, grid.device.type)
+    hvd_transport = "MPI"
 
     # Each transport is set up only when its turn comes: Horovod's background thread keeps
     # polling once started, and on a machine with as many ranks as cores it would slow the
@@ -65,10 +82,16 @@ def bench_allreduce(
         return lambda: dist.all_reduce(tensor)
 
     def horovod() -> Callable[[], Any]:
+        nonlocal hvd_transport
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
+        for variable, (value, source) in hvd_settings.items():
+            if source == "hpcllm default":
+                os.environ[variable] = value
         import horovod.torch as hvd
 
         hvd.init(comm=comm)
+        if grid.device.type == "cuda" and hvd.nccl_built():
+            hvd_transport = "NCCL"
         tensor = torch.ones(count, device=grid.device)
         return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bench")
 
@@ -96,7 +119,14 @@ def bench_allreduce(
     mpi_bus = rows["mpi"]["busbw_GBps"]
     for row in rows.values():
         row["vs_mpi"] = row["busbw_GBps"] / mpi_bus
-    return {"ranks": n, "bytes": nbytes, "iters": iters, "results": rows}
+    return {
+        "ranks": n,
+        "bytes": nbytes,
+        "iters": iters,
+        "device": grid.device.type,
+        "results": rows,
+        "horovod": f"{hvd_transport}, {describe_horovod(hvd_settings)}",
+    }
 
 
 def render_allreduce(result: dict[str, Any]) -> str:
@@ -111,4 +141,8 @@ def render_allreduce(result: dict[str, Any]) -> str:
             f"  {name:<12} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
             f"{r['busbw_GBps']:>11.3f} {r['vs_mpi']:>7.2f}"
         )
+    if result.get("device") == "cuda":
+        lines.append("  mpi: host memory (a reference); torch and Horovod: the GPUs' memory")
+    if result.get("horovod"):
+        lines.append(f"  horovod: {result['horovod']}")
     return "\n".join(lines)

@@ -61,10 +61,13 @@ def _launch(
     timeout: float,
     force_mpirun: bool = False,
     threads: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Run ``hpcllm ARGS`` on ``np_`` ranks (through mpirun when more than one, or forced)."""
+    """Run ``hpcllm ARGS`` on ``np_`` ranks (through mpirun when more than one, or forced),
+    with ``env`` added to the environment of every rank."""
     # Horovod's CPU collectives go through MPI under mpirun (its gloo path crashes there).
     settings = {"HOROVOD_CPU_OPERATIONS": os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI")}
+    settings.update(env or {})
     if threads is not None:
         settings["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "hpcllm", *args]
@@ -73,6 +76,22 @@ def _launch(
     subprocess.run(
         cmd, check=True, env=mpirun_env(settings), timeout=timeout, stdout=subprocess.DEVNULL
     )
+
+
+def _launch_allreduce(
+    np_: int, args: list[str], timeout: float, config: Path | None, overrides: list[str]
+) -> None:
+    """Run ``bench allreduce`` with the Horovod settings the config's training runs used."""
+    from hpcllm.config import load_config
+    from hpcllm.parallel.data_parallel import HOROVOD_KEYS
+
+    parallel = load_config(config, overrides).parallel
+    keys = {
+        variable: write(getattr(parallel, key))
+        for key, (variable, write) in HOROVOD_KEYS.items()
+        if getattr(parallel, key) is not None
+    }
+    _launch(np_, args, timeout=timeout, env=keys)
 
 
 def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -93,6 +112,31 @@ def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
         "slowest_rank": max(range(len(busy)), key=lambda i: busy[i]),
         "final_loss": records[-1]["loss"],
     }
+
+
+def engine_settings(
+    config: Path | None, overrides: list[str], engines: list[str]
+) -> dict[str, str]:
+    """Return each engine's settings as its ranks will resolve them, one line per engine.
+
+    The ranks read the same config and overrides, and the environment ``_launch`` gives them
+    (this process's, plus ``HOROVOD_CPU_OPERATIONS``), so the Horovod precedence of
+    :func:`~hpcllm.parallel.data_parallel.horovod_settings` gives the same answer here.
+    """
+    from hpcllm.config import load_config
+    from hpcllm.parallel.data_parallel import describe_ddp, describe_horovod, horovod_settings
+
+    parallel = load_config(config, overrides).parallel
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lines = {
+        "ddp": describe_ddp(
+            parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression
+        ),
+        "horovod": describe_horovod(horovod_settings(parallel, os.environ, device))
+        + f", compression {parallel.dp_compression}",
+        "ps": "one server (dp rank 0): reduce, step, broadcast",
+    }
+    return {engine: lines[engine] for engine in engines}
 
 
 def engine_runs(dps: list[int], engines: list[str]) -> list[tuple[str, int]]:
@@ -116,6 +160,7 @@ def bench_dp(
     ``progress`` reports each run as a case: the :func:`engine_runs` in each precision.
     """
     out.mkdir(parents=True, exist_ok=True)
+    settings = engine_settings(config, overrides, engines)
     common = [*(["--config", str(config)] if config else []), "--no-progress"]
     for item in [
         *overrides,
@@ -168,7 +213,13 @@ def bench_dp(
             row["algorithm"] = ALGORITHM.get(engine, "none (one rank)")
             rows.append(row)
             progress.done(f"{row['tokens_per_s']:.0f} tokens/s")
-    return {"rows": rows, "steps": steps, "warmup": warmup, "threads_per_rank": threads}
+    return {
+        "rows": rows,
+        "steps": steps,
+        "warmup": warmup,
+        "threads_per_rank": threads,
+        "settings": settings,
+    }
 
 
 def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
@@ -209,6 +260,12 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
         "from the micro-benchmark below (ps reduces and broadcasts instead)"
     )
     lines += [f"  {name}: {text}" for name, text in ALGORITHM.items()]
+    if result.get("settings"):
+        lines.append(
+            "settings (a parallel.* key > its HOROVOD_* variable > hpcllm's default for the "
+            "device > Horovod's):"
+        )
+        lines += [f"  {name}: {text}" for name, text in result["settings"].items()]
     if allreduce:
         lines += ["", render_allreduce(allreduce)]
     return "\n".join(lines)
@@ -275,7 +332,7 @@ def run(
         nbytes = gradient_bytes(config, overrides)
         allreduce_json = out / "allreduce.json"
         progress.start(f"all-reduce of {nbytes / 1e6:.1f} MB, d={max(dps)}")
-        _launch(
+        _launch_allreduce(
             max(dps),
             [
                 "bench",
@@ -287,6 +344,8 @@ def run(
                 "--no-progress",
             ],
             timeout=600,
+            config=config,
+            overrides=overrides,
         )
         progress.done()
     result["allreduce"] = json.loads(allreduce_json.read_text())

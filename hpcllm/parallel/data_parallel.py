@@ -59,6 +59,10 @@ class Engine:
         self.comm_wait_s = 0.0
         self.modules: list[nn.Module] = []
 
+    def describe(self) -> str:
+        """Return the engine's settings as one line, for the banner and ``bench dp``."""
+        return "no gradient reduction (one replica)"
+
     @property
     def parameters(self) -> list[nn.Parameter]:
         """Return the wrapped modules' trainable parameters, in module order."""
@@ -166,6 +170,9 @@ class DDPEngine(Engine):
         self.bucket_mb = bucket_mb
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.compression = compression
+
+    def describe(self) -> str:
+        return describe_ddp(self.bucket_mb, self.gradient_as_bucket_view, self.compression)
         self.wrapped: list[nn.Module] = []
 
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
@@ -219,6 +226,108 @@ class DDPEngine(Engine):
         self.timer.finished.clear()
 
 
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# Each ``parallel.horovod_*`` key, the variable Horovod reads it from, and how it is written.
+HOROVOD_KEYS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "horovod_fusion_mb": ("HOROVOD_FUSION_THRESHOLD", lambda mb: str(int(mb * 1024 * 1024))),
+    "horovod_cycle_ms": ("HOROVOD_CYCLE_TIME", _number),
+    "horovod_response_cache": ("HOROVOD_CACHE_CAPACITY", str),
+    "horovod_autotune": ("HOROVOD_AUTOTUNE", lambda on: "1" if on else "0"),
+    "horovod_autotune_log": ("HOROVOD_AUTOTUNE_LOG", str),
+}
+
+# Horovod 0.28's own defaults, for the report.
+HOROVOD_DEFAULTS = {
+    "HOROVOD_FUSION_THRESHOLD": str(128 * 1024 * 1024),
+    "HOROVOD_CYCLE_TIME": "1",
+    "HOROVOD_CACHE_CAPACITY": "1024",
+    "HOROVOD_AUTOTUNE": "0",
+    "HOROVOD_AUTOTUNE_LOG": "",
+}
+
+# hpcllm's defaults where they differ from Horovod's, per device type, from `bench dp` and
+# `bench allreduce` sweeps (docs/benchmarks.md, "Horovod's settings"). On CPU ranks the
+# background thread shares the rank's cores: each cycle's negotiation costs compute time, so
+# fewer cycles per step pay. GPUs keep Horovod's defaults until they are measured there.
+HOROVOD_TUNED: dict[str, dict[str, str]] = {
+    "cpu": {"HOROVOD_CYCLE_TIME": "5"},
+    "cuda": {},
+}
+
+
+def horovod_settings(
+    parallel: ParallelConfig, environ: dict[str, str] | os._Environ[str], device_type: str
+) -> dict[str, tuple[str, str]]:
+    """Return ``{variable: (value, source)}`` for every Horovod setting hpcllm has a key for.
+
+    Precedence, first that is set: the ``parallel.horovod_*`` key (config file or ``--set``),
+    the ``HOROVOD_*`` variable in the environment (``jobs/mpirun.sh`` passes those on to every
+    rank), hpcllm's default for the device type (:data:`HOROVOD_TUNED`), Horovod's default.
+    ``source`` says which: ``config``, ``environment``, ``hpcllm default`` or ``Horovod
+    default``.
+
+    With autotune on, hpcllm's defaults step aside: Horovod tunes only the settings it is not
+    given (a fusion threshold or cycle time set by key or variable stays fixed).
+    """
+    settings: dict[str, tuple[str, str]] = {}
+    for key, (variable, write) in HOROVOD_KEYS.items():
+        value = getattr(parallel, key)
+        if value is not None:
+            settings[variable] = (write(value), "config")
+        elif variable in environ:
+            settings[variable] = (environ[variable], "environment")
+    autotune = settings.get("HOROVOD_AUTOTUNE", ("0", ""))[0] not in ("", "0")
+    tuned = {} if autotune else HOROVOD_TUNED.get(device_type, {})
+    for variable, default in HOROVOD_DEFAULTS.items():
+        if variable not in settings:
+            if variable in tuned:
+                settings[variable] = (tuned[variable], "hpcllm default")
+            else:
+                source = "tuned by Horovod" if autotune and variable in _AUTOTUNED else None
+                settings[variable] = (default, source or "Horovod default")
+    return {variable: settings[variable] for variable in HOROVOD_DEFAULTS}
+
+
+# What Horovod's autotune searches (of the settings above).
+_AUTOTUNED = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")
+
+
+def describe_horovod(settings: dict[str, tuple[str, str]]) -> str:
+    """Return the settings as one line: ``cycle 5 ms (hpcllm default), ...``."""
+    names = {
+        "HOROVOD_FUSION_THRESHOLD": ("fusion", lambda v: f"{int(v) / 2**20:g} MiB"),
+        "HOROVOD_CYCLE_TIME": ("cycle", lambda v: f"{v} ms"),
+        "HOROVOD_CACHE_CAPACITY": ("response cache", lambda v: "off" if v == "0" else v),
+        "HOROVOD_AUTOTUNE": ("autotune", lambda v: "on" if v not in ("", "0") else "off"),
+        "HOROVOD_AUTOTUNE_LOG": ("autotune log", lambda v: v),
+    }
+    parts = []
+    for variable, (value, source) in settings.items():
+        label, show = names[variable]
+        if variable == "HOROVOD_AUTOTUNE_LOG" and not value:
+            continue
+        try:
+            shown = show(value)
+        except ValueError:
+            shown = value
+        if source == "tuned by Horovod":
+            parts.append(f"{label} tuned by Horovod from {shown}")
+        else:
+            parts.append(f"{label} {shown} ({source})")
+    return ", ".join(parts)
+
+
+def describe_ddp(bucket_mb: float, bucket_view: bool, compression: str) -> str:
+    """Return DDP's settings as one line."""
+    return (
+        f"bucket {bucket_mb:g} MB, gradient_as_bucket_view {str(bucket_view).lower()}, "
+        f"compression {compression}"
+    )
+
+
 class HorovodEngine(Engine):
     """Horovod ring all-reduce, initialised on the data-parallel MPI communicator."""
 
@@ -227,18 +336,18 @@ class HorovodEngine(Engine):
     def __init__(
         self,
         grid: Any,
-        fusion_mb: float | None = None,
-        cycle_ms: float | None = None,
+        parallel: ParallelConfig | None = None,
         compression: str = "none",
     ) -> None:
         super().__init__(grid)
         # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes
-        # there. Fusion buffer and cycle time are read once, by hvd.init.
+        # there. The settings are read once, by hvd.init; what it will use is reported.
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
-        if fusion_mb is not None:
-            os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(fusion_mb * 1024 * 1024))
-        if cycle_ms is not None:
-            os.environ["HOROVOD_CYCLE_TIME"] = str(cycle_ms)
+        device = getattr(grid, "device", torch.device("cpu"))
+        self.settings = horovod_settings(parallel or ParallelConfig(), os.environ, device.type)
+        for variable, (value, source) in self.settings.items():
+            if source in ("config", "hpcllm default"):
+                os.environ[variable] = value
         try:
             import horovod.torch as hvd
         except ImportError as err:
@@ -267,10 +376,17 @@ class HorovodEngine(Engine):
             )
         self.hvd = hvd
         self.compression = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
+        self.compression_name = compression
         if compression == "bf16":
             raise UserError(
                 "Horovod compresses to fp16 only; use parallel.dp_compression: fp16 or none"
             )
+
+    def describe(self) -> str:
+        transport = "NCCL" if self.grid.device.type == "cuda" and self.hvd.nccl_built() else "MPI"
+        return (
+            f"{transport}, {describe_horovod(self.settings)}, compression {self.compression_name}"
+        )
 
     def attach_optimizer(
         self, optimizer: torch.optim.Optimizer, accumulation: int
@@ -328,6 +444,9 @@ class ParameterServerEngine(Engine):
         self.root = grid.layout.dp_group(grid.rank)[0]
         self.is_root = grid.dp_rank == 0
         self.params: list[nn.Parameter] = []
+
+    def describe(self) -> str:
+        return f"one server (dp rank 0, world rank {self.root}): reduce, step, broadcast"
 
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         super().wrap(modules)
@@ -403,9 +522,7 @@ def build_engine(name: str, grid: Grid, parallel: ParallelConfig) -> Engine:
             grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression
         )
     if name == "horovod":
-        return HorovodEngine(
-            grid, parallel.horovod_fusion_mb, parallel.horovod_cycle_ms, parallel.dp_compression
-        )
+        return HorovodEngine(grid, parallel, parallel.dp_compression)
     if name == "ps":
         if parallel.dp_compression != "none":
             raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")

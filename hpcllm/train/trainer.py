@@ -681,6 +681,9 @@ class Trainer:
             f"hpcllm {__version__}, torch {torch.__version__}, launcher {g.launch.launcher}, "
             f"device {self.device.type}",
             f"grid t={g.tp} p={g.pp} d={g.dp} v={cfg.parallel.vpp}, world size {g.world_size}",
+            f"data parallel {self.engine.name}: {self.engine.describe()}"
+            if g.dp > 1
+            else f"data parallel {self.engine.name}: d = 1, nothing to reduce",
             f"run folder {self.run_dir}, {resume}",
             f"model {self._model_parameters() / 1e6:.2f} M parameters: n_layer {m.n_layer}, "
             f"n_head {m.n_head}, d_model {m.d_model}, seq_len {m.seq_len}, vocab "
