@@ -121,6 +121,7 @@ class ParallelConfig:
     ddp_bucket_mb: float = 25.0
     ddp_bucket_view: bool = True  # gradient_as_bucket_view: grads live in DDP's buckets
     dp_compression: str = "none"  # none | fp16 | bf16: gradients cast for the all-reduce
+    distributed_optimizer: bool = False  # ZeRO-1: Adam's state sharded over d (ddp, horovod)
     # Horovod's settings; None: the HOROVOD_* variable if set, else hpcllm's default for the
     # device (cycle 5 ms on CPU), else Horovod's (128 MiB, 1 ms, cache 1024, autotune off).
     horovod_fusion_mb: float | None = None  # HOROVOD_FUSION_THRESHOLD

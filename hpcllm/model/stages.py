@@ -79,6 +79,9 @@ def build_chunks(
         part.stage = stage
         if part.post and not part.pre and p > 1:
             part.wte.weight.pipeline_duplicate = True
+        if (part.pre or part.post) and p > 1:
+            # Its gradient is complete only once the first and last stage have summed theirs.
+            part.wte.weight.tied_across_stages = True
         chunks.append(part)
     return nn.ModuleList(chunks)
 

@@ -53,6 +53,9 @@ class Engine:
 
     name = "none"
     waits_in_backward = False  # whether comm_wait_s was spent inside the last backward
+    # Whether the tp and tied-embedding sums of gradients come before the engine's reduction
+    # (the distributed optimizer reduce-scatters them last) or after it (the others).
+    reduces_after_model_grads = False
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
@@ -102,6 +105,13 @@ class Engine:
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the reduced (averaged) gradients available where the optimizer steps."""
+
+    def gradients_for_step(
+        self, tp_group: Any, pp_group: Any
+    ) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]] | None:
+        """Return where the step's gradients are and their global norm, when not in the
+        parameters' ``.grad`` (the distributed optimizer's masters hold 1/d of them)."""
+        return None
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
@@ -328,6 +338,53 @@ def describe_ddp(bucket_mb: float, bucket_view: bool, compression: str) -> str:
     )
 
 
+def start_horovod(grid: Any, parallel: ParallelConfig | None) -> tuple[Any, dict[str, Any]]:
+    """Start Horovod on the grid's data-parallel MPI communicator; return it and its settings.
+
+    The settings (:func:`horovod_settings`) are handed to Horovod through its variables, which
+    ``hvd.init`` reads once.
+    """
+    # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes there.
+    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
+    device = getattr(grid, "device", torch.device("cpu"))
+    settings = horovod_settings(parallel or ParallelConfig(), os.environ, device.type)
+    for variable, (value, source) in settings.items():
+        if source in ("config", "hpcllm default"):
+            os.environ[variable] = value
+    try:
+        import horovod.torch as hvd
+    except ImportError as err:
+        raise UserError(
+            f"parallel.dp_engine: horovod needs Horovod built with MPI and "
+            f"PyTorch; run `make setup` ({err})"
+        ) from None
+    if grid.dp_comm is None:
+        raise UserError(
+            "parallel.dp_engine: horovod needs a launcher (mpirun or srun "
+            "--mpi=pmix), even for one rank"
+        )
+    if grid.timeout_s is not None:
+        # Horovod's stall check from the groups' timeout, unless the user set it: warn
+        # early (at most Horovod's 60 s), shut down at the timeout. Whole seconds; Horovod
+        # checks once per warning interval and ignores a shutdown time not above it.
+        warn = max(1, min(60, int(grid.timeout_s) // 2))
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(warn))
+        shutdown = max(warn + 1, round(grid.timeout_s))
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(shutdown))
+    hvd.init(comm=grid.dp_comm)
+    if hvd.size() != grid.dp:
+        raise UserError(
+            f"Horovod sees {hvd.size()} ranks in the data-parallel group, "
+            f"the grid has d = {grid.dp}"
+        )
+    return hvd, settings
+
+
+def horovod_transport(grid: Any, hvd: Any) -> str:
+    """Return what carries Horovod's collectives of this grid's tensors."""
+    return "NCCL" if grid.device.type == "cuda" and hvd.nccl_built() else "MPI"
+
+
 class HorovodEngine(Engine):
     """Horovod ring all-reduce, initialised on the data-parallel MPI communicator."""
 
@@ -340,41 +397,8 @@ class HorovodEngine(Engine):
         compression: str = "none",
     ) -> None:
         super().__init__(grid)
-        # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes
-        # there. The settings are read once, by hvd.init; what it will use is reported.
-        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
-        device = getattr(grid, "device", torch.device("cpu"))
-        self.settings = horovod_settings(parallel or ParallelConfig(), os.environ, device.type)
-        for variable, (value, source) in self.settings.items():
-            if source in ("config", "hpcllm default"):
-                os.environ[variable] = value
-        try:
-            import horovod.torch as hvd
-        except ImportError as err:
-            raise UserError(
-                f"parallel.dp_engine: horovod needs Horovod built with MPI and "
-                f"PyTorch; run `make setup` ({err})"
-            ) from None
-        if grid.dp_comm is None:
-            raise UserError(
-                "parallel.dp_engine: horovod needs a launcher (mpirun or srun "
-                "--mpi=pmix), even for one rank"
-            )
-        if grid.timeout_s is not None:
-            # Horovod's stall check from the groups' timeout, unless the user set it: warn
-            # early (at most Horovod's 60 s), shut down at the timeout. Whole seconds; Horovod
-            # checks once per warning interval and ignores a shutdown time not above it.
-            warn = max(1, min(60, int(grid.timeout_s) // 2))
-            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(warn))
-            shutdown = max(warn + 1, round(grid.timeout_s))
-            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(shutdown))
-        hvd.init(comm=grid.dp_comm)
-        if hvd.size() != grid.dp:
-            raise UserError(
-                f"Horovod sees {hvd.size()} ranks in the data-parallel group, "
-                f"the grid has d = {grid.dp}"
-            )
-        self.hvd = hvd
+        self.hvd, self.settings = start_horovod(grid, parallel)
+        hvd = self.hvd
         self.compression = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         self.compression_name = compression
         if compression == "bf16":
@@ -383,9 +407,9 @@ class HorovodEngine(Engine):
             )
 
     def describe(self) -> str:
-        transport = "NCCL" if self.grid.device.type == "cuda" and self.hvd.nccl_built() else "MPI"
         return (
-            f"{transport}, {describe_horovod(self.settings)}, compression {self.compression_name}"
+            f"{horovod_transport(self.grid, self.hvd)}, {describe_horovod(self.settings)}, "
+            f"compression {self.compression_name}"
         )
 
     def attach_optimizer(
@@ -507,6 +531,114 @@ class ParameterServerEngine(Engine):
         return result[0], result[1] > 0
 
 
+class DistributedOptimizerEngine(Engine):
+    """``ddp`` or ``horovod`` with ``parallel.distributed_optimizer``: gradients reduce-
+    scattered in buckets during the backward, each rank stepping its 1/d of the optimizer
+    state, parameters all-gathered after the step (:mod:`hpcllm.parallel.distributed_optimizer`).
+    """
+
+    reduces_after_model_grads = True
+
+    def __init__(self, grid: Any, parallel: ParallelConfig, name: str) -> None:
+        from hpcllm.parallel import distributed_optimizer as zero
+
+        super().__init__(grid)
+        self.name = name
+        self.bucket_mb = parallel.ddp_bucket_mb
+        self.zero: Any = None
+        if name == "horovod":
+            self.hvd, self.settings = start_horovod(grid, parallel)
+            self.collectives: Any = zero.HorovodCollectives(self.hvd)
+        else:
+            self.collectives = zero.TorchCollectives(grid.dp_group)
+
+    def describe(self) -> str:
+        how = (
+            f"Horovod reducescatter + allgather ({horovod_transport(self.grid, self.hvd)}, "
+            f"{describe_horovod(self.settings)})"
+            if self.name == "horovod"
+            else "torch reduce-scatter + all-gather"
+        )
+        buckets = len(self.zero.buckets) if self.zero is not None else 0
+        return (
+            f"distributed optimizer (ZeRO-1): {how} in {buckets} buckets of up to "
+            f"{self.bucket_mb:g} MB, optimizer state 1/{self.grid.dp} per rank"
+        )
+
+    def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
+        super().wrap(modules)
+        # Every replica starts from dp rank 0's weights.
+        if self.grid.dp > 1:
+            params = self.parameters
+            with torch.no_grad():
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                root = self.grid.layout.dp_group(self.grid.rank)[0]
+                dist.broadcast(flat, src=root, group=self.grid.dp_group)
+                _unflatten(flat, [p.data for p in params])
+        return list(modules)
+
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, accumulation: int
+    ) -> torch.optim.Optimizer:
+        from hpcllm.parallel import distributed_optimizer as zero
+        from hpcllm.parallel.tensor.layers import is_split
+
+        if not isinstance(optimizer, torch.optim.AdamW):
+            raise UserError("parallel.distributed_optimizer shards AdamW's state only")
+        groups = [group["params"] for group in optimizer.param_groups]
+        chunk_of = {id(p): i for i, m in enumerate(self.modules) for p in m.parameters()}
+        late = {
+            id(p)
+            for g in groups
+            for p in g
+            if getattr(p, "sequence_parallel", False) or getattr(p, "tied_across_stages", False)
+        }
+        tp_split = is_split if self.grid.tp > 1 else (lambda p: False)
+        self.zero = zero.ZeroState(
+            groups,
+            chunk_of,
+            late,
+            self.grid.dp,
+            self.grid.dp_rank,
+            max(1, int(self.bucket_mb * 1024 * 1024) // 4),
+            self.collectives,
+            self.grid.dp_group,
+            tp_split,
+        )
+        return zero.DistributedAdamW(self.zero, optimizer)
+
+    def backward(
+        self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None], last: bool
+    ) -> None:
+        if not last:
+            torch.autograd.backward(outs, grads)
+            return
+        self.zero.arm(chunk)
+        try:
+            torch.autograd.backward(outs, grads)
+        finally:
+            self.zero.disarm(chunk)
+
+    def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self.comm_wait_s += self.zero.finish()
+
+    def gradients_for_step(
+        self, tp_group: Any, pp_group: Any
+    ) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]] | None:
+        return list(self.zero.masters), lambda: self.zero.grad_norm(tp_group, pp_group)
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        result = local_step()
+        self.comm_wait_s += self.zero.gather_params()
+        return result
+
+    def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
+        # The weights may have come from a checkpoint: the masters follow them.
+        self.zero.copy_params_to_masters()
+
+
 def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
     offset = 0
     for target in targets:
@@ -517,6 +649,18 @@ def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
 
 def build_engine(name: str, grid: Grid, parallel: ParallelConfig) -> Engine:
     """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``."""
+    if parallel.distributed_optimizer:
+        if name not in ("ddp", "horovod"):
+            raise UserError(
+                f"parallel.distributed_optimizer applies to the ddp and horovod engines; the "
+                f"{name} baseline keeps the whole optimizer on its server"
+            )
+        if parallel.dp_compression != "none":
+            raise UserError(
+                "parallel.distributed_optimizer reduce-scatters uncompressed gradients; set "
+                "parallel.dp_compression: none"
+            )
+        return DistributedOptimizerEngine(grid, parallel, name)
     if name == "ddp":
         return DDPEngine(
             grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression

@@ -4,13 +4,17 @@
 RUN_DIR/checkpoints/
   step_00000200/
     model_tp00_pp00.pt         model, optimizer, scaler, RNG states of that model shard
+    optimizer_tp00_pp00_dp000.pt   with parallel.distributed_optimizer: dp rank 0's part of
+                                   that shard's optimizer state (one file per dp rank)
     meta.json                  step, consumed samples, grid sizes, format_version
     config.yaml                the run's resolved config
     manifest.json              size and CRC-32 of every file above, written last
   latest                       "step_00000200", replaced last (for people and tools)
 ```
 
-Data-parallel replicas hold the same shard, so only dp rank 0 of each (tp, pp) writes. Every
+Data-parallel replicas hold the same shard, so only dp rank 0 of each (tp, pp) writes (under
+the distributed optimizer every dp rank also writes its part of the optimizer state, which
+:func:`read_shard` merges back into the plain state, so a checkpoint resumes at any d). Every
 file goes into a hidden ``.step_….partial`` folder; each writing rank computes its shard's
 checksum while writing it and the ranks gather those to rank 0, which writes meta.json,
 config.yaml, then manifest.json, and renames the folder. A checkpoint is therefore a folder
@@ -71,6 +75,7 @@ from hpcllm import watchdog
 from hpcllm.config import Config, config_from_dict, load_yaml
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, durable_replace, fsync_path
+from hpcllm.parallel.distributed_optimizer import is_shard_state, merge_shards
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -91,9 +96,26 @@ def _partial(root: Path, step: int) -> Path:
     return root / f".{_name(step)}.partial"
 
 
+# What a model shard holds as its optimizer when each dp rank saved its part apart.
+SHARDS_FORMAT = "hpcllm-distributed-optimizer-parts-1"
+
+
 def shard_file(tp_rank: int, pp_rank: int) -> str:
     """Return the file name of a (tp, pp) model shard."""
     return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.pt"
+
+
+def optimizer_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    """Return the file name of a dp rank's part of a (tp, pp) shard's distributed optimizer."""
+    return f"optimizer_tp{tp_rank:02d}_pp{pp_rank:02d}_dp{dp_rank:03d}.pt"
+
+
+def _expected_files(meta: dict[str, Any]) -> set[str]:
+    """Return the shard files a checkpoint of ``meta``'s grid holds."""
+    files = {shard_file(t, p) for t in range(meta["tp"]) for p in range(meta["pp"])}
+    for d in range(meta.get("optimizer_shards") or 0):
+        files |= {optimizer_file(t, p, d) for t in range(meta["tp"]) for p in range(meta["pp"])}
+    return files
 
 
 def stderr_warning(message: str) -> None:
@@ -283,6 +305,12 @@ def save(
     tmp = _partial(root, step)
     name = shard_file(grid.tp_rank, grid.pp_rank)
     files: dict[str, Any] = {}
+    # The distributed optimizer's state differs on every dp rank: each writes its part.
+    optimizer = shard.get("optimizer")
+    sharded = is_shard_state(optimizer)
+    if sharded:
+        shard = {**shard, "optimizer": {"format": SHARDS_FORMAT, "shards": grid.dp}}
+        optimizer_name = optimizer_file(grid.tp_rank, grid.pp_rank, grid.dp_rank)
 
     def make_partial() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -290,16 +318,24 @@ def save(
         tmp.mkdir()
 
     def write_shard() -> dict[str, Any]:
-        return {name: _write_shard(tmp / name, shard)}
+        written = {}
+        if grid.dp_rank == 0:
+            written[name] = _write_shard(tmp / name, shard)
+        if sharded:
+            written[optimizer_name] = _write_shard(tmp / optimizer_name, optimizer)
+        return written
 
     def publish() -> None:
         full_meta = {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+        if sharded:
+            full_meta["optimizer_shards"] = grid.dp
         _publish(root, step, full_meta, config_yaml, files)
 
     # Each phase ends in an all-gather of every rank's error: all ranks stop at the same one.
     errors, _ = _agreed(grid, make_partial if grid.rank == 0 else None)
     if not errors:
-        errors, written = _agreed(grid, write_shard if grid.dp_rank == 0 else None)
+        writes = grid.dp_rank == 0 or sharded
+        errors, written = _agreed(grid, write_shard if writes else None)
         for part in written:
             files.update(part)
     if not errors:
@@ -367,6 +403,8 @@ def write_offline(
             shard_file(*ranks): _write_shard(tmp / shard_file(*ranks), shard)
             for ranks, shard in shards.items()
         }
+        # One process writes plain optimizer state into each shard: no dp parts.
+        meta = {k: v for k, v in meta.items() if k != "optimizer_shards"}
         meta = {**meta, "step": step, "tp": tp, "pp": pp, "dp": dp}
         _publish(root, step, meta, config_yaml, files)
     except OSError as err:
@@ -538,9 +576,7 @@ def verify(folder: Path) -> Verdict:
             meta = _checked_meta(folder / "meta.json", _read_json(folder / "meta.json"))
         except (OSError, ValueError, UserError) as err:
             return bad(str(err), len(files), size)
-        expected = {"meta.json", "config.yaml"} | {
-            shard_file(t, p) for t in range(meta["tp"]) for p in range(meta["pp"])
-        }
+        expected = {"meta.json", "config.yaml"} | _expected_files(meta)
         problems = [f"{name} is not in {MANIFEST}" for name in sorted(expected - set(files))]
         if meta["step"] != step or manifest.get("step") != step:
             problems.append(f"meta.json says step {meta['step']}, the folder step {step}")
@@ -710,7 +746,27 @@ def read_shard(
     """
     folder = Path(folder)
     meta = read_meta(folder) if meta is None else meta
-    path = folder / shard_file(tp_rank, pp_rank)
+    shard = _read_file(folder, shard_file(tp_rank, pp_rank), meta, mmap=mmap, check=check)
+    rng = shard.get("rng")
+    if rng is not None and isinstance(rng.get("numpy"), tuple):  # format 1: as format 2 holds it
+        rng["numpy"] = _numpy_state(rng["numpy"])
+    optimizer = shard.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("format") == SHARDS_FORMAT:
+        # The distributed optimizer's parts, one per dp rank: merged into the plain state,
+        # which every reader (and an optimizer at any d) takes.
+        parts = [
+            _read_file(folder, optimizer_file(tp_rank, pp_rank, r), meta, mmap=mmap, check=check)
+            for r in range(optimizer["shards"])
+        ]
+        shard["optimizer"] = merge_shards(parts)
+    return shard
+
+
+def _read_file(
+    folder: Path, name: str, meta: dict[str, Any], *, mmap: bool, check: bool
+) -> dict[str, Any]:
+    """Return one shard file's contents, after checking it against the manifest."""
+    path = folder / name
     hint = f"hpcllm inspect --verify {folder.parent.parent} checks every checkpoint"
     if not path.is_file():
         raise UserError(f"checkpoint shard {path} is missing", same_on_all_ranks=False)
@@ -735,9 +791,6 @@ def read_shard(
             f"checkpoint shard {path} is unreadable ({_first_line(err)}); {hint}",
             same_on_all_ranks=False,
         ) from None
-    rng = shard.get("rng")
-    if rng is not None and isinstance(rng.get("numpy"), tuple):  # format 1: as format 2 holds it
-        rng["numpy"] = _numpy_state(rng["numpy"])
     return shard
 
 

@@ -18,7 +18,7 @@ runs it on its root alone, then broadcasts the new weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,7 +73,18 @@ def finish_gradients(
     tp_group: Any = None,
     embedding_group: Any = None,
 ) -> None:
-    """Complete every gradient of this rank's chunks after the step's last backward."""
+    """Complete every gradient of this rank's chunks after the step's last backward.
+
+    The tp and tied-embedding sums are linear, so they may come before or after the data-
+    parallel average: after it for engines that write the averaged gradient over ``.grad``
+    (Horovod's synchronize would overwrite an earlier sum), before it for the distributed
+    optimizer, whose reduce-scatter leaves each rank 1/d of the gradient.
+    """
+    if engine.reduces_after_model_grads:
+        reduce_sequence_parallel_grads(chunks, tp_group)
+        sync_tied_embedding(chunks, embedding_group)
+        engine.finish_gradients(optimizer)
+        return
     engine.finish_gradients(optimizer)
     reduce_sequence_parallel_grads(chunks, tp_group)
     sync_tied_embedding(chunks, embedding_group)
@@ -139,8 +150,12 @@ def optimizer_step(
     clip: float,
     tp_group: Any = None,
     pp_group: Any = None,
+    norm_fn: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscale, clip, step and update the scaler; return (grad norm, step skipped).
+
+    ``parameters`` hold the gradients the optimizer steps with; ``norm_fn`` returns their
+    global norm (default: :func:`global_grad_norm` across tp and pp).
 
     Both are 0-d device tensors. A step whose gradients are not finite on any tp or pp rank
     (the global norm is not) is skipped on all of them, in every precision, so a NaN never
@@ -159,7 +174,7 @@ def optimizer_step(
     """
     enabled = scaler.is_enabled()
     scale = scaler.get_scale() if enabled else 1.0
-    norm = global_grad_norm(parameters, tp_group, pp_group)
+    norm = norm_fn() if norm_fn else global_grad_norm(parameters, tp_group, pp_group)
     if enabled:
         if not torch.isfinite(norm):
             grad = next((p.grad for p in parameters if p.grad is not None), None)
@@ -195,8 +210,10 @@ def step(
     pp_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step the optimizer through the engine; return (grad norm, step skipped), on device."""
+    sharded = engine.gradients_for_step(tp_group, pp_group)
+    stepped, norm_fn = sharded if sharded is not None else (parameters, None)
     return engine.step(
         optimizer,
         scaler,
-        lambda: optimizer_step(parameters, optimizer, scaler, clip, tp_group, pp_group),
+        lambda: optimizer_step(stepped, optimizer, scaler, clip, tp_group, pp_group, norm_fn),
     )

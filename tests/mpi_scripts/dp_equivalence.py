@@ -2,7 +2,9 @@
 
 Usage: mpirun -np D python dp_equivalence.py OUT_DIR PRECISION OPTIMIZER ENGINE[,ENGINE...]
 
-OPTIMIZER is sgd (momentum 0.9) or adamw (the trainer's).
+OPTIMIZER is sgd (momentum 0.9) or adamw (the trainer's). ENGINE is ddp, horovod or ps, or
+ddp+zero / horovod+zero: that engine with the distributed optimizer, in buckets of 10 kB so
+that the model spans several (each padded to a multiple of d).
 
 For every engine and accumulation in {1, 2}, each rank trains on its slice of the same global
 batches (global_batch() below) and saves its parameters to
@@ -57,9 +59,11 @@ def main() -> None:
     out, precision, kind = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     engines = sys.argv[4].split(",")
     grid = topology.init()
-    parallel = load_config(None, []).parallel
     train = train_config(precision)
-    for name in engines:
+    for spec in engines:
+        name, _, zero = spec.partition("+")
+        sets = ["parallel.distributed_optimizer=true", "parallel.ddp_bucket_mb=0.01"]
+        parallel = load_config(None, sets if zero else []).parallel
         for accumulation in (1, 2):
             model = GPT(model_config(), VOCAB, seed=7)
             optimizer = make_optimizer(kind, model, precision)
@@ -84,7 +88,7 @@ def main() -> None:
                 optimizer.zero_grad()
             torch.save(
                 {k: v.detach().clone() for k, v in model.state_dict().items()},
-                out / f"{name}-a{accumulation}-rank{grid.rank}.pt",
+                out / f"{spec}-a{accumulation}-rank{grid.rank}.pt",
             )
     topology.shutdown()
 
