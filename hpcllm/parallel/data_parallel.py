@@ -625,7 +625,7 @@ class DistributedOptimizerEngine(Engine):
     def gradients_for_step(
         self, tp_group: Any, pp_group: Any
     ) -> tuple[list[torch.Tensor], Callable[[], torch.Tensor]] | None:
-        return list(self.zero.masters), lambda: self.zero.grad_norm(tp_group, pp_group)
+        return list(self.zero.parts), lambda: self.zero.grad_norm(tp_group, pp_group)
 
     def step(
         self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, local_step: StepFn
@@ -635,8 +635,9 @@ class DistributedOptimizerEngine(Engine):
         return result
 
     def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
-        # The weights may have come from a checkpoint: the masters follow them.
-        self.zero.copy_params_to_masters()
+        # Nothing: every replica loaded the same weights (into the buckets the parameters
+        # are views of, which are the masters), and each its part of the optimizer state.
+        return
 
 
 def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:

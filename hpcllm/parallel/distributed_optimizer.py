@@ -29,6 +29,7 @@ of either kind resume at any d and every checkpoint reader keeps working.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,10 +44,9 @@ FORMAT = "hpcllm-distributed-optimizer-1"
 
 @dataclass
 class Bucket:
-    """One flat gradient buffer: ``params`` at ``offsets``, ``size`` elements (a multiple of d).
-
-    ``master`` is where this rank's part lies in its group's flat master tensor.
-    """
+    """One flat buffer of ``params`` (their data and their gradients are views into it), at
+    ``offsets``, ``size`` elements (a multiple of d, zero-padded). ``slot`` is the index of
+    this rank's part among the optimizer's parameters."""
 
     group: int
     chunk: int
@@ -55,7 +55,8 @@ class Bucket:
     indices: list[int]  # each parameter's index in the plain optimizer's state
     offsets: list[int]
     size: int
-    master: slice
+    slot: int
+    data: torch.Tensor = field(repr=False)
     grad: torch.Tensor = field(repr=False)
     pending: int = 0
     work: Any = None
@@ -107,14 +108,14 @@ def plan_buckets(
 
 
 class Collectives:
-    """Reduce-scatter and all-gather over the dp group, asynchronous."""
+    """Reduce-scatter and all-gather of a bucket over the dp group, in place, asynchronous."""
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, dp: int) -> Any:
-        """Start averaging ``flat`` over the group into this rank's part ``out``."""
+    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int) -> Any:
+        """Start averaging ``flat`` over the group into this rank's ``flat[part]``."""
         raise NotImplementedError
 
-    def all_gather(self, flat: torch.Tensor, part: torch.Tensor) -> Any:
-        """Start gathering every rank's ``part`` into ``flat``."""
+    def all_gather(self, flat: torch.Tensor, part: slice) -> Any:
+        """Start gathering every rank's part of ``flat`` into all of it."""
         raise NotImplementedError
 
     def wait(self, work: Any) -> None:
@@ -123,18 +124,20 @@ class Collectives:
 
 
 class TorchCollectives(Collectives):
-    """torch.distributed on the dp group (gloo on CPU, NCCL on GPUs)."""
+    """torch.distributed on the dp group (gloo on CPU, NCCL on GPUs), in place: the output is
+    the input's own part, which both backends take."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, dp: int) -> Any:
+    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int) -> Any:
+        out = flat[part]
         # A sum, divided once it has arrived: gloo has no average.
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         return (work, lambda: out.div_(dp))
 
-    def all_gather(self, flat: torch.Tensor, part: torch.Tensor) -> Any:
-        return (dist.all_gather_single(flat, part, group=self.group, async_op=True), None)
+    def all_gather(self, flat: torch.Tensor, part: slice) -> Any:
+        return (dist.all_gather_single(flat, flat[part], group=self.group, async_op=True), None)
 
     def wait(self, work: Any) -> None:
         handle, then = work
@@ -144,7 +147,8 @@ class TorchCollectives(Collectives):
 
 
 class HorovodCollectives(Collectives):
-    """Horovod's reducescatter and allgather on the dp communicator it was started on."""
+    """Horovod's reducescatter and allgather on the dp communicator it was started on (they
+    return new tensors, copied back into the bucket)."""
 
     def __init__(self, hvd: Any) -> None:
         self.hvd = hvd
@@ -155,12 +159,12 @@ class HorovodCollectives(Collectives):
         self.count += 1
         return f"hpcllm.zero.{kind}.{self.count}"
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, dp: int) -> Any:
+    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int) -> Any:
         handle = self.hvd.reducescatter_async(flat, name=self._name("rs"), op=self.hvd.Average)
-        return (handle, lambda result: out.copy_(result))
+        return (handle, lambda result: flat[part].copy_(result))
 
-    def all_gather(self, flat: torch.Tensor, part: torch.Tensor) -> Any:
-        handle = self.hvd.allgather_async(part, name=self._name("ag"))
+    def all_gather(self, flat: torch.Tensor, part: slice) -> Any:
+        handle = self.hvd.allgather_async(flat[part], name=self._name("ag"))
         return (handle, lambda result: flat.copy_(result))
 
     def wait(self, work: Any) -> None:
@@ -169,12 +173,13 @@ class HorovodCollectives(Collectives):
 
 
 class DistributedAdamW(torch.optim.AdamW):
-    """AdamW over this rank's parts of the buckets (flat fp32 masters, one per param group).
+    """AdamW over this rank's parts of the buckets.
 
-    Its param groups are the plain optimizer's (same order, same settings), so the trainer's
-    LR schedule and the checkpoints' hyperparameters are unchanged. ``state_dict`` is this
-    rank's shard with the bucket layout; ``load_state_dict`` takes that (same d, same layout)
-    or a plain AdamW state of the same parameters, and keeps this rank's part.
+    Its param groups are the plain optimizer's (same order, same settings; each holds this
+    rank's parts of that group's buckets), so the trainer's LR schedule and the checkpoints'
+    hyperparameters are unchanged. ``state_dict`` is this rank's shard with the bucket
+    layout; ``load_state_dict`` takes a plain AdamW state of the same parameters (what
+    checkpoints read back) or this rank's own shard, and keeps this rank's part.
     """
 
     def __init__(self, zero: ZeroState, plain: torch.optim.Optimizer) -> None:
@@ -182,12 +187,12 @@ class DistributedAdamW(torch.optim.AdamW):
         groups = []
         for g, group in enumerate(plain.param_groups):
             settings = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**settings, "params": [zero.masters[g]]})
+            groups.append({**settings, "params": zero.group_parts(g)})
         super().__init__(groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing: the gradients live in the engine's buckets, which it zeroes after the
-        parameters are gathered (the masters' gradients are views it fills)."""
+        """Nothing: the gradients live in the engine's buckets, which it zeroes once the
+        parameters are gathered after the step."""
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.zero.shard_state(super().state_dict())
@@ -197,7 +202,11 @@ class DistributedAdamW(torch.optim.AdamW):
 
 
 class ZeroState:
-    """This rank's buckets, master parts and the collectives between them (one per rank)."""
+    """This rank's buckets and its parts of them (one per rank).
+
+    With fp32 parameters a rank's part of a bucket's data *is* its master copy: the optimizer
+    steps it in place and the all-gather spreads it, so a parameter costs 4 + 4 + 8/d bytes.
+    """
 
     def __init__(
         self,
@@ -216,64 +225,63 @@ class ZeroState:
         self.flat_params = [p for g in groups for p in g]
         self.group_sizes = [len(g) for g in groups]
         device = self.flat_params[0].device
+        if any(p.dtype != torch.float32 for p in self.flat_params):
+            raise ValueError("the distributed optimizer steps fp32 parameters")
         self.buckets: list[Bucket] = []
-        master_sizes = [0] * len(groups)
-        for g, chunk, is_late, indices in plan_buckets(groups, chunk_of, late, dp, bucket_numel):
+        plan = plan_buckets(groups, chunk_of, late, dp, bucket_numel)
+        # Optimizer slots: group by group, buckets in plan order within a group.
+        slots = sorted(range(len(plan)), key=lambda k: (plan[k][0], k))
+        slot_of = {k: slot for slot, k in enumerate(slots)}
+        for k, (g, chunk, is_late, indices) in enumerate(plan):
             params = [self.flat_params[i] for i in indices]
             offsets, total = [], 0
             for p in params:
                 offsets.append(total)
                 total += p.numel()
             size = -(-total // dp) * dp
-            part = size // dp
-            grad = torch.zeros(size, dtype=params[0].dtype, device=device)
-            for p, off in zip(params, offsets, strict=True):
-                p.grad = grad[off : off + p.numel()].view_as(p)
+            data = torch.zeros(size, dtype=torch.float32, device=device)
+            grad = torch.zeros(size, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                for p, off in zip(params, offsets, strict=True):
+                    view = data[off : off + p.numel()].view_as(p)
+                    view.copy_(p)
+                    p.data = view
+                    p.grad = grad[off : off + p.numel()].view_as(p)
             self.buckets.append(
-                Bucket(
-                    group=g,
-                    chunk=chunk,
-                    late=is_late,
-                    params=params,
-                    indices=indices,
-                    offsets=offsets,
-                    size=size,
-                    master=slice(master_sizes[g], master_sizes[g] + part),
-                    grad=grad,
-                )
+                Bucket(g, chunk, is_late, params, indices, offsets, size, slot_of[k], data, grad)
             )
-            master_sizes[g] += part
-        self.masters = [
-            torch.zeros(n, dtype=torch.float32, device=device, requires_grad=False)
-            for n in master_sizes
-        ]
-        for master in self.masters:
-            master.grad = torch.zeros_like(master)
-        self.copy_params_to_masters()
-        # What the gradient norm counts of each master element: split over tp (summed over
-        # the tp group), whole (the same on every tp rank: counted once) or not at all (the
-        # last stage's copy of the tied embedding, which the first stage counts).
-        self.segments: list[list[tuple[slice, str]]] = [[] for _ in groups]
+        self.parts: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
+        for bucket in self.buckets:
+            mine = bucket.part(dp, dp_rank)
+            part = bucket.data[mine]
+            part.grad = bucket.grad[mine]
+            self.parts[bucket.slot] = part
+        # What the gradient norm counts of each part: split over tp (summed over the tp
+        # group), whole (the same on every tp rank: counted once), or nothing (the last
+        # stage's copy of the tied embedding, which the first stage counts; the padding).
+        self.segments: list[list[tuple[slice, str]]] = [[] for _ in self.buckets]
         for bucket in self.buckets:
             mine = bucket.part(dp, dp_rank)
             for p, off in zip(bucket.params, bucket.offsets, strict=True):
                 lo, hi = max(off, mine.start), min(off + p.numel(), mine.stop)
-                if lo >= hi:
+                if lo >= hi or getattr(p, "pipeline_duplicate", False):
                     continue
-                kind = (
-                    "none"
-                    if getattr(p, "pipeline_duplicate", False)
-                    else "split"
-                    if tp_split(p)
-                    else "whole"
-                )
-                start = bucket.master.start + lo - mine.start
-                self.segments[bucket.group].append((slice(start, start + hi - lo), kind))
+                kind = "split" if tp_split(p) else "whole"
+                seg = slice(lo - mine.start, hi - mine.start)
+                self.segments[bucket.slot].append((seg, kind))
         self._armed: int | None = None
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.flat_params
         ]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def group_parts(self, group: int) -> list[torch.Tensor]:
+        """Return this rank's parts of ``group``'s buckets, in slot order."""
+        return [
+            self.parts[b.slot]
+            for b in sorted(self.buckets, key=lambda b: b.slot)
+            if b.group == group
+        ]
 
     # -- the backward ------------------------------------------------------------------
 
@@ -303,15 +311,9 @@ class ZeroState:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        grad = self.masters[bucket.group].grad
-        mine = bucket.part(self.dp, self.dp_rank)
-        if self.dp == 1:
-            grad[bucket.master].copy_(bucket.grad[mine])
-            return
-        out = grad[bucket.master]
-        if bucket.grad.dtype != torch.float32:
-            out = torch.empty(mine.stop - mine.start, dtype=bucket.grad.dtype, device=grad.device)
-        bucket.work = (self.collectives.reduce_scatter(out, bucket.grad, self.dp), out)
+        if self.dp > 1:
+            part = bucket.part(self.dp, self.dp_rank)
+            bucket.work = self.collectives.reduce_scatter(bucket.grad, part, self.dp)
 
     def finish(self) -> float:
         """Start the late buckets and any not started, wait for every reduce-scatter; return
@@ -322,11 +324,7 @@ class ZeroState:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                work, out = bucket.work
-                self.collectives.wait(work)
-                target = self.masters[bucket.group].grad[bucket.master]
-                if out.data_ptr() != target.data_ptr():
-                    target.copy_(out)
+                self.collectives.wait(bucket.work)
                 bucket.work = None
         return time.perf_counter() - started
 
@@ -334,11 +332,11 @@ class ZeroState:
 
     def grad_norm(self, tp_group: Any, pp_group: Any) -> torch.Tensor:
         """Return the global gradient norm from this rank's parts: over tp, dp and pp."""
-        device = self.masters[0].device
+        device = self.parts[0].device
         sums = {"split": torch.zeros((), device=device), "whole": torch.zeros((), device=device)}
-        for g, master in enumerate(self.masters):
+        for slot, part in enumerate(self.parts):
             for kind in ("split", "whole"):
-                views = [master.grad[s] for s, k in self.segments[g] if k == kind]
+                views = [part.grad[seg] for seg, k in self.segments[slot] if k == kind]
                 if views:
                     norms = torch._foreach_norm(views, 2)
                     sums[kind] = sums[kind] + torch.stack(norms).square().sum()
@@ -353,39 +351,20 @@ class ZeroState:
         return total.sqrt()
 
     def gather_params(self) -> float:
-        """All-gather the updated parts into the buckets, copy them into the parameters, and
-        zero the buckets for the next step's gradients; return the seconds spent."""
+        """All-gather the stepped parts into the parameters, and zero the gradients for the
+        next step; return the seconds spent."""
         started = time.perf_counter()
-        works = []
-        for bucket in self.buckets:
-            master = self.masters[bucket.group][bucket.master].to(bucket.grad.dtype)
-            if self.dp == 1:
-                bucket.grad.copy_(master)
-                continue
-            works.append(self.collectives.all_gather(bucket.grad, master))
+        works = [
+            self.collectives.all_gather(b.data, b.part(self.dp, self.dp_rank))
+            for b in self.buckets
+            if self.dp > 1
+        ]
         for work in works:
             self.collectives.wait(work)
-        with torch.no_grad():
-            for bucket in self.buckets:
-                for p, off in zip(bucket.params, bucket.offsets, strict=True):
-                    p.copy_(bucket.grad[off : off + p.numel()].view_as(p))
-                bucket.grad.zero_()
-                bucket.launched = False
-        for master in self.masters:
-            master.grad.zero_()
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+            bucket.launched = False
         return time.perf_counter() - started
-
-    def copy_params_to_masters(self) -> None:
-        """Set the masters from the parameters (at start, and after a checkpoint's weights)."""
-        with torch.no_grad():
-            for bucket in self.buckets:
-                mine = bucket.part(self.dp, self.dp_rank)
-                master = self.masters[bucket.group][bucket.master]
-                for p, off in zip(bucket.params, bucket.offsets, strict=True):
-                    lo, hi = max(off, mine.start), min(off + p.numel(), mine.stop)
-                    if lo < hi:
-                        src = p.detach().reshape(-1)[lo - off : hi - off]
-                        master[lo - mine.start : hi - mine.start].copy_(src)
 
     # -- state -------------------------------------------------------------------------
 
@@ -398,26 +377,25 @@ class ZeroState:
             "buckets": [
                 {
                     "group": b.group,
+                    "slot": b.slot,
                     "indices": b.indices,
                     "offsets": b.offsets,
                     "size": b.size,
-                    "master": [b.master.start, b.master.stop],
                 }
                 for b in self.buckets
             ],
         }
 
     def shard_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return ``state`` (the masters' optimizer state) as this rank's checkpoint shard."""
+        """Return ``state`` (the parts' optimizer state) as this rank's checkpoint shard."""
         return {"format": FORMAT, "dp_rank": self.dp_rank, "layout": self.layout(), **state}
 
     def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return the masters' optimizer state for this rank from a plain or a shard state."""
+        """Return the parts' optimizer state for this rank from a plain or a shard state."""
         if state.get("format") == FORMAT:
-            if state["layout"] != self.layout() or state["dp_rank"] != self.dp_rank:
-                state = merge_shards([state])  # only a whole set (d = 1) merges alone
-            else:
+            if state["layout"] == self.layout() and state["dp_rank"] == self.dp_rank:
                 return {"state": state["state"], "param_groups": state["param_groups"]}
+            state = merge_shards([state])  # only a whole set (d = 1) merges alone
         return self._cut_plain(state)
 
     def _cut_plain(self, plain: dict[str, Any]) -> dict[str, Any]:
@@ -426,28 +404,26 @@ class ZeroState:
         if [len(g["params"]) for g in groups] != self.group_sizes:
             raise ValueError("the optimizer state holds other parameter groups than this model's")
         state: dict[int, dict[str, Any]] = {}
-        for g, master in enumerate(self.masters):
-            if not per_param:
-                break
-            moments = {}
-            for name in ("exp_avg", "exp_avg_sq"):
-                flat = torch.zeros_like(master)
-                for bucket in self.buckets:
-                    if bucket.group != g:
-                        continue
-                    mine = bucket.part(self.dp, self.dp_rank)
+        if per_param:
+            for bucket in self.buckets:
+                mine = bucket.part(self.dp, self.dp_rank)
+                entry: dict[str, Any] = {}
+                for name in ("exp_avg", "exp_avg_sq"):
+                    flat = torch.zeros(mine.stop - mine.start, dtype=torch.float32)
                     for i, off in zip(bucket.indices, bucket.offsets, strict=True):
                         n = self.flat_params[i].numel()
                         lo, hi = max(off, mine.start), min(off + n, mine.stop)
                         if lo < hi:
                             src = per_param[i][name].reshape(-1)[lo - off : hi - off]
-                            start = bucket.master.start + lo - mine.start
-                            flat[start : start + hi - lo].copy_(src)
-                moments[name] = flat
-            first = next(i for b in self.buckets if b.group == g for i in b.indices)
-            step = per_param[first]["step"]
-            state[g] = {"step": step.clone() if torch.is_tensor(step) else step, **moments}
-        param_groups = [{**group, "params": [g]} for g, group in enumerate(groups)]
+                            flat[lo - mine.start : hi - mine.start].copy_(src)
+                    entry[name] = flat
+                step = per_param[bucket.indices[0]]["step"]
+                entry["step"] = step.clone() if torch.is_tensor(step) else step
+                state[bucket.slot] = entry
+        param_groups = []
+        for g, group in enumerate(groups):
+            slots = sorted(b.slot for b in self.buckets if b.group == g)
+            param_groups.append({**group, "params": slots})
         return {"state": state, "param_groups": param_groups}
 
     def remove(self) -> None:
@@ -464,9 +440,9 @@ def is_shard_state(state: Any) -> bool:
 def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """Return the plain AdamW ``state_dict`` of the parameters from every dp rank's shard.
 
-    ``shards`` in dp-rank order, all of one layout. Each parameter's moments are cut out of
-    the buckets whole again (padding dropped); the step and the param groups' settings are
-    the same on every rank.
+    ``shards`` of one layout, one per dp rank. Each parameter's moments are cut out of the
+    buckets whole again (padding dropped); the step and the param groups' settings are the
+    same on every rank.
     """
     shards = sorted(shards, key=lambda s: s["dp_rank"])
     layout = shards[0]["layout"]
@@ -475,23 +451,20 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"the distributed optimizer's shards are incomplete (d = {dp})")
     shapes = layout["shapes"]
     state: dict[int, dict[str, Any]] = {}
-    first_groups = shards[0]["param_groups"]
     if shards[0]["state"]:
         for bucket in layout["buckets"]:
-            g = bucket["group"]
-            lo, hi = bucket["master"]
+            slot = bucket["slot"]
+            step = shards[0]["state"][slot]["step"]
             for name in ("exp_avg", "exp_avg_sq"):
-                flat = torch.cat([s["state"][g][name][lo:hi] for s in shards])
+                flat = torch.cat([s["state"][slot][name] for s in shards])
                 for i, off in zip(bucket["indices"], bucket["offsets"], strict=True):
-                    n = 1
-                    for d in shapes[i]:
-                        n *= d
-                    entry = state.setdefault(i, {"step": shards[0]["state"][g]["step"].clone()})
+                    n = math.prod(shapes[i])
+                    entry = state.setdefault(i, {"step": step.clone()})
                     entry[name] = flat[off : off + n].reshape(shapes[i]).clone()
     param_groups = []
     start = 0
     for g, size in enumerate(layout["group_sizes"]):
-        settings = {k: v for k, v in first_groups[g].items() if k != "params"}
+        settings = {k: v for k, v in shards[0]["param_groups"][g].items() if k != "params"}
         param_groups.append({**settings, "params": list(range(start, start + size))})
         start += size
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
