@@ -62,9 +62,16 @@ class Engine:
         self.comm_wait_s = 0.0
         self.modules: list[nn.Module] = []
 
+    holds_optimizer_state = True  # whether this rank's optimizer steps (and keeps state)
+
     def describe(self) -> str:
         """Return the engine's settings as one line, for the banner and ``bench dp``."""
         return "no gradient reduction (one replica)"
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """Return the bytes this rank holds of weights and of gradients."""
+        weights = sum(p.numel() * p.element_size() for p in self.parameters)
+        return weights, weights
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -183,6 +190,13 @@ class DDPEngine(Engine):
 
     def describe(self) -> str:
         return describe_ddp(self.bucket_mb, self.gradient_as_bucket_view, self.compression)
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        weights, gradients = super().buffer_bytes()
+        # Without gradient_as_bucket_view DDP's buckets are a second copy of the gradients.
+        if self.grid.dp > 1 and not self.gradient_as_bucket_view:
+            gradients *= 2
+        return weights, gradients
         self.wrapped: list[nn.Module] = []
 
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
@@ -472,6 +486,10 @@ class ParameterServerEngine(Engine):
     def describe(self) -> str:
         return f"one server (dp rank 0, world rank {self.root}): reduce, step, broadcast"
 
+    @property
+    def holds_optimizer_state(self) -> bool:  # type: ignore[override]
+        return self.is_root
+
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         super().wrap(modules)
         self.params = self.parameters
@@ -564,6 +582,13 @@ class DistributedOptimizerEngine(Engine):
             f"distributed optimizer (ZeRO-1): {how} in {buckets} buckets of up to "
             f"{self.bucket_mb:g} MB, optimizer state 1/{self.grid.dp} per rank"
         )
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        # The buckets, padding included: the parameters and their gradients are views.
+        if self.zero is None:
+            return super().buffer_bytes()
+        weights = sum(b.data.numel() * b.data.element_size() for b in self.zero.buckets)
+        return weights, sum(b.grad.numel() * b.grad.element_size() for b in self.zero.buckets)
 
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         super().wrap(modules)

@@ -37,7 +37,7 @@ from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.parallel.tensor.layers import is_split
-from hpcllm.train import checkpoint, grads, reshard
+from hpcllm.train import checkpoint, grads, memory, reshard
 from hpcllm.train import run_dir as run_folder
 from hpcllm.train.optim import (
     autocast,
@@ -630,12 +630,19 @@ class Trainer:
 
         Synchronous updates wait for the slowest rank: it computes longest and waits least.
         """
-        mine = (record["compute_s"], record["comm_wait_s"], observe.gpu_utilisation(self.device))
+        mine = (
+            record["compute_s"],
+            record["comm_wait_s"],
+            observe.gpu_utilisation(self.device),
+            memory.memory_parts(self.engine, self.optimizer, self.device),
+        )
         rows: list[Any] = [None] * self.grid.world_size
         with watchdog.waiting("metrics gather", axis="world"):
             dist.all_gather_object(rows, mine)
         compute = [r[0] for r in rows]
         return {
+            # The busiest rank's bytes of each part (what must fit), in MB.
+            "memory_parts_mb": {k: max(r[3][k] for r in rows) / 1e6 for k in rows[0][3]},
             "rank_compute_s": compute,
             "rank_comm_wait_s": [r[1] for r in rows],
             "rank_busy_share": [c / record["step_time_s"] for c in compute],
@@ -661,6 +668,15 @@ class Trainer:
         )
         return record
 
+    def _memory_line(self) -> str:
+        """Return the busiest rank's weights, gradients and optimizer state (a collective)."""
+        mine = memory.memory_parts(self.engine, self.optimizer, self.device)
+        rows: list[Any] = [None] * self.grid.world_size
+        with watchdog.waiting("memory report gather", axis="world"):
+            dist.all_gather_object(rows, mine)
+        largest = {k: max(r[k] for r in rows) for k in mine}
+        return memory.describe(largest, self.grid.dp, self.cfg.parallel.distributed_optimizer)
+
     def banner(self) -> list[str]:
         """Return the run's start-up lines (every rank must call this: it counts parameters).
 
@@ -681,6 +697,7 @@ class Trainer:
             f"hpcllm {__version__}, torch {torch.__version__}, launcher {g.launch.launcher}, "
             f"device {self.device.type}",
             f"grid t={g.tp} p={g.pp} d={g.dp} v={cfg.parallel.vpp}, world size {g.world_size}",
+            f"memory per rank (the largest): {self._memory_line()}",
             f"data parallel {self.engine.name}: {self.engine.describe()}"
             if g.dp > 1
             else f"data parallel {self.engine.name}: d = 1, nothing to reduce",
