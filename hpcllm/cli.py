@@ -735,9 +735,10 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
     dpb.add_argument(
         "--engines",
         nargs="+",
-        default=["ddp", "horovod", "ps"],
-        choices=["ddp", "horovod", "ps"],
-        help="[default: all three]",
+        default=["ddp", "horovod", "ps", "ddp-zero", "horovod-zero"],
+        choices=["ddp", "horovod", "ps", "ddp-zero", "horovod-zero"],
+        help="ddp-zero and horovod-zero: that engine with the distributed optimizer "
+        "(parallel.distributed_optimizer) [default: all five]",
     )
     dpb.add_argument(
         "--precisions",

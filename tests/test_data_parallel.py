@@ -196,7 +196,7 @@ def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
         "2",
         "--engines",
         "ps",
-        "horovod",
+        "horovod-zero",
         "--precisions",
         "fp32",
         "--steps",
@@ -216,13 +216,17 @@ def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
     assert [(r["engine"], r["dp"]) for r in result["rows"]] == [
         ("single", 1),
         ("ps", 2),
-        ("horovod", 2),
+        ("horovod-zero", 2),
     ]
     # The settings each engine ran with, and where each came from.
-    horovod = result["settings"]["horovod"]
+    horovod = result["settings"]["horovod-zero"]
+    assert horovod.startswith("distributed optimizer, buckets of up to 25 MB")
     assert "fusion 16 MiB (environment), cycle 2 ms (config)" in horovod
     assert "response cache 1024 (Horovod default)" in horovod
-    assert f"  horovod: {horovod}" in run.stdout
+    assert f"  horovod-zero: {horovod}" in run.stdout
+    # The distributed optimizer holds half of what the parameter server's root holds.
+    ps, zero = result["rows"][1]["optimizer_mb"], result["rows"][2]["optimizer_mb"]
+    assert zero == pytest.approx(ps / 2, rel=0.01)
     assert result["rows"][0]["speedup"] == 1.0
     assert len(result["rows"][1]["busy_share"]) == 2
     assert set(result["allreduce"]["results"]) == {"mpi", "torch-gloo", "horovod"}

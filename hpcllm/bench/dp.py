@@ -36,6 +36,10 @@ ALGORITHM = {  # what carries each engine's gradient reduction
     "over TCP; nccl: ring/tree)",
     "horovod": "Horovod fused all-reduce through MPI (Open MPI's tuned collectives)",
     "ps": "reduce to the root, root steps, broadcast of all parameters; no overlap",
+    "ddp-zero": "distributed optimizer: torch reduce-scatter in buckets during backward, "
+    "1/d of AdamW per rank, all-gather of the parameters after the step",
+    "horovod-zero": "distributed optimizer: Horovod reducescatter during backward, 1/d of "
+    "AdamW per rank, Horovod allgather after the step",
 }
 
 
@@ -111,6 +115,8 @@ def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
         "gpu_util": statistics.mean(util) if util else None,
         "slowest_rank": max(range(len(busy)), key=lambda i: busy[i]),
         "final_loss": records[-1]["loss"],
+        # The busiest rank's optimizer state, measured after its steps.
+        "optimizer_mb": records[-1].get("memory_parts_mb", {}).get("optimizer"),
     }
 
 
@@ -136,6 +142,9 @@ def engine_settings(
         + f", compression {parallel.dp_compression}",
         "ps": "one server (dp rank 0): reduce, step, broadcast",
     }
+    bucket = f"buckets of up to {parallel.ddp_bucket_mb:g} MB (parallel.ddp_bucket_mb)"
+    lines["ddp-zero"] = f"distributed optimizer, torch collectives, {bucket}"
+    lines["horovod-zero"] = f"distributed optimizer, {bucket}, Horovod " + lines["horovod"]
     return {engine: lines[engine] for engine in engines}
 
 
@@ -185,19 +194,22 @@ def bench_dp(
         for engine, d in engine_runs(dps, engines):
             progress.start(f"{engine} d={d} {precision}")
             run_dir = out / f"{engine}-d{d}-{precision}"
+            base, _, zero = engine.partition("-")
             args = [
                 "train",
                 *common,
                 "--set",
                 f"train.precision={precision}",
                 "--set",
-                f"parallel.dp_engine={'ddp' if engine == 'single' else engine}",
+                f"parallel.dp_engine={'ddp' if engine == 'single' else base}",
+                "--set",
+                f"parallel.distributed_optimizer={'true' if zero else 'false'}",
                 "--set",
                 f"run.dir={run_dir}",
             ]
             started = time.perf_counter()
             # Horovod needs an MPI launcher even for one rank.
-            _launch(d, args, timeout=1800, force_mpirun=engine == "horovod", threads=threads)
+            _launch(d, args, timeout=1800, force_mpirun=base == "horovod", threads=threads)
             row = {
                 "engine": engine,
                 "dp": d,
@@ -225,9 +237,10 @@ def bench_dp(
 def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
     """Return the comparison as a text table (and the all-reduce micro-benchmark under it)."""
     head = (
-        f"{'engine':<8} {'d':>2} {'prec':<5} {'tok/s total':>11} {'tok/s/rank':>10} "
+        f"{'engine':<12} {'d':>2} {'prec':<5} {'ms/step':>8} {'tok/s total':>11} "
+        f"{'tok/s/rank':>10} "
         f"{'speedup':>7} {'effic.':>6} {'busy share per rank':<22} {'comm':>5} "
-        f"{'slowest':>7} {'GPU util':>8} {'busbw GB/s':>10}"
+        f"{'slowest':>7} {'GPU util':>8} {'busbw GB/s':>10} {'opt. MB':>8}"
     )
     # Each engine's gradient all-reduce rides one of the measured transports.
     transports = (allreduce or {}).get("results", {})
@@ -247,17 +260,22 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
     for r in result["rows"]:
         busy = " ".join(f"{b:.2f}" for b in r["busy_share"])
         util = f"{r['gpu_util']:.0f}%" if r.get("gpu_util") is not None else "-"
-        bw = busbw.get(r["engine"])
+        bw = busbw.get(r["engine"].removesuffix("-zero"))
+        opt = r.get("optimizer_mb")
         lines.append(
-            f"{r['engine']:<8} {r['dp']:>2} {r['precision']:<5} {r['tokens_per_s']:>11.0f} "
+            f"{r['engine']:<12} {r['dp']:>2} {r['precision']:<5} "
+            f"{r['step_time_s'] * 1e3:>8.1f} {r['tokens_per_s']:>11.0f} "
             f"{r['tokens_per_s_per_rank']:>10.0f} {r['speedup']:>7.2f} "
             f"{r['scaling_efficiency']:>6.2f} {busy:<22} {r['comm_share']:>5.2f} "
-            f"{r['slowest_rank']:>7} {util:>8} {f'{bw:.2f}' if bw else '-':>10}"
+            f"{r['slowest_rank']:>7} {util:>8} {f'{bw:.2f}' if bw else '-':>10} "
+            f"{f'{opt:.1f}' if opt is not None else '-':>8}"
         )
     lines.append("")
     lines.append(
         "busbw: the bus bandwidth of the transport each engine's all-reduce rides, "
-        "from the micro-benchmark below (ps reduces and broadcasts instead)"
+        "from the micro-benchmark below (ps reduces and broadcasts instead; -zero engines "
+        "reduce-scatter and all-gather on the same transport); opt. MB: the busiest rank's "
+        "optimizer state"
     )
     lines += [f"  {name}: {text}" for name, text in ALGORITHM.items()]
     if result.get("settings"):
