@@ -199,3 +199,16 @@ def test_allreduce_on_one_rank_says_there_is_nothing_to_compare():
     assert run.returncode != 0
     assert "needs 2 or more ranks: on one rank an all-reduce moves nothing" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_bench_dp_replaces_its_own_scratch_runs_and_nothing_else(tmp_path):
+    from hpcllm.bench.dp import MARK, _fresh_run_dir
+
+    run = _fresh_run_dir(tmp_path / "ddp-d2-fp32")
+    (run / "checkpoints").mkdir()  # what the run left: a second bench dp starts it afresh
+    assert _fresh_run_dir(run) == run and sorted(p.name for p in run.iterdir()) == [MARK]
+    mine = tmp_path / "my-run"
+    (mine / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match="is not a run of hpcllm bench dp; give another --out"):
+        _fresh_run_dir(mine)
+    assert (mine / "checkpoints").is_dir()

@@ -1,8 +1,9 @@
 """``hpcllm bench allreduce``: the transport under the data-parallel engines, measured.
 
 Runs inside each rank of an mpirun job: one gradient-sized buffer all-reduced through mpi4py
-(MPI), torch.distributed (gloo or nccl) and Horovod, with nccl-tests' definitions:
-algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+(MPI), torch.distributed (gloo or nccl) and Horovod, and moved as a reduce-scatter plus an
+all-gather through torch and Horovod (what the distributed optimizer does), with nccl-tests'
+definitions: algbw = bytes / time, busbw = algbw x 2(n-1)/n.
 """
 
 from __future__ import annotations
@@ -95,7 +96,37 @@ def bench_allreduce(
         tensor = torch.ones(count, device=grid.device)
         return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bench")
 
-    transports = {"mpi": mpi, f"torch-{grid.backend}": torch_distributed, "horovod": horovod}
+    def torch_rs_ag() -> Callable[[], Any]:
+        # What the distributed optimizer does with the same bytes: reduce-scatter, then
+        # all-gather, in place.
+        import torch.distributed as dist
+
+        padded = -(-count // n) * n
+        tensor = torch.ones(padded, device=grid.device)
+        part = tensor[grid.rank * (padded // n) : (grid.rank + 1) * (padded // n)]
+
+        def run() -> None:
+            dist.reduce_scatter_single(part, tensor)
+            dist.all_gather_single(tensor, part)
+
+        return run
+
+    def horovod_rs_ag() -> Callable[[], Any]:
+        import horovod.torch as hvd
+
+        padded = -(-count // n) * n
+        tensor = torch.ones(padded, device=grid.device)
+        return lambda: hvd.allgather(
+            hvd.reducescatter(tensor, op=hvd.Sum, name="bench.rs"), name="bench.ag"
+        )
+
+    transports = {
+        "mpi": mpi,
+        f"torch-{grid.backend}": torch_distributed,
+        f"torch-{grid.backend} rs+ag": torch_rs_ag,
+        "horovod": horovod,
+        "horovod rs+ag": horovod_rs_ag,
+    }
     results = {}
     show = progress and grid.rank == 0
     with CaseProgress(len(transports), "hpcllm bench allreduce", show=show) as cases:
@@ -134,13 +165,17 @@ def render_allreduce(result: dict[str, Any]) -> str:
     lines = [
         f"all-reduce of {result['bytes'] / 1e6:.1f} MB float32 on {result['ranks']} ranks "
         f"(median of {result['iters']}; busbw = algbw x 2(n-1)/n):",
-        f"  {'transport':<12} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} {'vs MPI':>7}",
+        f"  {'transport':<17} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} {'vs MPI':>7}",
     ]
     for name, r in result["results"].items():
         lines.append(
-            f"  {name:<12} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
+            f"  {name:<17} {r['seconds'] * 1e3:>9.3f} {r['algbw_GBps']:>11.3f} "
             f"{r['busbw_GBps']:>11.3f} {r['vs_mpi']:>7.2f}"
         )
+    lines.append(
+        "  rs+ag: a reduce-scatter then an all-gather of the same bytes, as the distributed "
+        "optimizer moves them (a ring all-reduce's traffic)"
+    )
     if result.get("device") == "cuda":
         lines.append("  mpi: host memory (a reference); torch and Horovod: the GPUs' memory")
     if result.get("horovod"):

@@ -82,6 +82,27 @@ def _launch(
     )
 
 
+MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace
+
+
+def _fresh_run_dir(path: Path) -> Path:
+    """Return ``path`` empty but for bench dp's mark, replacing a run an earlier bench dp made
+    there (its scratch runs); refuse a folder bench dp did not make."""
+    import shutil
+
+    from hpcllm.errors import UserError
+
+    if path.exists():
+        if not (path / MARK).is_file():
+            raise UserError(
+                f"{path} exists and is not a run of hpcllm bench dp; give another --out"
+            )
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MARK).write_text("a scratch run of hpcllm bench dp, replaced by the next one\n")
+    return path
+
+
 def _launch_allreduce(
     np_: int, args: list[str], timeout: float, config: Path | None, overrides: list[str]
 ) -> None:
@@ -193,7 +214,7 @@ def bench_dp(
         baseline = None
         for engine, d in engine_runs(dps, engines):
             progress.start(f"{engine} d={d} {precision}")
-            run_dir = out / f"{engine}-d{d}-{precision}"
+            run_dir = _fresh_run_dir(out / f"{engine}-d{d}-{precision}")
             base, _, zero = engine.partition("-")
             args = [
                 "train",
