@@ -154,6 +154,9 @@ class TrainConfig:
     lr_scaling: str = "none"  # none | linear
     lr_reference_batch: int = 256  # the global batch that train.lr was tuned for
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    # The model's weights and gradients: fp32 (autocast casts per use), or bf16 with fp32
+    # master weights in the distributed optimizer (2 + 2 + 12/d bytes per parameter).
+    param_dtype: str = "fp32"
     grad_clip: float = 1.0  # 0: no clipping
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -211,6 +214,7 @@ _CHOICES = {
     ("parallel", "dp_compression"): ("none", "fp16", "bf16"),
     ("train", "lr_scaling"): ("none", "linear"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("train", "param_dtype"): ("fp32", "bf16"),
     ("run", "resume"): ("auto", "none"),
     ("run", "save_failure"): ("fail", "warn"),
 }
@@ -537,6 +541,26 @@ def check(cfg: Config) -> None:
         raise UserError(
             f"train.global_batch_size {t.global_batch_size} is not a multiple of "
             f"train.micro_batch_size {t.micro_batch_size}"
+        )
+    if p.distributed_optimizer and p.dp_engine == "ps":
+        raise UserError(
+            "parallel.distributed_optimizer applies to the ddp and horovod engines; the ps "
+            "baseline keeps the whole optimizer on its server"
+        )
+    if p.distributed_optimizer and p.dp_compression != "none":
+        raise UserError(
+            "parallel.distributed_optimizer reduce-scatters uncompressed gradients; set "
+            "parallel.dp_compression: none"
+        )
+    if t.param_dtype == "bf16" and t.precision != "bf16":
+        raise UserError(
+            f"train.param_dtype: bf16 computes in bf16; set train.precision: bf16 (not "
+            f"{t.precision})"
+        )
+    if t.param_dtype == "bf16" and not p.distributed_optimizer:
+        raise UserError(
+            "train.param_dtype: bf16 keeps its fp32 master weights in the distributed "
+            "optimizer; set parallel.distributed_optimizer: true (at any d, 1 included)"
         )
     if p.dp_compression != "none" and p.dp_engine == "ps":
         raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")

@@ -104,3 +104,16 @@ def test_mpirun_job_script_launches_a_verb():
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert (report["world_size"], report["tp"], report["dp"]) == (4, 2, 2)
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "1"), ("0", "0")])
+def test_cpu_ranks_yield_their_core_while_waiting_in_mpi(preset, expected):
+    # Set before MPI_Init reads it, unless the user set it (mpirun passes OMPI_MCA_* on).
+    code = (
+        "import os; from hpcllm import topology; topology.init(); "
+        "print('yield', os.environ.get('OMPI_MCA_mpi_yield_when_idle'))"
+    )
+    env = {} if preset is None else {"OMPI_MCA_mpi_yield_when_idle": preset}
+    result = run_mpi(2, python("-c", code), env=env, timeout=120).check()
+    for rank in range(2):
+        assert f"yield {expected}" in result.rank_stdout[rank]

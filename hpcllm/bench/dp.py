@@ -151,16 +151,24 @@ def engine_settings(
     :func:`~hpcllm.parallel.data_parallel.horovod_settings` gives the same answer here.
     """
     from hpcllm.config import load_config
-    from hpcllm.parallel.data_parallel import describe_ddp, describe_horovod, horovod_settings
+    from hpcllm.parallel.data_parallel import (
+        describe_ddp,
+        describe_horovod,
+        describe_mpi,
+        horovod_settings,
+    )
 
     parallel = load_config(config, overrides).parallel
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    mpi = describe_mpi(gpu)
     lines = {
         "ddp": describe_ddp(
             parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression
         ),
         "horovod": describe_horovod(horovod_settings(parallel, os.environ, device))
-        + f", compression {parallel.dp_compression}",
+        + f", compression {parallel.dp_compression}"
+        + (f", {mpi}" if mpi else ""),
         "ps": "one server (dp rank 0): reduce, step, broadcast",
     }
     bucket = f"buckets of up to {parallel.ddp_bucket_mb:g} MB (parallel.ddp_bucket_mb)"

@@ -68,6 +68,10 @@ class Engine:
         """Return the engine's settings as one line, for the banner and ``bench dp``."""
         return "no gradient reduction (one replica)"
 
+    def master_bytes(self) -> int:
+        """Return the bytes of fp32 master weights kept apart from the weights (none)."""
+        return 0
+
     def buffer_bytes(self) -> tuple[int, int]:
         """Return the bytes this rank holds of weights and of gradients."""
         weights = sum(p.numel() * p.element_size() for p in self.parameters)
@@ -319,6 +323,16 @@ def horovod_settings(
 _AUTOTUNED = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY")
 
 
+def describe_mpi(gpu: bool) -> str:
+    """Return the Open MPI settings hpcllm chose or found (``topology.mpi_settings``)."""
+    from hpcllm.topology import mpi_settings
+
+    return ", ".join(
+        f"Open MPI {variable.removeprefix('OMPI_MCA_')} {value} ({source})"
+        for variable, (value, source) in mpi_settings(gpu, os.environ).items()
+    )
+
+
 def describe_horovod(settings: dict[str, tuple[str, str]]) -> str:
     """Return the settings as one line: ``cycle 5 ms (hpcllm default), ...``."""
     names = {
@@ -421,9 +435,10 @@ class HorovodEngine(Engine):
             )
 
     def describe(self) -> str:
+        mpi = describe_mpi(self.grid.device.type == "cuda")
         return (
             f"{horovod_transport(self.grid, self.hvd)}, {describe_horovod(self.settings)}, "
-            f"compression {self.compression_name}"
+            f"compression {self.compression_name}" + (f", {mpi}" if mpi else "")
         )
 
     def attach_optimizer(
@@ -557,11 +572,14 @@ class DistributedOptimizerEngine(Engine):
 
     reduces_after_model_grads = True
 
-    def __init__(self, grid: Any, parallel: ParallelConfig, name: str) -> None:
+    def __init__(
+        self, grid: Any, parallel: ParallelConfig, name: str, param_dtype: str = "fp32"
+    ) -> None:
         from hpcllm.parallel import distributed_optimizer as zero
 
         super().__init__(grid)
         self.name = name
+        self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype]
         self.bucket_mb = parallel.ddp_bucket_mb
         self.zero: Any = None
         if name == "horovod":
@@ -571,17 +589,28 @@ class DistributedOptimizerEngine(Engine):
             self.collectives = zero.TorchCollectives(grid.dp_group)
 
     def describe(self) -> str:
+        mpi = describe_mpi(self.grid.device.type == "cuda")
         how = (
             f"Horovod reducescatter + allgather ({horovod_transport(self.grid, self.hvd)}, "
-            f"{describe_horovod(self.settings)})"
+            f"{describe_horovod(self.settings)}{', ' + mpi if mpi else ''})"
             if self.name == "horovod"
             else "torch reduce-scatter + all-gather"
         )
         buckets = len(self.zero.buckets) if self.zero is not None else 0
+        weights = (
+            "bf16 weights and gradients, fp32 masters and moments"
+            if self.param_dtype == torch.bfloat16
+            else "fp32 weights (a rank's part is its master) and moments"
+        )
         return (
             f"distributed optimizer (ZeRO-1): {how} in {buckets} buckets of up to "
-            f"{self.bucket_mb:g} MB, optimizer state 1/{self.grid.dp} per rank"
+            f"{self.bucket_mb:g} MB; {weights}, 1/{self.grid.dp} of the optimizer per rank"
         )
+
+    def master_bytes(self) -> int:
+        if self.zero is None:
+            return 0
+        return sum(m.numel() * m.element_size() for m in self.zero.masters.values())
 
     def buffer_bytes(self) -> tuple[int, int]:
         # The buckets, padding included: the parameters and their gradients are views.
@@ -629,6 +658,7 @@ class DistributedOptimizerEngine(Engine):
             self.collectives,
             self.grid.dp_group,
             tp_split,
+            self.param_dtype,
         )
         return zero.DistributedAdamW(self.zero, optimizer)
 
@@ -660,9 +690,10 @@ class DistributedOptimizerEngine(Engine):
         return result
 
     def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
-        # Nothing: every replica loaded the same weights (into the buckets the parameters
-        # are views of, which are the masters), and each its part of the optimizer state.
-        return
+        # Every replica loaded the same weights (into the buckets the parameters are views
+        # of) and each its part of the optimizer state; with 16-bit weights the fp32 masters
+        # follow weights that came without them.
+        self.zero.sync_masters()
 
 
 def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
@@ -673,20 +704,16 @@ def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
         offset += n
 
 
-def build_engine(name: str, grid: Grid, parallel: ParallelConfig) -> Engine:
-    """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``."""
-    if parallel.distributed_optimizer:
-        if name not in ("ddp", "horovod"):
-            raise UserError(
-                f"parallel.distributed_optimizer applies to the ddp and horovod engines; the "
-                f"{name} baseline keeps the whole optimizer on its server"
-            )
-        if parallel.dp_compression != "none":
-            raise UserError(
-                "parallel.distributed_optimizer reduce-scatters uncompressed gradients; set "
-                "parallel.dp_compression: none"
-            )
-        return DistributedOptimizerEngine(grid, parallel, name)
+def build_engine(
+    name: str, grid: Grid, parallel: ParallelConfig, param_dtype: str = "fp32"
+) -> Engine:
+    """Return the data-parallel engine ``parallel.dp_engine`` names, set up from ``parallel``.
+
+    ``param_dtype`` (``train.param_dtype``) is the weights' dtype, which only the
+    distributed optimizer (holding the fp32 masters) takes other than fp32.
+    """
+    if parallel.distributed_optimizer:  # config.check refused it with ps and compression
+        return DistributedOptimizerEngine(grid, parallel, name, param_dtype)
     if name == "ddp":
         return DDPEngine(
             grid, parallel.ddp_bucket_mb, parallel.ddp_bucket_view, parallel.dp_compression

@@ -72,7 +72,6 @@ def plan_buckets(
     groups: Sequence[Sequence[nn.Parameter]],
     chunk_of: dict[int, int],
     late: set[int],
-    dp: int,
     bucket_numel: int,
 ) -> list[tuple[int, int, bool, list[int]]]:
     """Return the buckets as (group, chunk, late, indices into the flat parameter list).
@@ -110,12 +109,13 @@ def plan_buckets(
 class Collectives:
     """Reduce-scatter and all-gather of a bucket over the dp group, in place, asynchronous."""
 
-    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int) -> Any:
-        """Start averaging ``flat`` over the group into this rank's ``flat[part]``."""
+    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int, key: int) -> Any:
+        """Start averaging ``flat`` (bucket ``key``) over the group into this rank's
+        ``flat[part]``."""
         raise NotImplementedError
 
-    def all_gather(self, flat: torch.Tensor, part: slice) -> Any:
-        """Start gathering every rank's part of ``flat`` into all of it."""
+    def all_gather(self, flat: torch.Tensor, part: slice, key: int) -> Any:
+        """Start gathering every rank's part of ``flat`` (bucket ``key``) into all of it."""
         raise NotImplementedError
 
     def wait(self, work: Any) -> None:
@@ -130,13 +130,13 @@ class TorchCollectives(Collectives):
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int) -> Any:
+    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int, key: int) -> Any:
         out = flat[part]
         # A sum, divided once it has arrived: gloo has no average.
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         return (work, lambda: out.div_(dp))
 
-    def all_gather(self, flat: torch.Tensor, part: slice) -> Any:
+    def all_gather(self, flat: torch.Tensor, part: slice, key: int) -> Any:
         return (dist.all_gather_single(flat, flat[part], group=self.group, async_op=True), None)
 
     def wait(self, work: Any) -> None:
@@ -152,19 +152,17 @@ class HorovodCollectives(Collectives):
 
     def __init__(self, hvd: Any) -> None:
         self.hvd = hvd
-        self.count = 0
 
-    def _name(self, kind: str) -> str:
-        # Horovod matches the ranks' requests by name; every rank starts them in one order.
-        self.count += 1
-        return f"hpcllm.zero.{kind}.{self.count}"
+    # Horovod matches the ranks' requests by name, whatever order they come in: one name per
+    # bucket and collective (each is in flight once at a time).
 
-    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int) -> Any:
-        handle = self.hvd.reducescatter_async(flat, name=self._name("rs"), op=self.hvd.Average)
+    def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int, key: int) -> Any:
+        name = f"hpcllm.zero.reducescatter.{key}"
+        handle = self.hvd.reducescatter_async(flat, name=name, op=self.hvd.Average)
         return (handle, lambda result: flat[part].copy_(result))
 
-    def all_gather(self, flat: torch.Tensor, part: slice) -> Any:
-        handle = self.hvd.allgather_async(flat[part], name=self._name("ag"))
+    def all_gather(self, flat: torch.Tensor, part: slice, key: int) -> Any:
+        handle = self.hvd.allgather_async(flat[part], name=f"hpcllm.zero.allgather.{key}")
         return (handle, lambda result: flat.copy_(result))
 
     def wait(self, work: Any) -> None:
@@ -219,16 +217,19 @@ class ZeroState:
         collectives: Collectives,
         dp_group: Any,
         tp_split: Callable[[nn.Parameter], bool],
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.dp, self.dp_rank, self.collectives = dp, dp_rank, collectives
         self.dp_group = dp_group
+        self.dtype = dtype
         self.flat_params = [p for g in groups for p in g]
         self.group_sizes = [len(g) for g in groups]
         device = self.flat_params[0].device
-        if any(p.dtype != torch.float32 for p in self.flat_params):
-            raise ValueError("the distributed optimizer steps fp32 parameters")
         self.buckets: list[Bucket] = []
-        plan = plan_buckets(groups, chunk_of, late, dp, bucket_numel)
+        # With 16-bit weights, fp32 master copies of this rank's parts, from the fp32 values
+        # the model was built with.
+        self.masters: dict[int, torch.Tensor] = {}
+        plan = plan_buckets(groups, chunk_of, late, bucket_numel)
         # Optimizer slots: group by group, buckets in plan order within a group.
         slots = sorted(range(len(plan)), key=lambda k: (plan[k][0], k))
         slot_of = {k: slot for slot, k in enumerate(slots)}
@@ -239,23 +240,34 @@ class ZeroState:
                 offsets.append(total)
                 total += p.numel()
             size = -(-total // dp) * dp
-            data = torch.zeros(size, dtype=torch.float32, device=device)
-            grad = torch.zeros(size, dtype=torch.float32, device=device)
+            exact = torch.zeros(size, dtype=torch.float32, device=device)
             with torch.no_grad():
                 for p, off in zip(params, offsets, strict=True):
-                    view = data[off : off + p.numel()].view_as(p)
-                    view.copy_(p)
-                    p.data = view
-                    p.grad = grad[off : off + p.numel()].view_as(p)
-            self.buckets.append(
-                Bucket(g, chunk, is_late, params, indices, offsets, size, slot_of[k], data, grad)
+                    exact[off : off + p.numel()].copy_(p.reshape(-1))
+            data = exact if dtype == torch.float32 else exact.to(dtype)
+            grad = torch.zeros(size, dtype=dtype, device=device)
+            for p, off in zip(params, offsets, strict=True):
+                p.data = data[off : off + p.numel()].view_as(p)
+                p.grad = grad[off : off + p.numel()].view_as(p)
+            bucket = Bucket(
+                g, chunk, is_late, params, indices, offsets, size, slot_of[k], data, grad
             )
+            if dtype != torch.float32:
+                master = exact[bucket.part(dp, dp_rank)].clone()
+                master.grad = torch.zeros_like(master)
+                self.masters[bucket.slot] = master
+            self.buckets.append(bucket)
+        # What the optimizer steps: with fp32 weights a rank's part of the bucket itself (its
+        # master copy), else the fp32 master of that part.
         self.parts: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
         for bucket in self.buckets:
             mine = bucket.part(dp, dp_rank)
-            part = bucket.data[mine]
-            part.grad = bucket.grad[mine]
-            self.parts[bucket.slot] = part
+            if bucket.slot in self.masters:
+                self.parts[bucket.slot] = self.masters[bucket.slot]
+            else:
+                part = bucket.data[mine]
+                part.grad = bucket.grad[mine]
+                self.parts[bucket.slot] = part
         # What the gradient norm counts of each part: split over tp (summed over the tp
         # group), whole (the same on every tp rank: counted once), or nothing (the last
         # stage's copy of the tied embedding, which the first stage counts; the padding).
@@ -313,7 +325,7 @@ class ZeroState:
         bucket.launched = True
         if self.dp > 1:
             part = bucket.part(self.dp, self.dp_rank)
-            bucket.work = self.collectives.reduce_scatter(bucket.grad, part, self.dp)
+            bucket.work = self.collectives.reduce_scatter(bucket.grad, part, self.dp, bucket.slot)
 
     def finish(self) -> float:
         """Start the late buckets and any not started, wait for every reduce-scatter; return
@@ -326,6 +338,9 @@ class ZeroState:
             if bucket.work is not None:
                 self.collectives.wait(bucket.work)
                 bucket.work = None
+            if bucket.slot in self.masters:
+                mine = bucket.part(self.dp, self.dp_rank)
+                self.masters[bucket.slot].grad.copy_(bucket.grad[mine])
         return time.perf_counter() - started
 
     # -- the step ----------------------------------------------------------------------
@@ -354,8 +369,11 @@ class ZeroState:
         """All-gather the stepped parts into the parameters, and zero the gradients for the
         next step; return the seconds spent."""
         started = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.slot in self.masters:
+                bucket.data[bucket.part(self.dp, self.dp_rank)].copy_(self.masters[bucket.slot])
         works = [
-            self.collectives.all_gather(b.data, b.part(self.dp, self.dp_rank))
+            self.collectives.all_gather(b.data, b.part(self.dp, self.dp_rank), b.slot)
             for b in self.buckets
             if self.dp > 1
         ]
@@ -387,16 +405,54 @@ class ZeroState:
         }
 
     def shard_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return ``state`` (the parts' optimizer state) as this rank's checkpoint shard."""
+        """Return ``state`` (the parts' optimizer state) as this rank's checkpoint shard; with
+        16-bit weights each part's state also holds its fp32 ``master_weight``."""
+        if self.masters:
+            state = {
+                **state,
+                "state": {
+                    slot: {**entry, "master_weight": self.masters[slot].detach().clone()}
+                    for slot, entry in state["state"].items()
+                },
+            }
         return {"format": FORMAT, "dp_rank": self.dp_rank, "layout": self.layout(), **state}
 
     def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return the parts' optimizer state for this rank from a plain or a shard state."""
+        """Return the parts' optimizer state for this rank from a plain or a shard state.
+
+        Master weights in it (a run with 16-bit weights saved them) go where this run keeps
+        them: into its fp32 masters, or, with fp32 weights, into the weights themselves.
+        """
         if state.get("format") == FORMAT:
-            if state["layout"] == self.layout() and state["dp_rank"] == self.dp_rank:
+            if not (state["layout"] == self.layout() and state["dp_rank"] == self.dp_rank):
+                state = merge_shards([state])  # only a whole set (d = 1) merges alone
+            else:
+                state = self._take_masters_of_parts(state)
                 return {"state": state["state"], "param_groups": state["param_groups"]}
-            state = merge_shards([state])  # only a whole set (d = 1) merges alone
         return self._cut_plain(state)
+
+    def _take_masters_of_parts(self, state: dict[str, Any]) -> dict[str, Any]:
+        entries = {}
+        with torch.no_grad():
+            for slot, entry in state["state"].items():
+                entry = dict(entry)
+                master = entry.pop("master_weight", None)
+                if master is not None and slot in self.masters:
+                    self.masters[slot].copy_(master)
+                entries[slot] = entry
+        return {**state, "state": entries}
+
+    def sync_masters(self) -> None:
+        """Set each fp32 master that no longer rounds to its 16-bit weights from them (weights
+        loaded from a checkpoint that saved no masters); a master the weights came from
+        (a fresh start, or masters loaded with their weights) is kept, bits and all."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                master = self.masters.get(bucket.slot)
+                if master is not None:
+                    mine = bucket.data[bucket.part(self.dp, self.dp_rank)]
+                    if not torch.equal(master.to(mine.dtype), mine):
+                        master.copy_(mine)
 
     def _cut_plain(self, plain: dict[str, Any]) -> dict[str, Any]:
         per_param = plain["state"]
@@ -405,10 +461,19 @@ class ZeroState:
             raise ValueError("the optimizer state holds other parameter groups than this model's")
         state: dict[int, dict[str, Any]] = {}
         if per_param:
+            saved_masters = "master_weight" in next(iter(per_param.values()))
+            if saved_masters and not self.masters:
+                # fp32 weights take the saved masters whole (every rank has the whole state).
+                with torch.no_grad():
+                    for i, p in enumerate(self.flat_params):
+                        p.copy_(per_param[i]["master_weight"].reshape(p.shape))
+            names = ["exp_avg", "exp_avg_sq"]
+            if saved_masters and self.masters:
+                names.append("master_weight")
             for bucket in self.buckets:
                 mine = bucket.part(self.dp, self.dp_rank)
                 entry: dict[str, Any] = {}
-                for name in ("exp_avg", "exp_avg_sq"):
+                for name in names:
                     flat = torch.zeros(mine.stop - mine.start, dtype=torch.float32)
                     for i, off in zip(bucket.indices, bucket.offsets, strict=True):
                         n = self.flat_params[i].numel()
@@ -419,6 +484,10 @@ class ZeroState:
                     entry[name] = flat
                 step = per_param[bucket.indices[0]]["step"]
                 entry["step"] = step.clone() if torch.is_tensor(step) else step
+                master = entry.pop("master_weight", None)
+                if master is not None:
+                    with torch.no_grad():
+                        self.masters[bucket.slot].copy_(master)
                 state[bucket.slot] = entry
         param_groups = []
         for g, group in enumerate(groups):
@@ -455,7 +524,12 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
         for bucket in layout["buckets"]:
             slot = bucket["slot"]
             step = shards[0]["state"][slot]["step"]
-            for name in ("exp_avg", "exp_avg_sq"):
+            names = [
+                k
+                for k in ("exp_avg", "exp_avg_sq", "master_weight")
+                if k in shards[0]["state"][slot]
+            ]
+            for name in names:
                 flat = torch.cat([s["state"][slot][name] for s in shards])
                 for i, off in zip(bucket["indices"], bucket["offsets"], strict=True):
                     n = math.prod(shapes[i])

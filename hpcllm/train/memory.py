@@ -44,9 +44,9 @@ def memory_parts(
     if not engine.holds_optimizer_state:
         state = 0
     elif optimizer.state:
-        state = optimizer_state_bytes(optimizer)
+        state = optimizer_state_bytes(optimizer) + engine.master_bytes()
     else:
-        state = adamw_state_bytes(optimizer)
+        state = adamw_state_bytes(optimizer) + engine.master_bytes()
     parts = {"weights": weights, "gradients": gradients, "optimizer": state}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
@@ -60,6 +60,6 @@ def describe(parts: dict[str, int], dp: int, distributed: bool) -> str:
         f"weights {parts['weights'] / 1e6:.1f} MB, gradients {parts['gradients'] / 1e6:.1f} MB, "
         f"optimizer state {parts['optimizer'] / 1e6:.1f} MB"
     )
-    if distributed and dp > 1:
-        text += f" (1/{dp} of it: distributed optimizer)"
+    if distributed:
+        text += f" (1/{dp} of it per rank: distributed optimizer)"
     return text

@@ -194,7 +194,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     tied = embedding_group(grid)
 
     compile_chunks(chunks, resolve_compile(cfg.model.compile, device, schedule))
-    engine = build_engine(p.dp_engine, grid, p)
+    engine = build_engine(p.dp_engine, grid, p, t.param_dtype)
     modules = engine.wrap(chunks)
 
     optimizer = engine.attach_optimizer(build_optimizer(chunks, t, device), accumulation)
