@@ -1146,8 +1146,15 @@ def _run_bench_dp(args: argparse.Namespace) -> int:
     dps = args.dp or list(range(2, devices + 1))
     if not dps:
         raise UserError(
-            "bench dp needs d >= 2 and this node has one GPU; give --dp for a "
-            "multi-node job, or run it on a node with more GPUs"
+            "bench dp needs d >= 2 and this node has one GPU, so there is nothing to "
+            "compare; run it on a node with more GPUs"
+        )
+    if gpu and max(dps) > devices:
+        # Its ranks start on this node (mpirun -np d), one GPU each: NCCL refuses two ranks
+        # on one GPU.
+        raise UserError(
+            f"bench dp runs d = {max(dps)} ranks on this node, one GPU each, and it has "
+            f"{devices}; give --dp up to {devices}"
         )
     precisions = args.precisions  # None: what the machine runs fast (dp.default_precisions)
     return dp.run(

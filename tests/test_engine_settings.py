@@ -212,3 +212,22 @@ def test_bench_dp_replaces_its_own_scratch_runs_and_nothing_else(tmp_path):
     with pytest.raises(UserError, match="is not a run of hpcllm bench dp; give another --out"):
         _fresh_run_dir(mine)
     assert (mine / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "dps", "message"),
+    [
+        (1, None, "this node has one GPU, so there is nothing to compare"),
+        (2, [4], "runs d = 4 ranks on this node, one GPU each, and it has 2; give --dp up to 2"),
+    ],
+)
+def test_bench_dp_on_too_few_gpus_says_why_instead_of_failing(monkeypatch, gpus, dps, message):
+    from argparse import Namespace
+
+    from hpcllm import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = Namespace(dp=dps, config=None, overrides=[], engines=["ddp"], precisions=None)
+    with pytest.raises(UserError, match=message):
+        cli._run_bench_dp(args)
