@@ -169,6 +169,10 @@ class TrainConfig:
     save_interval: int = 0  # 0: only at the end
     peak_tflops: float | None = None  # per GPU; None: from the device table (null on CPU)
     profile_steps: str | None = None  # "A:B": cudaProfilerStart/Stop around steps A..B-1
+    # A straggler you can dial: this rank's compute takes straggler_factor times as long (it
+    # sleeps (factor - 1) x its measured forward and backward time each step).
+    straggler_rank: int | None = None
+    straggler_factor: float = 1.0
     max_bad_steps: int = 10  # consecutive steps with a non-finite loss or grad norm: stop
 
 
@@ -450,6 +454,8 @@ _BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], .
         lambda v: 0 <= v < 1,
         "must be in [0, 1)",
     ),
+    ((("train", "straggler_factor"),), lambda v: 1 <= v <= 1000, "must be from 1 to 1000"),
+    ((("train", "straggler_rank"),), lambda v: v >= 0, "must be >= 0"),
     (  # what numpy's and torch's generators take, after the per-rank offsets
         (("data", "seed"), ("train", "seed")),
         lambda v: 0 <= v < 2**32,

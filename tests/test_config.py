@@ -63,14 +63,27 @@ def test_plain_scalars_follow_yaml_1_2(text: str, value: object) -> None:
     assert load_yaml(f"key: {text}") == {"key": value}
 
 
+# Choices that work only beside another setting, and that setting.
+COMPANIONS = {
+    ("train", "param_dtype", "bf16"): [
+        ("train", "precision", "bf16"),
+        ("parallel", "distributed_optimizer", "true"),
+    ],
+}
+
+
 @pytest.mark.parametrize(("section", "key", "value"), EVERY_CHOICE)
 def test_every_documented_choice_works_unquoted_with_set_and_in_a_file(
     section: str, key: str, value: str, tmp_path
 ) -> None:
-    cfg = load_config(None, [f"{section}.{key}={value}"])
+    settings = [(section, key, value), *COMPANIONS.get((section, key, value), [])]
+    cfg = load_config(None, [f"{s}.{k}={v}" for s, k, v in settings])
     assert getattr(getattr(cfg, section), key) == value
     path = tmp_path / "config.yaml"
-    path.write_text(f"{section}:\n  {key}: {value}\n")
+    sections: dict[str, list[str]] = {}
+    for s, k, v in settings:
+        sections.setdefault(s, []).append(f"  {k}: {v}\n")
+    path.write_text("".join(f"{s}:\n" + "".join(lines) for s, lines in sections.items()))
     assert getattr(getattr(load_config(path), section), key) == value
 
 

@@ -133,6 +133,30 @@ def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
         torch.testing.assert_close(
             torch.tensor(losses[engine]), torch.tensor(losses["ddp"]), rtol=1e-5, atol=1e-6
         )
+    # A dialled straggler: rank 1's compute takes 3 times as long; it is the slowest rank of
+    # every step, and the arithmetic is the same.
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in [
+        *SMALL,
+        f"data.path={data}",
+        f"run.dir={tmp_path / 'straggler'}",
+        "train.steps=4",
+        "train.global_batch_size=16",
+        "train.eval_interval=0",
+        "train.straggler_rank=1",
+        "train.straggler_factor=3",
+    ]:
+        args += ["--set", item]
+    run_mpi(2, python(*args), timeout=300).check()
+    records = read_metrics(tmp_path / "straggler")
+    assert [r["slowest_rank"] for r in records] == [1] * 4
+    assert all(r["rank_compute_s"][1] > 2 * r["rank_compute_s"][0] for r in records)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in records]), torch.tensor(losses["ddp"]), rtol=1e-5, atol=0
+    )
+    bad = run_mpi(2, python(*args, "--set", "train.straggler_rank=2"), timeout=120)
+    assert bad.returncode != 0
+    assert "train.straggler_rank 2 is not a rank of this job (world size 2)" in bad.stderr
 
 
 def test_allreduce_benchmark_reports_every_transport(tmp_path):

@@ -88,6 +88,11 @@ class Trainer:
             tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, timeout_s=watchdog.backstop_s(cfg.run.timeout_s)
         )
         self.device = self.grid.device
+        if t.straggler_rank is not None and t.straggler_rank >= self.grid.world_size:
+            raise UserError(
+                f"train.straggler_rank {t.straggler_rank} is not a rank of this job "
+                f"(world size {self.grid.world_size})"
+            )
         self.process.keep_rng_state(self.device)
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Ranks sharing a node share its cores; torch would start a thread per core each.
@@ -399,6 +404,12 @@ class Trainer:
         self.model.train()
         self.engine.reset_timers()
         loss_sum, data_time, compute_time = self._run_schedule(batches, timed)
+        if self.grid.rank == t.straggler_rank and t.straggler_factor > 1:
+            # The dialled straggler: as if its forward and backward took factor times as
+            # long, before its gradients leave it (its peers wait for them, or for it).
+            with observe.nvtx_range("straggler sleep"):
+                time.sleep((t.straggler_factor - 1) * compute_time)
+            compute_time *= t.straggler_factor
         with (
             observe.nvtx_range("gradient communication"),
             watchdog.waiting("gradient communication", axis="dp"),
