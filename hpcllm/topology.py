@@ -317,6 +317,15 @@ def mpi_settings(gpu: bool, environ: Mapping[str, str]) -> dict[str, tuple[str, 
     return settings
 
 
+# What init gave MPI (and where each value came from), once it has started MPI.
+_APPLIED_MPI: dict[str, tuple[str, str]] = {}
+
+
+def applied_mpi_settings(gpu: bool) -> dict[str, tuple[str, str]]:
+    """Return the settings :func:`init` gave MPI, or what it would give (MPI not started)."""
+    return dict(_APPLIED_MPI) if _APPLIED_MPI else mpi_settings(gpu, os.environ)
+
+
 def init(
     tp: int = 1,
     pp: int = 1,
@@ -346,8 +355,11 @@ def init(
 
     world_comm = None
     if launch.launcher != "single":
-        for variable, (value, _) in mpi_settings(torch.cuda.is_available(), os.environ).items():
-            os.environ.setdefault(variable, value)  # read by MPI_Init, which comes next
+        if not _APPLIED_MPI:
+            settings = mpi_settings(torch.cuda.is_available(), os.environ)
+            for variable, (value, _) in settings.items():
+                os.environ.setdefault(variable, value)  # read by MPI_Init, which comes next
+            _APPLIED_MPI.update(settings)
         MPI = start_mpi()
         world_comm = MPI.COMM_WORLD
         if world_comm.Get_size() != launch.world_size or world_comm.Get_rank() != launch.rank:

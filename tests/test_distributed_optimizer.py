@@ -18,6 +18,7 @@ from hpcllm.errors import UserError
 from hpcllm.model.gpt import GPT
 from hpcllm.observe import read_metrics
 from hpcllm.parallel.distributed_optimizer import TorchCollectives, ZeroState, merge_shards
+from hpcllm.train import checkpoint
 from hpcllm.train.optim import build_optimizer
 
 
@@ -184,21 +185,45 @@ def test_bf16_weights_need_the_distributed_optimizer():
 @pytest.mark.parametrize(
     ("ranks", "layout", "engine"),
     [
-        (2, [], "ddp"),
-        (2, [], "horovod"),
         (4, ["parallel.tp=2", "parallel.sequence_parallel=true"], "ddp"),
         (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"], "horovod"),
         (4, ["parallel.pp=2", "parallel.schedule=zb-h1", "model.recompute=full"], "ddp"),
     ],
 )
 def test_trainer_logs_the_losses_of_the_plain_engine(data, tmp_path, ranks, layout, engine):
+    # (d = 2 alone, with each engine, is tests/test_data_parallel.py's, parameter by parameter.)
     common = [*layout, f"parallel.dp_engine={engine}"]
-    _train(ranks, data, tmp_path / "plain", *common)
-    run = _train(ranks, data, tmp_path / "zero", *common, "parallel.distributed_optimizer=true")
+    _train(ranks, data, tmp_path / "plain", *common, "train.save_interval=1", steps=3)
+    run = _train(
+        ranks, data, tmp_path / "zero", *common, "parallel.distributed_optimizer=true", steps=3
+    )
     assert "distributed optimizer (ZeRO-1)" in run.stdout
     torch.testing.assert_close(
         _losses(tmp_path / "zero"), _losses(tmp_path / "plain"), rtol=1e-5, atol=0
     )
+    # And the weights after the 3 AdamW steps, shard by shard: within the AdamW bound of
+    # tests/test_data_parallel.py (distance over how far the steps moved them, 2e-4; here
+    # over how far steps 2 and 3 moved them, a smaller yardstick).
+    saved = checkpoint.checkpoints(tmp_path / "plain")  # newest first
+    plain, after_one = _weights(saved[0]), _weights(saved[-1])
+    zero = _weights(checkpoint.checkpoints(tmp_path / "zero")[0])
+    assert plain.keys() == zero.keys()
+    moved = _distance(plain, after_one)
+    assert moved > 1e-3, "training did not move the weights"
+    assert _distance(zero, plain) / moved <= 2e-4
+
+
+def _weights(folder):
+    """Return every (tp, pp) shard's weights of a checkpoint folder, by file and name."""
+    return {
+        (path.name, name): value.float()
+        for path in sorted(folder.glob("model_tp*_pp*.pt"))
+        for name, value in torch.load(path, weights_only=True)["model"].items()
+    }
+
+
+def _distance(a, b):
+    return sum(((a[k] - b[k]).double() ** 2).sum() for k in b).sqrt().item()
 
 
 @pytest.mark.mpi
@@ -239,9 +264,9 @@ def test_bf16_weights_track_fp32_weights_and_resume_exactly(data, tmp_path):
     whole = [*bf16, "train.param_dtype=bf16", "train.save_interval=3"]
     run = _train(2, data, tmp_path / "bf16", *whole, steps=6)
     assert "bf16 weights and gradients, fp32 masters and moments" in run.stdout
-    # Measured: within 2e-5 of the fp32 weights' losses over 6 steps (docs/data-parallel.md).
+    # Measured: within 4e-4 of the fp32 weights' losses over 6 steps (docs/data-parallel.md).
     torch.testing.assert_close(
-        _losses(tmp_path / "bf16"), _losses(tmp_path / "fp32"), rtol=2e-4, atol=0
+        _losses(tmp_path / "bf16"), _losses(tmp_path / "fp32"), rtol=1e-3, atol=0
     )
     # Half the weight and gradient bytes; 12 bytes of optimizer state per parameter for 8.
     mine = read_metrics(tmp_path / "bf16")[-1]["memory_parts_mb"]

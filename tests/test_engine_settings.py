@@ -151,7 +151,7 @@ def test_the_engine_hands_horovod_its_settings_before_init(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_autotune_and_response_cache_reach_horovod_in_training(tmp_path):
+def test_autotune_and_response_cache_reach_horovod_in_training(tmp_path, monkeypatch):
     """Two ranks train with Horovod's autotune logging and its response cache off: the banner
     reports both, and Horovod writes the autotune log it was given."""
     from test_train import SMALL
@@ -161,6 +161,9 @@ def test_autotune_and_response_cache_reach_horovod_in_training(tmp_path):
     data = tmp_path / "data"
     prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
     log = tmp_path / "autotune.csv"
+    for name in VARIABLES:  # the ranks inherit this environment: none of Horovod's set
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     run = run_mpi(
         2,
         python(
@@ -190,6 +193,7 @@ def test_autotune_and_response_cache_reach_horovod_in_training(tmp_path):
     banner = next(line for line in run.stdout.splitlines() if "data parallel horovod:" in line)
     assert "response cache off (config)" in banner and "autotune on (config)" in banner
     assert "cycle tuned by Horovod from 1 ms" in banner
+    assert "Open MPI mpi_yield_when_idle 1 (hpcllm default on CPU)" in banner
     assert log.exists()
 
 

@@ -325,11 +325,11 @@ _AUTOTUNED = ("HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_C
 
 def describe_mpi(gpu: bool) -> str:
     """Return the Open MPI settings hpcllm chose or found (``topology.mpi_settings``)."""
-    from hpcllm.topology import mpi_settings
+    from hpcllm.topology import applied_mpi_settings
 
     return ", ".join(
         f"Open MPI {variable.removeprefix('OMPI_MCA_')} {value} ({source})"
-        for variable, (value, source) in mpi_settings(gpu, os.environ).items()
+        for variable, (value, source) in applied_mpi_settings(gpu).items()
     )
 
 
@@ -372,13 +372,8 @@ def start_horovod(grid: Any, parallel: ParallelConfig | None) -> tuple[Any, dict
     The settings (:func:`horovod_settings`) are handed to Horovod through its variables, which
     ``hvd.init`` reads once.
     """
-    # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes there.
-    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
     device = getattr(grid, "device", torch.device("cpu"))
     settings = horovod_settings(parallel or ParallelConfig(), os.environ, device.type)
-    for variable, (value, source) in settings.items():
-        if source in ("config", "hpcllm default"):
-            os.environ[variable] = value
     try:
         import horovod.torch as hvd
     except ImportError as err:
@@ -391,6 +386,12 @@ def start_horovod(grid: Any, parallel: ParallelConfig | None) -> tuple[Any, dict
             "parallel.dp_engine: horovod needs a launcher (mpirun or srun "
             "--mpi=pmix), even for one rank"
         )
+    # Only now that Horovod will start: a refused start leaves the environment as it was.
+    # Under mpirun Horovod's CPU collectives must go through MPI: its gloo path crashes there.
+    os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
+    for variable, (value, source) in settings.items():
+        if source in ("config", "hpcllm default"):
+            os.environ[variable] = value
     if grid.timeout_s is not None:
         # Horovod's stall check from the groups' timeout, unless the user set it: warn
         # early (at most Horovod's 60 s), shut down at the timeout. Whole seconds; Horovod
