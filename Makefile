@@ -11,10 +11,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# --durations: the slowest tests of every run, to keep the suite's time in view.
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 # The tests that start no mpirun and no Slurm: seconds, for the edit-test loop.
 unit: setup

@@ -108,19 +108,24 @@ def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
 
     data = tmp_path / "data"
     prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
-    losses = {}
-    for engine in ENGINES:
+
+    def train_args(name, *extra):
         args = ["-m", "hpcllm", "train", "--no-progress"]
         for item in [
             *SMALL,
             f"data.path={data}",
-            f"run.dir={tmp_path / engine}",
+            f"run.dir={tmp_path / name}",
             "train.steps=4",
             "train.global_batch_size=16",
             "train.eval_interval=0",
-            f"parallel.dp_engine={engine}",
+            *extra,
         ]:
             args += ["--set", item]
+        return args
+
+    losses = {}
+    for engine in ENGINES:
+        args = train_args(engine, f"parallel.dp_engine={engine}")
         run_mpi(2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
         records = read_metrics(tmp_path / engine)
         losses[engine] = [r["loss"] for r in records]
@@ -135,18 +140,7 @@ def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
         )
     # A dialled straggler: rank 1's compute takes 3 times as long; it is the slowest rank of
     # every step, and the arithmetic is the same.
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [
-        *SMALL,
-        f"data.path={data}",
-        f"run.dir={tmp_path / 'straggler'}",
-        "train.steps=4",
-        "train.global_batch_size=16",
-        "train.eval_interval=0",
-        "train.straggler_rank=1",
-        "train.straggler_factor=3",
-    ]:
-        args += ["--set", item]
+    args = train_args("straggler", "train.straggler_rank=1", "train.straggler_factor=3")
     run_mpi(2, python(*args), timeout=300).check()
     records = read_metrics(tmp_path / "straggler")
     assert [r["slowest_rank"] for r in records] == [1] * 4

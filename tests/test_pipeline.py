@@ -237,7 +237,8 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
     result = run_mpi(
         2,
         python(
-            "tests/mpi_scripts/pp_fp16_overflow.py",
+            "tests/mpi_scripts/fp16_overflow.py",
+            "pp",
             str(data),
             str(tmp_path / "run"),
             json.dumps(SMALL),

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,11 +83,20 @@ def test_sbatch_job_script(slurm, tmp_path):
     assert report["launcher"] == "slurm"
 
 
+# Job states Slurm does not leave (a requeued job passes through REQUEUED and PENDING).
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
 def _job_gone(env, job: str) -> bool:
-    queue = subprocess.run(
-        ["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True
+    """Return whether the job has ended for good. From its record (`scontrol show job`), not
+    from `squeue`, which can list nothing for a job between its end and its requeue."""
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True
     )
-    return not queue.stdout.strip()
+    if shown.returncode != 0:
+        return "Invalid job id" in shown.stderr  # purged: long gone
+    state = re.search(r"\bJobState=(\S+)", shown.stdout)
+    return state is not None and state.group(1) in FINAL_STATES
 
 
 def test_a_preempted_job_saves_requeues_itself_and_resumes_to_the_same_losses(slurm, tmp_path):

@@ -1,8 +1,14 @@
-"""Under mpirun (d ranks, distributed optimizer, fp16): an inf gradient on dp rank 1 only.
+"""Under mpirun with 2 ranks, fp16: an inf gradient on one rank only, at step 2.
 
-Usage: zero_fp16_overflow.py DATA RUN_DIR SMALL_OVERRIDES_JSON [KEY=VALUE ...]. Prints one JSON
-line per rank: how many steps it skipped, whether step 2 left its weights unchanged, whether
-later steps moved them, and its final loss scale.
+Usage: fp16_overflow.py MODE DATA RUN_DIR SMALL_OVERRIDES_JSON, MODE one of
+
+- ``pp``: p = 2, the inf in the last stage's ln_f gradient (not the tied embedding's copy,
+  whose gradients were already summed);
+- ``zero``: d = 2 with the distributed optimizer, the inf in dp rank 1's part of the reduced
+  gradient, which no other rank sees.
+
+Prints one JSON line per rank: how many steps it skipped, whether step 2 left its weights
+unchanged, whether later steps moved them, and its final loss scale.
 """
 
 import json
@@ -13,9 +19,21 @@ import torch
 from hpcllm.config import load_config
 from hpcllm.train.trainer import Trainer
 
+LAYOUTS = {
+    "pp": ["parallel.pp=2", "model.n_layer=4"],
+    "zero": ["parallel.distributed_optimizer=true"],
+}
+
+
+def inject(trainer: Trainer, mode: str, model: torch.nn.Module) -> None:
+    if mode == "pp" and trainer.grid.pp_rank == 1:
+        list(model.parameters())[-1].grad.view(-1)[0] = float("inf")
+    if mode == "zero" and trainer.grid.dp_rank == 1:
+        trainer.engine.zero.parts[0].grad.view(-1)[0] = float("inf")
+
 
 def main() -> None:
-    data, run, small = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    mode, data, run, small = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     cfg = load_config(
         None,
         [
@@ -25,8 +43,7 @@ def main() -> None:
             "train.steps=4",
             "train.precision=fp16",
             "train.eval_interval=0",
-            "parallel.distributed_optimizer=true",
-            *sys.argv[4:],
+            *LAYOUTS[mode],
         ],
     )
     before = {}
@@ -34,9 +51,8 @@ def main() -> None:
 
     def hook(step, model):
         before[step] = [p.detach().clone() for p in model.parameters()]
-        if step == 2 and trainer.grid.dp_rank == 1:
-            # This rank's part of the reduced gradient: no other rank sees the inf.
-            trainer.engine.zero.parts[0].grad.view(-1)[0] = float("inf")
+        if step == 2:
+            inject(trainer, mode, model)
 
     trainer = Trainer(cfg, grad_hooks=[hook])
     trainer.run(progress=False)
