@@ -83,20 +83,24 @@ def test_sbatch_job_script(slurm, tmp_path):
     assert report["launcher"] == "slurm"
 
 
-# Job states Slurm does not leave (a requeued job passes through REQUEUED and PENDING).
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-
-
 def _job_gone(env, job: str) -> bool:
-    """Return whether the job has ended for good. From its record (`scontrol show job`), not
-    from `squeue`, which can list nothing for a job between its end and its requeue."""
+    """Return whether the job has finished after its requeue: its record (`scontrol show
+    job`) says COMPLETED with one restart or more. Not `squeue`, which can list nothing
+    between a job's end and its requeue, and not any final state, which the first run passes
+    through (CANCELLED "due to job requeue") on its way back to PENDING."""
     shown = subprocess.run(
         ["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True
     )
     if shown.returncode != 0:
         return "Invalid job id" in shown.stderr  # purged: long gone
     state = re.search(r"\bJobState=(\S+)", shown.stdout)
-    return state is not None and state.group(1) in FINAL_STATES
+    restarts = re.search(r"\bRestarts=(\d+)", shown.stdout)
+    return (
+        state is not None
+        and restarts is not None
+        and state.group(1) in ("COMPLETED", "FAILED")
+        and int(restarts.group(1)) >= 1
+    )
 
 
 def test_a_preempted_job_saves_requeues_itself_and_resumes_to_the_same_losses(slurm, tmp_path):
