@@ -510,11 +510,8 @@ class ParameterServerEngine(Engine):
         super().wrap(modules)
         self.params = self.parameters
         # Every replica starts from the server's weights.
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-            if self.grid.dp > 1:
-                dist.broadcast(flat, src=self.root, group=self.group)
-            _unflatten(flat, [p.data for p in self.params])
+        if self.grid.dp > 1:
+            _broadcast_parameters(self.params, self.root, self.group)
         return list(modules)
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -624,12 +621,8 @@ class DistributedOptimizerEngine(Engine):
         super().wrap(modules)
         # Every replica starts from dp rank 0's weights.
         if self.grid.dp > 1:
-            params = self.parameters
-            with torch.no_grad():
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-                root = self.grid.layout.dp_group(self.grid.rank)[0]
-                dist.broadcast(flat, src=root, group=self.grid.dp_group)
-                _unflatten(flat, [p.data for p in params])
+            root = self.grid.layout.dp_group(self.grid.rank)[0]
+            _broadcast_parameters(self.parameters, root, self.grid.dp_group)
         return list(modules)
 
     def attach_optimizer(
@@ -695,6 +688,14 @@ class DistributedOptimizerEngine(Engine):
         # of) and each its part of the optimizer state; with 16-bit weights the fp32 masters
         # follow weights that came without them.
         self.zero.sync_masters()
+
+
+def _broadcast_parameters(params: list[nn.Parameter], root: int, group: Any) -> None:
+    """Give every rank of ``group`` the world rank ``root``'s values of ``params``."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.broadcast(flat, src=root, group=group)
+        _unflatten(flat, [p.data for p in params])
 
 
 def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
