@@ -149,6 +149,7 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes_to_the_same_losses(sl
         ["scancel", "--signal=USR1", job_id], env=slurm, capture_output=True, text=True
     )
     assert signalled.returncode == 0, signalled.stderr
+
     def output() -> str:
         return (tmp_path / "job.out").read_text()
 
