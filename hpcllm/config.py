@@ -122,6 +122,15 @@ class ParallelConfig:
     ddp_bucket_view: bool = True  # gradient_as_bucket_view: grads live in DDP's buckets
     dp_compression: str = "none"  # none | fp16 | bf16: gradients cast for the all-reduce
     distributed_optimizer: bool = False  # ZeRO-1: Adam's state sharded over d (ddp, horovod)
+    # ps-async: a worker whose weights are more than K versions old pulls fresh ones; 0 is
+    # the synchronous ps. The order the server takes gradients in: as they arrive, or
+    # round-robin over the dp ranks (deterministic, for tests).
+    max_staleness: int = 4
+    ps_async_order: str = "arrival"
+    # local-sgd: average every H steps, AdamW's moments too or not, by ddp (torch) or horovod.
+    local_sgd_steps: int = 4
+    local_sgd_average_optimizer: bool = False
+    local_sgd_engine: str = "ddp"
     # Horovod's settings; None: the HOROVOD_* variable if set, else hpcllm's default for the
     # device (cycle 5 ms on CPU), else Horovod's (128 MiB, 1 ms, cache 1024, autotune off).
     horovod_fusion_mb: float | None = None  # HOROVOD_FUSION_THRESHOLD
@@ -214,7 +223,9 @@ _CHOICES = {
     ("model", "fused_kernels"): ("auto", "on", "off"),
     ("model", "compile"): ("auto", "none", "blocks", "full"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved", "zb-h1"),
-    ("parallel", "dp_engine"): ("ddp", "horovod", "ps"),
+    ("parallel", "dp_engine"): ("ddp", "horovod", "ps", "ps-async", "local-sgd"),
+    ("parallel", "ps_async_order"): ("arrival", "round-robin"),
+    ("parallel", "local_sgd_engine"): ("ddp", "horovod"),
     ("parallel", "dp_compression"): ("none", "fp16", "bf16"),
     ("train", "lr_scaling"): ("none", "linear"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
@@ -405,6 +416,7 @@ _BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], .
             ("parallel", "pp"),
             ("parallel", "dp"),  # null: world size / (tp * pp)
             ("parallel", "vpp"),
+            ("parallel", "local_sgd_steps"),
             ("data", "prefetch"),
             ("train", "steps"),
             ("train", "micro_batch_size"),
@@ -420,7 +432,12 @@ _BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], .
         "must be positive",
     ),
     (
-        (("train", "warmup_steps"), ("train", "eval_interval"), ("train", "save_interval")),
+        (
+            ("train", "warmup_steps"),
+            ("train", "eval_interval"),
+            ("train", "save_interval"),
+            ("parallel", "max_staleness"),
+        ),
         lambda v: v >= 0,
         "must be >= 0 (0: none or never)",
     ),
@@ -568,8 +585,10 @@ def check(cfg: Config) -> None:
             "train.param_dtype: bf16 keeps its fp32 master weights in the distributed "
             "optimizer; set parallel.distributed_optimizer: true (at any d, 1 included)"
         )
-    if p.dp_compression != "none" and p.dp_engine == "ps":
-        raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")
+    if p.dp_compression != "none" and p.dp_engine in ("ps", "ps-async", "local-sgd"):
+        raise UserError(f"parallel.dp_compression applies to ddp and horovod, not {p.dp_engine}")
+    if p.dp_engine in ("ps-async", "local-sgd"):
+        _check_async(cfg)
     if p.dp_compression == "bf16" and p.dp_engine == "horovod":
         raise UserError(
             "Horovod compresses to fp16 only; use parallel.dp_compression: fp16 or none"
@@ -579,6 +598,32 @@ def check(cfg: Config) -> None:
     if not cfg.data.path or "\x00" in cfg.data.path:
         raise UserError(f"data.path must be a folder path, got {_show(cfg.data.path)}")
     check_folder("run.dir", cfg.run.dir)
+
+
+def _check_async(cfg: Config) -> None:
+    """Refuse what ps-async and local-sgd do not do, in one line each."""
+    t, p = cfg.train, cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise UserError(
+            f"parallel.dp_engine: {p.dp_engine} runs data parallelism alone; set parallel.tp "
+            f"and parallel.pp to 1 (got tp {p.tp}, pp {p.pp})"
+        )
+    if p.distributed_optimizer:
+        raise UserError(
+            f"parallel.distributed_optimizer applies to the ddp and horovod engines, not "
+            f"{p.dp_engine}"
+        )
+    if p.dp_engine == "ps-async" and t.precision == "fp16":
+        raise UserError(
+            "parallel.dp_engine: ps-async has no loss scale shared by its workers; use "
+            "train.precision bf16 or fp32"
+        )
+    if p.dp_engine == "local-sgd" and t.save_interval % p.local_sgd_steps:
+        raise UserError(
+            f"train.save_interval {t.save_interval} is not a multiple of "
+            f"parallel.local_sgd_steps {p.local_sgd_steps}: a checkpoint averages the replicas, "
+            "which must fall where the run averages anyway"
+        )
 
 
 def parse_profile_steps(text: str) -> tuple[int, int]:

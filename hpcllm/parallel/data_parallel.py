@@ -33,7 +33,7 @@ from hpcllm.config import ParallelConfig
 from hpcllm.errors import UserError
 from hpcllm.topology import Grid
 
-ENGINES = ("ddp", "horovod", "ps")
+ENGINES = ("ddp", "horovod", "ps", "ps-async", "local-sgd")
 
 StepFn = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
@@ -63,6 +63,9 @@ class Engine:
         self.modules: list[nn.Module] = []
 
     holds_optimizer_state = True  # whether this rank's optimizer steps (and keeps state)
+    # ps-async trains a whole segment of steps between the trainer's sync points
+    # (run_segment) instead of one step at a time.
+    runs_segments = False
 
     def describe(self) -> str:
         """Return the engine's settings as one line, for the banner and ``bench dp``."""
@@ -113,6 +116,12 @@ class Engine:
 
     def broadcast_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Make every replica hold rank 0's weights and optimizer state (after a resume)."""
+
+    def resume_at(self, step: int) -> None:
+        """Learn the step a run resumes after (local SGD counts its averaging periods)."""
+
+    def before_save(self) -> None:
+        """Make the replicas agree before a checkpoint (local SGD averages them)."""
 
     def finish_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the reduced (averaged) gradients available where the optimizer steps."""
@@ -726,4 +735,8 @@ def build_engine(
         if parallel.dp_compression != "none":
             raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")
         return ParameterServerEngine(grid)
+    if name in ("ps-async", "local-sgd"):
+        from hpcllm.parallel.async_engines import build_async_engine
+
+        return build_async_engine(name, grid, parallel)
     raise UserError(f"parallel.dp_engine must be one of {', '.join(ENGINES)}, got {name!r}")

@@ -146,6 +146,7 @@ class Trainer:
         self._bad_pending = torch.zeros((), dtype=torch.int64, device=self.device)
         self._bad_streak = torch.zeros((), dtype=torch.int64, device=self.device)
         self._resume()
+        self.engine.resume_at(self.step)
         self.engine.broadcast_state(self.optimizer)
         self.reader = MicroBatchReader(
             self.manifest,
@@ -337,6 +338,7 @@ class Trainer:
         if diverged:  # never a checkpoint of a stalled run: the last good one stays newest
             raise UserError(diverged)
         self._finish_pruning()  # one pruning at a time, and never of a folder being written
+        self.engine.before_save()  # local SGD: one model in the checkpoint, not d
 
         shard = {
             "model": chunks_state_dict(self.model, self.grid.pp),
@@ -404,12 +406,7 @@ class Trainer:
         self.model.train()
         self.engine.reset_timers()
         loss_sum, data_time, compute_time = self._run_schedule(batches, timed)
-        if self.grid.rank == t.straggler_rank and t.straggler_factor > 1:
-            # The dialled straggler: as if its forward and backward took factor times as
-            # long, before its gradients leave it (its peers wait for them, or for it).
-            with observe.nvtx_range("straggler sleep"):
-                time.sleep((t.straggler_factor - 1) * compute_time)
-            compute_time *= t.straggler_factor
+        compute_time = self._straggle(compute_time)
         with (
             observe.nvtx_range("gradient communication"),
             watchdog.waiting("gradient communication", axis="dp"),
@@ -470,6 +467,69 @@ class Trainer:
             "comm_wait_s": self.engine.comm_wait_s,
             "skipped": bool(skipped) if wait else skipped,
         }
+
+    def _straggle(self, compute_time: float) -> float:
+        """Return this rank's compute time, made ``train.straggler_factor`` times as long on
+        ``train.straggler_rank``: as if its forward and backward took that long, before its
+        gradients leave it (its peers wait for them, or for it)."""
+        t = self.cfg.train
+        if self.grid.rank == t.straggler_rank and t.straggler_factor > 1:
+            with observe.nvtx_range("straggler sleep"):
+                time.sleep((t.straggler_factor - 1) * compute_time)
+            compute_time *= t.straggler_factor
+        return compute_time
+
+    def train_segment(self, batches: Iterator[Any], steps: int) -> dict[str, Any]:
+        """Run ``steps`` steps under an engine that runs segments (ps-async); return the
+        metrics of the segment's last step, its times the segment's means per step."""
+        t = self.cfg.train
+        started = time.perf_counter()
+        self.model.train()
+        params = self.parallelized.parameters
+
+        def local_gradient() -> tuple[torch.Tensor, float, float]:
+            for p in params:
+                p.grad = None
+            loss_sum, data_time, compute_time = self._run_schedule(batches, timed=False)
+            return loss_sum / self.accumulation, data_time, self._straggle(compute_time)
+
+        def server_step(masters: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> Any:
+            norm, _ = grads.optimizer_step(masters, opt, self.scaler, t.grad_clip)
+            return norm
+
+        stats = self.engine.run_segment(  # type: ignore[attr-defined]
+            self.step,
+            steps,
+            local_gradient,
+            lambda step: lr_at(step, t, self.global_batch),
+            server_step,
+        )
+        self.step += steps
+        self.consumed_samples += steps * self.global_batch
+        return {
+            "step": self.step,
+            "loss": stats.loss,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "step_time_s": (time.perf_counter() - started) / steps,
+            "data_time_s": stats.data_s / steps,
+            "compute_s": stats.compute_s / steps,
+            "comm_wait_s": stats.wait_s / steps,
+            "skipped": False,
+            "steps": steps,
+            **stats.metrics(),
+        }
+
+    def _segment_steps(self) -> int:
+        """Return the steps from here to the next sync point: a logged step, a save, an
+        evaluation or the end."""
+        t = self.cfg.train
+        ends = [t.steps]
+        every = [t.log_interval, t.save_interval]
+        if self.val_reader is not None:
+            every.append(t.eval_interval)
+        ends += [(self.step // n + 1) * n for n in every if n]
+        return min(ends) - self.step
 
     def _count_bad_steps(self) -> str | None:
         """Add the skipped steps counted on the device to ``skipped_steps``.
@@ -779,7 +839,10 @@ class Trainer:
                     observe.nvtx_range(f"step {self.step}"),
                     watchdog.waiting("train step", allow_s=2 * longest_step, step=self.step + 1),
                 ):
-                    record = self.train_step(batches, timed=logged, wait=logged)
+                    if self.engine.runs_segments:
+                        record = self.train_segment(batches, self._segment_steps())
+                    else:
+                        record = self.train_step(batches, timed=logged, wait=logged)
                 longest_step = max(longest_step, time.monotonic() - step_started)
                 if self.profile and self.step == self.profile[1] and self.device.type == "cuda":
                     torch.cuda.profiler.stop()
@@ -795,7 +858,7 @@ class Trainer:
                 loss_steps += 1
                 # The first step of a process pays one-off costs; keep it out of the rates.
                 if self.step > first_step + 1 or t.steps - first_step == 1:
-                    step_times.append(record["step_time_s"])
+                    step_times += [record["step_time_s"]] * record.get("steps", 1)
                 # Save before evaluating: a stop signal or an error in evaluation must not
                 # cost the step's checkpoint.
                 stop = self._stop_requested()
@@ -851,7 +914,7 @@ class Trainer:
                             for k in ("tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s")
                         }
                     )
-                bar.update(1)
+                bar.update(record.get("steps", 1))
                 if stop:
                     summary["stopped_by"] = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     break
