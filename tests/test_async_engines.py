@@ -159,7 +159,7 @@ def _replay_local_sgd(d, period, steps, moments, kind="adamw", clip=CLIP):
                         p.copy_(mean)
                     if moments:
                         for key in ("exp_avg", "exp_avg_sq"):
-                            states = [o.state[p][key] for o, p in zip(optimizers, params)]
+                            states = [o.state[p][key] for o, p in zip(optimizers, params, strict=True)]
                             mean = torch.stack(states).mean(0)
                             for state in states:
                                 state.copy_(mean)

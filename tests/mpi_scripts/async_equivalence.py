@@ -118,7 +118,10 @@ def main() -> None:
         cases = {
             "h1": ["parallel.local_sgd_steps=1"],
             "h4": ["parallel.local_sgd_steps=4"],
-            "h4-moments": ["parallel.local_sgd_steps=4", "parallel.local_sgd_average_optimizer=true"],
+            "h4-moments": [
+                "parallel.local_sgd_steps=4",
+                "parallel.local_sgd_average_optimizer=true",
+            ],
             "h4-horovod": ["parallel.local_sgd_steps=4", "parallel.local_sgd_engine=horovod"],
         }
         for case, sets in cases.items():
