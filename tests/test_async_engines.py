@@ -159,7 +159,8 @@ def _replay_local_sgd(d, period, steps, moments, kind="adamw", clip=CLIP):
                         p.copy_(mean)
                     if moments:
                         for key in ("exp_avg", "exp_avg_sq"):
-                            states = [o.state[p][key] for o, p in zip(optimizers, params, strict=True)]
+                            pairs = zip(optimizers, params, strict=True)
+                            states = [o.state[p][key] for o, p in pairs]
                             mean = torch.stack(states).mean(0)
                             for state in states:
                                 state.copy_(mean)
@@ -178,9 +179,14 @@ def test_local_sgd_is_its_one_process_replay_and_sync_sgd_at_h1(tmp_path):
     horovod = _load(tmp_path, "local-h4-horovod", d)["weights"]
     assert _relative_error(horovod, _load(tmp_path, "local-h4", d)["weights"]) <= 1e-6
     # Averaging the moments is a different algorithm, and the test can tell.
-    assert _moved(
-        _load(tmp_path, "local-h4-moments", d)["weights"], _replay_local_sgd(d, 4, 8, False), start
-    ) > 1e-3
+    assert (
+        _moved(
+            _load(tmp_path, "local-h4-moments", d)["weights"],
+            _replay_local_sgd(d, 4, 8, False),
+            start,
+        )
+        > 1e-3
+    )
     # Plain SGD at H = 1: the average of d steps is the step on the average gradient.
     sgd = _load(tmp_path, "local-sgd-h1", d)["weights"]
     ddp = _load(tmp_path, "local-ddp", d)["weights"]
