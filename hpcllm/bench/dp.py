@@ -85,21 +85,19 @@ def _launch(
 MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace
 
 
-def _fresh_run_dir(path: Path) -> Path:
-    """Return ``path`` empty but for bench dp's mark, replacing a run an earlier bench dp made
-    there (its scratch runs); refuse a folder bench dp did not make."""
+def _fresh_run_dir(path: Path, verb: str = "bench dp") -> Path:
+    """Return ``path`` empty but for the benchmark's mark, replacing a run an earlier one made
+    there (its scratch runs); refuse a folder no hpcllm benchmark made."""
     import shutil
 
     from hpcllm.errors import UserError
 
     if path.exists():
         if not (path / MARK).is_file():
-            raise UserError(
-                f"{path} exists and is not a run of hpcllm bench dp; give another --out"
-            )
+            raise UserError(f"{path} exists and is not a run of hpcllm {verb}; give another --out")
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    (path / MARK).write_text("a scratch run of hpcllm bench dp, replaced by the next one\n")
+    (path / MARK).write_text(f"a scratch run of hpcllm {verb}, replaced by the next one\n")
     return path
 
 
