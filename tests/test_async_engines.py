@@ -192,3 +192,100 @@ def test_local_sgd_is_its_one_process_replay_and_sync_sgd_at_h1(tmp_path):
     ddp = _load(tmp_path, "local-ddp", d)["weights"]
     assert _relative_error(start, ddp) > 1e-3
     assert _relative_error(sgd, ddp) <= 1e-5
+
+
+def _train(stdlib, run_dir, *extra):
+    from test_train import SMALL
+
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
+        args += ["--set", item]
+    return run_mpi(2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300)
+
+
+def test_ps_async_trains_logs_its_staleness_and_resumes(stdlib, tmp_path):
+    from hpcllm.observe import read_metrics
+
+    run_dir = tmp_path / "run"
+    common = [
+        "parallel.dp_engine=ps-async",
+        "parallel.max_staleness=2",
+        "train.straggler_rank=1",
+        "train.straggler_factor=3",
+        "train.log_interval=3",
+        "train.save_interval=3",
+        "train.eval_interval=0",
+    ]
+    run = _train(stdlib, run_dir, *common, "train.steps=6")
+    run.check()
+    assert "data parallel ps-async: asynchronous parameter server" in run.stdout
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [3, 6]
+    for r in records:
+        assert r["updates"] == 3 * 2  # d updates a step
+        assert r["consumed_samples"] == r["step"] * 8
+        # The straggler sent fewer gradients than the server's own worker, which never
+        # waited for it.
+        assert r["rank_gradients"][0] > r["rank_gradients"][1] >= 1
+        assert r["staleness_max"] >= 1 and r["staleness_mean"] > 0
+        assert r["slowest_rank"] == 1
+    # Resumed from its step-6 checkpoint, it goes on from the server's weights.
+    resumed = _train(stdlib, run_dir, *common, "train.steps=9")
+    resumed.check()
+    assert "resumes from step 6" in resumed.stdout
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [3, 6, 9]
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_local_sgd_averages_before_it_saves_and_resumes_exactly(stdlib, tmp_path):
+    from hpcllm.observe import read_metrics
+    from hpcllm.train import checkpoint
+
+    common = ["parallel.dp_engine=local-sgd", "parallel.local_sgd_steps=2", "train.eval_interval=0"]
+    whole = tmp_path / "whole"
+    _train(stdlib, whole, *common, "train.steps=6").check()
+    parts = tmp_path / "parts"
+    _train(stdlib, parts, *common, "train.steps=4", "train.save_interval=2").check()
+    _train(stdlib, parts, *common, "train.steps=6", "train.save_interval=2").check()
+    want = [r["loss"] for r in read_metrics(whole)]
+    got = [r["loss"] for r in read_metrics(parts)]
+    # Each replica's AdamW state is its own (the moments are not averaged): the checkpoint
+    # keeps both, and each rank resumes with its own, so the losses are the uninterrupted
+    # run's.
+    assert got == pytest.approx(want, rel=1e-5)
+    folder = parts / "checkpoints" / "step_00000004"
+    assert checkpoint.verify(folder).status == "ok"
+    assert sorted(f.name for f in folder.glob("optimizer_*")) == [
+        "optimizer_tp00_pp00_dp000.pt",
+        "optimizer_tp00_pp00_dp001.pt",
+    ]
+
+
+def test_bench_sync_writes_its_table_chart_and_json(stdlib, tmp_path):
+    import json
+    import subprocess
+
+    from test_train import SMALL
+
+    cmd = [sys.executable, "-m", "hpcllm", "bench", "sync", "--engines", "ddp", "ps-async"]
+    cmd += ["--staleness", "2", "--steps", "6", "--log-every", "3", "--out", str(tmp_path / "b")]
+    for item in [*SMALL, f"data.path={stdlib}"]:
+        cmd += ["--set", item]
+    env = {**__import__("os").environ, "HOROVOD_CPU_OPERATIONS": "MPI"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads((tmp_path / "b" / "bench_sync.json").read_text())
+    rows = {(r["strategy"], r["straggler"]): r for r in result["rows"]}
+    assert sorted(rows) == [
+        ("ps-async K=2", False),
+        ("ps-async K=2", True),
+        ("sync ddp", False),
+        ("sync ddp", True),
+    ]
+    # Synchronous ddp waits for the straggler every step: its rate falls by about the factor.
+    assert rows["sync ddp", True]["vs_no_straggler"] < 0.75
+    assert rows["ps-async K=2", True]["staleness_mean"] > 0
+    assert rows["sync ddp", False]["staleness_mean"] is None
+    assert (tmp_path / "b" / "bench_sync.png").stat().st_size > 10_000
+    assert "ps-async K=2" in run.stdout and "vs none" in run.stdout

@@ -192,6 +192,10 @@ HARMFUL = [
     ("parallel.ddp_bucket_mb=1e300", "parallel.ddp_bucket_mb must be at most 1e6"),
     ("parallel.horovod_fusion_mb=-1", "parallel.horovod_fusion_mb must be >= 0"),
     ("parallel.horovod_cycle_ms=-1", "parallel.horovod_cycle_ms must be >= 0"),
+    ("parallel.max_staleness=-1", "parallel.max_staleness must be >= 0"),
+    ("parallel.local_sgd_steps=0", "parallel.local_sgd_steps must be positive"),
+    ("parallel.ps_async_order=random", "parallel.ps_async_order must be one of arrival, round-"),
+    ("parallel.local_sgd_engine=ps", "parallel.local_sgd_engine must be one of ddp, horovod"),
     ("data.prefetch=0", "data.prefetch must be positive"),
     ("data.seed=4294967296", "data.seed must be from 0 to 2**32 - 1"),
     ("data.path=", "data.path must be a folder path"),
@@ -244,6 +248,35 @@ def test_compression_the_engine_cannot_do_is_refused() -> None:
         load_config(None, ["parallel.dp_engine=ps", "parallel.dp_compression=fp16"])
     with pytest.raises(UserError, match="Horovod compresses to fp16 only"):
         load_config(None, ["parallel.dp_engine=horovod", "parallel.dp_compression=bf16"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["parallel.dp_engine=ps-async", "parallel.tp=2"], "ps-async runs data parallelism alone"),
+        (["parallel.dp_engine=local-sgd", "parallel.pp=2"], "local-sgd runs data parallelism"),
+        (
+            ["parallel.dp_engine=local-sgd", "parallel.distributed_optimizer=true"],
+            "distributed_optimizer applies to the ddp and horovod engines, not local-sgd",
+        ),
+        (
+            ["parallel.dp_engine=ps-async", "parallel.dp_compression=fp16"],
+            "dp_compression applies to ddp and horovod, not ps-async",
+        ),
+        (["parallel.dp_engine=ps-async", "train.precision=fp16"], "use train.precision bf16"),
+        (
+            ["parallel.dp_engine=local-sgd", "parallel.local_sgd_steps=4", "train.save_interval=6"],
+            "train.save_interval 6 is not a multiple of parallel.local_sgd_steps 4",
+        ),
+    ],
+)
+def test_what_the_async_engines_cannot_do_is_refused(overrides: list[str], words: str) -> None:
+    with pytest.raises(UserError, match=re.escape(words)) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+    # The same engines at t = p = 1 with what they do support are accepted.
+    load_config(None, ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"])
+    load_config(None, ["parallel.dp_engine=local-sgd", "train.save_interval=8"])
 
 
 def test_meaningful_edges_are_accepted() -> None:

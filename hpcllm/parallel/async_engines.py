@@ -458,6 +458,7 @@ class LocalSGDEngine(Engine):
         self.period = parallel.local_sgd_steps
         self.with_optimizer = parallel.local_sgd_average_optimizer
         self.how = parallel.local_sgd_engine
+        self.optimizer_per_replica = not self.with_optimizer
         self.done = 0  # steps completed (set by resume_at on a resumed run)
         self.averaged_at = 0
         self.root = grid.layout.dp_group(grid.rank)[0]

@@ -66,6 +66,9 @@ class Engine:
     # ps-async trains a whole segment of steps between the trainer's sync points
     # (run_segment) instead of one step at a time.
     runs_segments = False
+    # local SGD without averaging the moments: each replica's optimizer state is its own
+    # and the checkpoint keeps every one.
+    optimizer_per_replica = False
 
     def describe(self) -> str:
         """Return the engine's settings as one line, for the banner and ``bench dp``."""

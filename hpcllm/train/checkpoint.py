@@ -5,7 +5,8 @@ RUN_DIR/checkpoints/
   step_00000200/
     model_tp00_pp00.pt         model, optimizer, scaler, RNG states of that model shard
     optimizer_tp00_pp00_dp000.pt   with parallel.distributed_optimizer: dp rank 0's part of
-                                   that shard's optimizer state (one file per dp rank)
+                                   that shard's optimizer state (one file per dp rank);
+                                   with local-sgd: dp rank 0's own optimizer state
     meta.json                  step, consumed samples, grid sizes, format_version
     config.yaml                the run's resolved config
     manifest.json              size and CRC-32 of every file above, written last
@@ -98,6 +99,8 @@ def _partial(root: Path, step: int) -> Path:
 
 # What a model shard holds as its optimizer when each dp rank saved its part apart.
 SHARDS_FORMAT = "hpcllm-distributed-optimizer-parts-1"
+# local-sgd's replicas step their own optimizers: each dp rank saves its whole state.
+REPLICAS_FORMAT = "hpcllm-optimizer-replicas-1"
 
 
 def shard_file(tp_rank: int, pp_rank: int) -> str:
@@ -113,7 +116,7 @@ def optimizer_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def _expected_files(meta: dict[str, Any]) -> set[str]:
     """Return the shard files a checkpoint of ``meta``'s grid holds."""
     files = {shard_file(t, p) for t in range(meta["tp"]) for p in range(meta["pp"])}
-    for d in range(meta.get("optimizer_shards") or 0):
+    for d in range(meta.get("optimizer_shards") or meta.get("optimizer_replicas") or 0):
         files |= {optimizer_file(t, p, d) for t in range(meta["tp"]) for p in range(meta["pp"])}
     return files
 
@@ -291,8 +294,12 @@ def save(
     *,
     on_failure: str = "fail",
     warn: Warn = stderr_warning,
+    per_replica: bool = False,
 ) -> Path | None:
     """Write the checkpoint of ``step`` (a collective: every rank calls it); return its path.
+
+    ``per_replica``: every dp rank writes its own optimizer state (local SGD's replicas step
+    their own), which :func:`read_shard` gives back to the same dp rank.
 
     If a write fails on any rank, rank 0 removes the partial folder (earlier checkpoints are
     untouched), then with ``on_failure="fail"`` every rank raises the same one-line
@@ -307,9 +314,17 @@ def save(
     files: dict[str, Any] = {}
     # The distributed optimizer's state differs on every dp rank: each writes its part.
     optimizer = shard.get("optimizer")
-    sharded = is_shard_state(optimizer)
+    sharded = is_shard_state(optimizer) or per_replica
     if sharded:
-        shard = {**shard, "optimizer": {"format": SHARDS_FORMAT, "shards": grid.dp}}
+        kind = (
+            {"format": REPLICAS_FORMAT, "replicas": grid.dp}
+            if per_replica
+            else {
+                "format": SHARDS_FORMAT,
+                "shards": grid.dp,
+            }
+        )
+        shard = {**shard, "optimizer": kind}
         optimizer_name = optimizer_file(grid.tp_rank, grid.pp_rank, grid.dp_rank)
 
     def make_partial() -> None:
@@ -328,7 +343,7 @@ def save(
     def publish() -> None:
         full_meta = {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
         if sharded:
-            full_meta["optimizer_shards"] = grid.dp
+            full_meta["optimizer_replicas" if per_replica else "optimizer_shards"] = grid.dp
         _publish(root, step, full_meta, config_yaml, files)
 
     # Each phase ends in an all-gather of every rank's error: all ranks stop at the same one.
@@ -404,7 +419,9 @@ def write_offline(
             for ranks, shard in shards.items()
         }
         # One process writes plain optimizer state into each shard: no dp parts.
-        meta = {k: v for k, v in meta.items() if k != "optimizer_shards"}
+        meta = {
+            k: v for k, v in meta.items() if k not in ("optimizer_shards", "optimizer_replicas")
+        }
         meta = {**meta, "step": step, "tp": tp, "pp": pp, "dp": dp}
         _publish(root, step, meta, config_yaml, files)
     except OSError as err:
@@ -712,7 +729,9 @@ def _format_1_globals() -> list[Any]:
     ]
 
 
-def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> dict[str, Any]:
+def load_shard(
+    folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int, dp_rank: int = 0
+) -> dict[str, Any]:
     """Return this rank's shard of a checkpoint, after checking its grid and its checksum.
 
     Reads with ``weights_only=True``. Raises a one-line :class:`UserError` naming the file if
@@ -726,7 +745,7 @@ def load_shard(folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int) -> di
             f"run has tp={tp}, pp={pp}; set run.reshard=true to re-cut it on load, or "
             "re-cut a copy with hpcllm convert --tp T --pp P"
         )
-    return read_shard(folder, tp_rank, pp_rank, meta)
+    return read_shard(folder, tp_rank, pp_rank, meta, dp_rank=dp_rank)
 
 
 def read_shard(
@@ -737,9 +756,11 @@ def read_shard(
     *,
     mmap: bool = False,
     check: bool = True,
+    dp_rank: int = 0,
 ) -> dict[str, Any]:
     """Return the (tp_rank, pp_rank) shard of a checkpoint, after checking its checksum.
 
+    ``dp_rank`` picks the optimizer state of that replica where each saved its own.
     ``mmap`` maps the file instead of reading it: tensors that are never touched (the Adam
     moments, when only weights are wanted) are never copied into memory. ``check`` False
     skips the checksum, for a folder :func:`verify` has just passed.
@@ -759,6 +780,13 @@ def read_shard(
             for r in range(optimizer["shards"])
         ]
         shard["optimizer"] = merge_shards(parts)
+    elif isinstance(optimizer, dict) and optimizer.get("format") == REPLICAS_FORMAT:
+        # Each replica's own state, back to the same dp rank; a rank the saved run did not
+        # have (resumed at a larger d) takes dp rank 0's.
+        mine = dp_rank if dp_rank < optimizer["replicas"] else 0
+        shard["optimizer"] = _read_file(
+            folder, optimizer_file(tp_rank, pp_rank, mine), meta, mmap=mmap, check=check
+        )
     return shard
 
 

@@ -298,7 +298,12 @@ class Trainer:
             return
         if self._reshard_from is None:
             shard = checkpoint.load_shard(
-                folder, self.grid.tp_rank, self.grid.pp_rank, self.grid.tp, self.grid.pp
+                folder,
+                self.grid.tp_rank,
+                self.grid.pp_rank,
+                self.grid.tp,
+                self.grid.pp,
+                self.grid.dp_rank,
             )
         else:
             shard = reshard.cut_shard(
@@ -361,6 +366,7 @@ class Trainer:
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
             on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self._warn,
+            per_replica=self.engine.optimizer_per_replica,
         )
         keep = self.cfg.run.keep_checkpoints
         if folder is not None and keep is not None and self.grid.rank == 0:

@@ -191,6 +191,32 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
     ]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_killed_or_stopped_ps_async_worker_ends_the_job_naming_its_rank(stdlib, tmp_path, sig):
+    # The server never waits for one worker inside a segment; at its end it waits for the
+    # gradient in progress of each, which a dead or stopped worker never sends.
+    run_dir = tmp_path / "run"
+    proc = _start(
+        stdlib, run_dir, "train.steps=100000", "parallel.dp_engine=ps-async", "run.timeout_s=4"
+    )
+    try:
+        _wait_for_step(run_dir, proc, 3)
+        os.kill(_rank_pid(proc, 1), sig)
+        faulted = time.monotonic()
+        code, _, err = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - faulted
+    print(f"fault: ps-async {sig.name} {took:.1f}")
+    assert code != 0 and took < 25, err
+    if sig == signal.SIGSTOP:
+        assert "hpcllm: error (rank 0): no progress for" in err, err
+        assert "ps-async: the gradient in progress of world rank(s) 1" in err, err
+    else:  # mpirun names the rank that died
+        assert "process rank 1 with PID" in err and "signal 9" in err, err
+
+
 @pytest.mark.parametrize("damage", ["truncated", "flipped"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(
     stdlib, tmp_path, reference, damage
