@@ -1,4 +1,5 @@
-"""Data-parallel engines behind one interface: ``parallel.dp_engine: ddp | horovod | ps``.
+"""Data-parallel engines behind one interface: ``parallel.dp_engine: ddp | horovod | ps``
+(and ``ps-async | local-sgd``).
 
 All three give the same result: after each optimizer step every replica holds the parameters
 one process would have after training on the whole global batch. They differ in how the
@@ -11,6 +12,10 @@ gradients travel, which is what ``hpcllm bench dp`` measures:
 * ``ps``: a single parameter server, what ``nn.DataParallel`` does: every rank sends its whole
   gradient to the dp group's root, which averages, steps, and broadcasts the new parameters.
   No overlap and one root link carrying everything: the bottleneck Bai (2022) measured.
+
+Two more strategies, ``ps-async`` (a stale-synchronous parameter server) and ``local-sgd``
+(replicas averaged every H steps), do not wait for every rank each step; they live in
+:mod:`hpcllm.parallel.async_engines` behind the same interface.
 
 Each engine also times this rank's exposed communication (``comm_wait_s``: time spent waiting
 for gradients after its own backward finished), so a slow rank shows up as the one whose
