@@ -287,5 +287,6 @@ def test_bench_sync_writes_its_table_chart_and_json(stdlib, tmp_path):
     assert rows["sync ddp", True]["vs_no_straggler"] < 0.75
     assert rows["ps-async K=2", True]["staleness_mean"] > 0
     assert rows["sync ddp", False]["staleness_mean"] is None
+    assert all(r["val_loss_mean"] > 0 for r in rows.values())  # the final evaluation
     assert (tmp_path / "b" / "bench_sync.png").stat().st_size > 10_000
     assert "ps-async K=2" in run.stdout and "vs none" in run.stdout

@@ -111,6 +111,12 @@ def bench_sync(
     ]:
         common += ["--set", item]
     slow = [f"train.straggler_rank={straggler_rank}", f"train.straggler_factor={straggler_factor}"]
+    # Repeat r trains from seeds + r (model and data order), so the spread of the validation
+    # losses is the run-to-run noise a comparison of strategies has to beat.
+    from hpcllm.config import load_config
+
+    cfg = load_config(config, overrides)
+    seeds = (cfg.train.seed, cfg.data.seed)
     rows = []
     for name, sets in strategies(staleness, local_steps, engines):
         for straggler in (False, True):
@@ -123,7 +129,8 @@ def bench_sync(
                     out / f"{slug}{'-straggler' if straggler else ''}-{repeat + 1}", "bench sync"
                 )
                 args = ["train", *common]
-                for item in [*sets, *(slow if straggler else []), f"run.dir={run_dir}"]:
+                seeded = [f"train.seed={seeds[0] + repeat}", f"data.seed={seeds[1] + repeat}"]
+                for item in [*sets, *(slow if straggler else []), *seeded, f"run.dir={run_dir}"]:
                     args += ["--set", item]
                 started = time.perf_counter()
                 _launch(dp, args, timeout=1800, threads=1)
@@ -140,6 +147,9 @@ def bench_sync(
                     **{k: v for k, v in middle.items() if k != "samples_per_s"},
                     "samples_per_s": median,
                     "samples_per_s_runs": [r["samples_per_s"] for r in runs],
+                    "val_loss_runs": [r["val_loss"] for r in runs],
+                    "val_loss_mean": _mean([r["val_loss"] for r in runs]),
+                    "val_loss_spread": _spread([r["val_loss"] for r in runs]),
                 }
             )
     base = {r["strategy"]: r["samples_per_s"] for r in rows if not r["straggler"]}
@@ -155,18 +165,29 @@ def bench_sync(
     }
 
 
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
+
+
+def _spread(values: list[float | None]) -> float | None:
+    """Return half the range of ``values``: the ± of their mean."""
+    known = [v for v in values if v is not None]
+    return (max(known) - min(known)) / 2 if len(known) > 1 else None
+
+
 def render_sync(result: dict[str, Any]) -> str:
     """Return the comparison as a text table."""
     s = result["straggler"]
     head = (
         f"{'strategy':<16} {'straggler':<10} {'samples/s':>9} {'vs none':>7} {'train s':>7} "
-        f"{'loss':>7} {'val loss':>8} {'staleness':>9} {'max':>4} {'dropped':>7} "
+        f"{'loss':>7} {'val loss':>15} {'staleness':>9} {'max':>4} {'dropped':>7} "
         f"{'gradients per rank':<18}"
     )
     lines = [
         f"d = {result['dp']}, {result['steps']} steps (global batches) per run, synced every "
-        f"{result['log_every']}; median of {result['repeats']} run(s); straggler: rank "
-        f"{s['rank']} computes {s['factor']:g}x as long",
+        f"{result['log_every']}; median of {result['repeats']} run(s) (seeds + 0, 1, ...); "
+        f"straggler: rank {s['rank']} computes {s['factor']:g}x as long",
         head,
         "-" * len(head),
     ]
@@ -176,19 +197,23 @@ def render_sync(result: dict[str, Any]) -> str:
 
     for r in result["rows"]:
         sent = " ".join(str(n) for n in r["rank_gradients"]) if r["rank_gradients"] else "-"
+        val = show(r["val_loss_mean"], ".3f")
+        if r["val_loss_spread"] is not None:
+            val += f" ± {r['val_loss_spread']:.3f}"
         lines.append(
             f"{r['strategy']:<16} {'rank ' + str(s['rank']) if r['straggler'] else 'none':<10} "
             f"{r['samples_per_s']:>9.1f} {r['vs_no_straggler']:>7.2f} {r['train_s']:>7.2f} "
-            f"{r['final_loss']:>7.3f} {show(r['val_loss'], '.3f'):>8} "
+            f"{r['final_loss']:>7.3f} {val:>15} "
             f"{show(r['staleness_mean'], '.2f'):>9} {show(r['staleness_max'], 'd'):>4} "
             f"{show(r['dropped'], 'd'):>7} {sent:<18}"
         )
     lines += [
         "",
         "samples/s: after the first synced interval; vs none: against the same strategy "
-        "without the straggler; loss: the last interval's mean training loss; staleness: "
-        "ps-async's mean versions between a gradient's weights and its update; dropped: "
-        "gradients that arrived after a sync point's quota",
+        "without the straggler; loss: the last interval's mean training loss (the median "
+        "run's); val loss: mean ± half the range over the repeats, repeat r from train.seed "
+        "and data.seed + r; staleness: ps-async's mean versions between a gradient's "
+        "weights and its update; dropped: gradients that arrived after a sync point's quota",
     ]
     return "\n".join(lines)
 
