@@ -100,14 +100,12 @@ def test_every_engine_equals_one_process_on_the_global_batch(tmp_path, dp, preci
                     assert _relative_error(got, ddp) <= 1e-6, (engine, rank, accumulation)
 
 
-def test_trainer_with_each_engine_logs_the_same_losses(tmp_path):
+def test_trainer_with_each_engine_logs_the_same_losses(stdlib, tmp_path):
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
     from hpcllm.observe import read_metrics
 
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
 
     def train_args(name, *extra):
         args = ["-m", "hpcllm", "train", "--no-progress"]
@@ -200,16 +198,13 @@ def test_missing_horovod_names_make_setup(monkeypatch):
         HorovodEngine(grid)
 
 
-def test_bench_dp_writes_its_table_chart_and_json(tmp_path):
+def test_bench_dp_writes_its_table_chart_and_json(stdlib, tmp_path):
     import json
     import subprocess
 
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
-
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
     cmd = [
         sys.executable,
         "-m",

@@ -151,15 +151,12 @@ def test_the_engine_hands_horovod_its_settings_before_init(monkeypatch):
 
 
 @pytest.mark.mpi
-def test_autotune_and_response_cache_reach_horovod_in_training(tmp_path, monkeypatch):
+def test_autotune_and_response_cache_reach_horovod_in_training(stdlib, tmp_path, monkeypatch):
     """Two ranks train with Horovod's autotune logging and its response cache off: the banner
     reports both, and Horovod writes the autotune log it was given."""
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
-
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
     log = tmp_path / "autotune.csv"
     for name in VARIABLES:  # the ranks inherit this environment: none of Horovod's set
         monkeypatch.setenv(name, "")

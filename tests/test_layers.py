@@ -40,7 +40,11 @@ LAYERS = [
 
 # The data-parallel engines wrap any model and optimizer; they know nothing of the model, the
 # trainer or pipelines.
-ENGINES = ["hpcllm.parallel.data_parallel"]
+ENGINES = [
+    "hpcllm.parallel.data_parallel",
+    "hpcllm.parallel.async_engines",
+    "hpcllm.parallel.engines",
+]
 ENGINES_MUST_NOT_IMPORT = ["hpcllm.model", "hpcllm.train", "hpcllm.parallel.pipeline"]
 
 TOP = "hpcllm"

@@ -99,18 +99,16 @@ def test_sequence_parallel_pipeline_equals_one_process():
     ],
 )
 def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
-    tmp_path, schedule, vpp, engine, common, rel
+    stdlib, tmp_path, schedule, vpp, engine, common, rel
 ):
     import subprocess
     import sys
 
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
     from hpcllm.observe import read_metrics
 
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
 
     def train(run, *extra):
         args = ["-m", "hpcllm", "train", "--no-progress"]
@@ -169,13 +167,12 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
         (["parallel.pipeline_layers=[1,2]"], "pipeline_layers"),
     ],
 )
-def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(tmp_path, extra, message):
+def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(
+    stdlib, tmp_path, extra, message
+):
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
-
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
     args = ["-m", "hpcllm", "train", "--no-progress"]
     for item in [
         *SMALL,
@@ -227,13 +224,10 @@ def test_bench_pipeline_reports_every_schedule(tmp_path):
     assert len(list((tmp_path / "tl").glob("*.png"))) == 4
 
 
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(stdlib, tmp_path):
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
-
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
     result = run_mpi(
         2,
         python(

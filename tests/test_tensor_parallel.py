@@ -102,14 +102,12 @@ def test_dropout_streams_communication_and_memory_at_t(tp):
         ("ddp", 4, True),
     ],
 )
-def test_trainer_with_tp_logs_the_losses_of_t1(tmp_path, engine, tp, sp):
+def test_trainer_with_tp_logs_the_losses_of_t1(stdlib, tmp_path, engine, tp, sp):
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
     from hpcllm.observe import read_metrics
 
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
 
     def train(np, run, *extra):
         args = ["-m", "hpcllm", "train", "--no-progress"]
@@ -143,18 +141,16 @@ def test_trainer_with_tp_logs_the_losses_of_t1(tmp_path, engine, tp, sp):
     assert shards == [f"model_tp{r:02d}_pp00.pt" for r in range(tp)]
 
 
-def test_convert_tp_resumes_where_the_original_run_would(tmp_path):
+def test_convert_tp_resumes_where_the_original_run_would(stdlib, tmp_path):
     import subprocess
     import sys
 
     from test_train import SMALL
 
-    from hpcllm.datasets.prepare import PrepareOptions, prepare
     from hpcllm.generate import load_run_model
     from hpcllm.observe import read_metrics
 
-    data = tmp_path / "data"
-    prepare(PrepareOptions(out=data, corpus="python-stdlib", tokenizer="byte"), progress=False)
+    data = stdlib  # the session's prepared corpus (read only)
 
     def train(np, run, steps, tp):
         args = ["-m", "hpcllm", "train", "--no-progress"]

@@ -29,7 +29,8 @@ from torch import nn
 from hpcllm.config import Config
 from hpcllm.errors import UserError
 from hpcllm.model.stages import build_chunks, split_layers
-from hpcllm.parallel.data_parallel import Engine, build_engine
+from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.engines import build_engine
 from hpcllm.parallel.pipeline.runtime import Channel
 from hpcllm.parallel.pipeline.schedule import Action, check_sizes, rank_actions
 from hpcllm.parallel.random import seed_streams

@@ -24,7 +24,7 @@ from dp_equivalence import MICRO, VOCAB, global_batch, make_optimizer, model_con
 from hpcllm import topology
 from hpcllm.config import load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data_parallel import build_engine
+from hpcllm.parallel.engines import build_engine
 from hpcllm.train import grads
 from hpcllm.train.optim import build_scaler
 

@@ -20,7 +20,7 @@ import torch
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data_parallel import build_engine
+from hpcllm.parallel.engines import build_engine
 from hpcllm.train import grads
 from hpcllm.train.optim import autocast, build_optimizer, build_scaler
 

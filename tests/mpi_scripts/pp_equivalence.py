@@ -21,7 +21,8 @@ from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
 from hpcllm.model.stages import build_chunks
-from hpcllm.parallel.data_parallel import Engine, build_engine
+from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.engines import build_engine
 from hpcllm.parallel.pipeline.runtime import Channel, Runtime
 from hpcllm.parallel.pipeline.schedule import rank_actions
 from hpcllm.parallel.tensor.layers import shard_of

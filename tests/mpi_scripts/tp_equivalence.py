@@ -17,7 +17,7 @@ import torch
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data_parallel import build_engine
+from hpcllm.parallel.engines import build_engine
 from hpcllm.parallel.tensor.layers import shard_of
 from hpcllm.parallel.tensor.mappings import count_comm
 from hpcllm.train.grads import reduce_sequence_parallel_grads
