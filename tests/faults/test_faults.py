@@ -212,9 +212,10 @@ def test_a_killed_or_stopped_ps_async_worker_ends_the_job_naming_its_rank(stdlib
     assert code != 0 and took < 25, err
     if sig == signal.SIGSTOP:
         # The survivor's watchdog names its wait: inside a segment, the stopped worker's
-        # gradient in progress; between segments, the collective it meets the others at.
+        # gradient in progress (by rank); once that came, the segment's end or the next
+        # collective, where all ranks meet.
         assert "hpcllm: error (rank 0): no progress for" in err, err
-        if "ps-async:" in err:
+        if "gradient in progress" in err:
             assert "ps-async: the gradient in progress of world rank(s) 1" in err, err
     else:  # mpirun names the rank that died
         assert "process rank 1 with PID" in err and "signal 9" in err, err
