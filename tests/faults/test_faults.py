@@ -146,13 +146,11 @@ def _nothing_lost(run_dir: Path, before: tuple[list[str], dict[str, str]]) -> No
         assert checkpoint.verify(run_dir / "checkpoints" / name).status == "ok"
 
 
-@pytest.mark.parametrize("engine", ["ddp", "horovod"])
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
-    stdlib, tmp_path, reference, engine, sig
-):
-    run_dir = tmp_path / "run"
-    timeout_s = 4
+def _fault_rank_1(
+    stdlib: Path, run_dir: Path, engine: str, sig: signal.Signals, timeout_s: float
+) -> tuple[int, str, float, tuple[list[str], dict[str, str]]]:
+    """Start an endless run, send rank 1 ``sig`` once step 3 is logged, wait for the job's
+    end; return its exit status, stderr, seconds from the fault, and what was written before."""
     proc = _start(
         stdlib,
         run_dir,
@@ -171,6 +169,17 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
             os.killpg(proc.pid, signal.SIGKILL)
     took = time.monotonic() - faulted
     print(f"fault: {engine} {sig.name} {took:.1f}")
+    return code, err, took, before
+
+
+@pytest.mark.parametrize("engine", ["ddp", "horovod"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
+    stdlib, tmp_path, reference, engine, sig
+):
+    run_dir = tmp_path / "run"
+    timeout_s = 4
+    code, err, took, before = _fault_rank_1(stdlib, run_dir, engine, sig, timeout_s)
     assert code != 0
     if sig == signal.SIGSTOP:
         # The survivor's watchdog names what it waited on, within the timeout plus the time
@@ -195,20 +204,7 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
 def test_a_killed_or_stopped_ps_async_worker_ends_the_job_naming_its_rank(stdlib, tmp_path, sig):
     # The server never waits for one worker inside a segment; at its end it waits for the
     # gradient in progress of each, which a dead or stopped worker never sends.
-    run_dir = tmp_path / "run"
-    proc = _start(
-        stdlib, run_dir, "train.steps=100000", "parallel.dp_engine=ps-async", "run.timeout_s=4"
-    )
-    try:
-        _wait_for_step(run_dir, proc, 3)
-        os.kill(_rank_pid(proc, 1), sig)
-        faulted = time.monotonic()
-        code, _, err = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    took = time.monotonic() - faulted
-    print(f"fault: ps-async {sig.name} {took:.1f}")
+    code, err, took, _ = _fault_rank_1(stdlib, tmp_path / "run", "ps-async", sig, 4)
     assert code != 0 and took < 25, err
     if sig == signal.SIGSTOP:
         # The survivor's watchdog names its wait: inside a segment, the stopped worker's
