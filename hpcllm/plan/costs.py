@@ -99,6 +99,17 @@ class Software:
     grad_bytes: int = 4  # bytes per gradient element in the data-parallel all-reduce
     dp_overlap: bool = True  # the all-reduce overlaps the last backward
     distributed_optimizer: bool = False
+    schedules: tuple[str, ...] = SCHEDULES  # the pipeline schedules the code runs
+    interleave_min_pp: int = 2  # the smallest p the interleaved schedule runs at
+    # Every stage and every virtual chunk holds the same number of layers (else: as even as
+    # can be, the larger ones costing their extra layer).
+    even_stages: bool = False
+    # The q|k|v projection's bias added in a pass of its own (F.linear on a 3-D input).
+    separate_bias_pass: bool = False
+    # HBM bytes per logit of the loss, forward and backward (the loss kernels' passes).
+    loss_bytes: tuple[int, int] = (4, 12)
+    # HBM bytes per parameter of the step after the backward: gradient norm, clipping, Adam.
+    optimizer_bytes: int = 40
 
     @property
     def grad_accumulation_bytes(self) -> int:
@@ -116,8 +127,31 @@ class Software:
 
     @classmethod
     def megatron_2021(cls) -> Software:
-        """Return Megatron-LM's way in the SC21 paper: fp16 weights and gradients, no overlap."""
-        return cls("fp16", "unfused", "mixed", 2, False)
+        """Return Megatron-LM's way in the SC21 paper.
+
+        fp16 weights and gradients, unfused attention, the data-parallel all-reduce after the
+        backward; the 1F1B and interleaved schedules only (zero-bubble came in 2023), the
+        interleaved one at p > 2 with v dividing the layers per stage, and p dividing the
+        layers (Megatron-LM refuses other layouts); PyTorch
+        1.8's ``F.linear`` on a 3-D input adds the q|k|v bias in a pass of its own; the
+        vocabulary-parallel cross-entropy in fp32 (the logits cast, max, subtract, exp, sum
+        and divide forward: 38 bytes per logit; the gradient formed in place and cast back:
+        14); the fp16 optimizer's passes (main gradients from the fp16 ones, unscale and
+        inf check, norm, clip, Adam, fp16 weights from the masters: 60 bytes per parameter).
+        """
+        return cls(
+            "fp16",
+            "unfused",
+            "mixed",
+            2,
+            False,
+            schedules=("1f1b", "interleaved"),
+            interleave_min_pp=3,
+            even_stages=True,
+            separate_bias_pass=True,
+            loss_bytes=(38, 14),
+            optimizer_bytes=60,
+        )
 
 
 @dataclass
@@ -197,6 +231,7 @@ class _Layer:
     elementwise_f: float
     tp_f: float  # exposed all-reduce time of one forward
     weight_grad: float  # the share of the backward that computes weight gradients
+    bias_grads: float = 0.0  # the backward's bias-gradient reductions
 
     @property
     def forward(self) -> float:
@@ -204,7 +239,8 @@ class _Layer:
 
     def backward(self, recompute: str) -> float:
         redo = {"none": 0.0, "selective": self.attention_f, "full": self.forward}[recompute]
-        return 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.tp_f + redo
+        own = 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.bias_grads
+        return own + self.tp_f + redo
 
 
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
@@ -247,6 +283,11 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     elementwise = _memory_s(
         cluster, replicated * (2 * 2 * e + 2 * (3 * e + 1)) + 4 * b * s * h / t * 2 * e
     )
+    if software.separate_bias_pass:  # the q|k|v output read and written once more
+        elementwise += _memory_s(cluster, 2 * b * s * 3 * h / t * e)
+    # Backward: each linear's bias gradient sums its output gradient over the tokens (q|k|v
+    # and MLP up split over t, the attention output and MLP down whole).
+    bias_grads = _memory_s(cluster, b * s * (7 * h / t + 2 * h) * e)
     tp_f = 0.0
     if t > 1:
         gbps, latency = (
@@ -255,7 +296,7 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
             else (cluster.intra_node_gbps, cluster.intra_node_latency_us)
         )
         tp_f = 2 * _ring_allreduce_s(b * s * h * e, t, gbps, latency)
-    return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, weight_grad=gemm)
+    return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm, bias_grads)
 
 
 def _in_flight(layout: Layout, m: int) -> float:
@@ -328,9 +369,10 @@ def estimate(
     s, h = model.seq, model.hidden
     # The output layer (last stage): logits GEMM, the loss over b·s·V/t values.
     head_gemm = _gemm_s(cluster, peak, b * s, model.vocab // t, h, e)
-    head_memory = _memory_s(cluster, b * s * model.vocab / t * 4 * 3)
-    stage_f = layers_per_rank * layer.forward + head_gemm + head_memory / 3
-    stage_b = layers_per_rank * layer.backward(layout.recompute) + 2 * head_gemm + head_memory
+    logits = b * s * model.vocab / t
+    loss_f, loss_b = (_memory_s(cluster, logits * n) for n in software.loss_bytes)
+    stage_f = layers_per_rank * layer.forward + head_gemm + loss_f
+    stage_b = layers_per_rank * layer.backward(layout.recompute) + 2 * head_gemm + loss_b
     stage_w = layers_per_rank * layer.weight_grad + head_gemm
     # Pipeline point-to-point: an activation forward and its gradient back per chunk boundary.
     p2p = 0.0
@@ -360,6 +402,15 @@ def estimate(
     else:
         bubble = 0.0
     pp_exposed = m * p2p
+    if p > 1:
+        # The tied embedding's gradient, summed between the first and the last stage.
+        far = _spans_nodes(cluster, (p - 1) * t * d, 2)
+        pp_exposed += _ring_allreduce_s(
+            padded_vocab(model.vocab, t) * h / t * software.grad_bytes,
+            2,
+            cluster.inter_node_gbps if far else cluster.intra_node_gbps,
+            cluster.inter_node_latency_us if far else cluster.intra_node_latency_us,
+        )
     # Data parallelism: a ring over the d replicas of each shard, t ranks apart.
     dp_time = 0.0
     if d > 1:
@@ -373,9 +424,8 @@ def estimate(
         dp_time = _ring_allreduce_s(params * software.grad_bytes, d, gbps, latency)
     hidden_dp = min(dp_time, stage_b) if software.dp_overlap else 0.0
     dp_exposed = dp_time - hidden_dp
-    state_bytes = 30 if software.weights == "mixed" else 28  # Adam reads and writes per param
     optimizer = _memory_s(
-        cluster, params * state_bytes / (d if software.distributed_optimizer else 1)
+        cluster, params * software.optimizer_bytes / (d if software.distributed_optimizer else 1)
     )
     tp_total = m * layers_per_rank * layer.tp_f * (2 + (layout.recompute == "full"))
     step_time = compute + bubble + pp_exposed + dp_exposed + optimizer

@@ -7,12 +7,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcllm.plan.costs import RECOMPUTE, SCHEDULES, Estimate, Layout, Model, Software, estimate
+from hpcllm.plan.costs import RECOMPUTE, Estimate, Layout, Model, Software, estimate
 from hpcllm.plan.hardware import Cluster
 from hpcllm.user_error import UserError
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-VIRTUAL_STAGES = (2, 4, 8)
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 7, 8)
 
 
 @dataclass(frozen=True)
@@ -81,29 +81,50 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
         raise UserError(f"{what} needs a pipeline (--pp > 1)")
 
 
-def _schedules(p: int, m: int, layers: int, fixed: Fixed) -> Iterator[tuple[str, int]]:
+def _schedules(
+    p: int, m: int, layers: int, fixed: Fixed, software: Software
+) -> Iterator[tuple[str, int]]:
     if p == 1:
         yield "1f1b", 1
         return
-    for schedule in SCHEDULES:
+    for schedule in software.schedules:
         if fixed.schedule not in (None, schedule):
             continue
         if schedule == "interleaved":
-            for v in VIRTUAL_STAGES if fixed.vpp is None else (fixed.vpp,):
+            if p < software.interleave_min_pp:
+                continue
+            if fixed.vpp is not None:
+                choices: tuple[int, ...] = (fixed.vpp,)
+            elif software.even_stages:  # v divides the layers of a stage
+                choices = tuple(v for v in _divisors(layers // p) if v > 1)
+            else:
+                choices = VIRTUAL_STAGES
+            for v in choices:
                 # Megatron's interleaved schedule takes micro-batches in groups of p.
-                if v > 1 and m % p == 0 and p * v <= layers:
+                even = not software.even_stages or (layers // p) % v == 0
+                if v > 1 and m % p == 0 and p * v <= layers and even:
                     yield schedule, v
         elif fixed.vpp in (None, 1) and (schedule != "zb-h1" or m >= p):
             yield schedule, 1
 
 
-def layouts(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> Iterator[Layout]:
-    """Yield every layout the search considers (the fixed choices held)."""
+def layouts(
+    model: Model,
+    gpus: int,
+    global_batch: int,
+    fixed: Fixed,
+    software: Software | None = None,
+) -> Iterator[Layout]:
+    """Yield every layout the search considers (the fixed choices held) that the software
+    runs."""
+    software = software or Software()
     for t in _divisors(gpus) if fixed.tp is None else [fixed.tp]:
         if model.heads % t:
             continue
         for p in _divisors(gpus // t) if fixed.pp is None else [fixed.pp]:
             if p > model.layers or gpus % (t * p):
+                continue
+            if software.even_stages and model.layers % p:
                 continue
             # One stage runs 1f1b (plain accumulation): a fixed pipeline choice needs p > 1.
             if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
@@ -116,7 +137,7 @@ def layouts(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> Iterato
                     continue
                 m = global_batch // (d * b)
                 sp = (t > 1) if fixed.sequence_parallel is None else fixed.sequence_parallel
-                for schedule, v in _schedules(p, m, model.layers, fixed):
+                for schedule, v in _schedules(p, m, model.layers, fixed, software):
                     for recompute in RECOMPUTE if fixed.recompute is None else (fixed.recompute,):
                         yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1)
 
@@ -153,9 +174,13 @@ def search(
 ) -> Plan:
     """Return every layout's estimate: those that fit ranked by step time, then the rest."""
     check_request(model, gpus, global_batch, fixed)
+    if fixed.schedule and fixed.schedule not in software.schedules:
+        raise UserError(
+            f"--schedule {fixed.schedule}: this software runs {', '.join(software.schedules)}"
+        )
     found = [
         estimate(model, layout, cluster, software, global_batch)
-        for layout in layouts(model, gpus, global_batch, fixed)
+        for layout in layouts(model, gpus, global_batch, fixed, software)
     ]
     if not found:
         raise UserError(
