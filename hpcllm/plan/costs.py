@@ -36,9 +36,12 @@ stages on the critical path (over the network when a stage's neighbour sits on a
 hpcllm overlaps it with the last backward, Megatron-LM in 2021 did not), and the optimizer's
 pass over its state at HBM bandwidth.
 
-Left out: kernel launch overheads, the embedding's gather and the tied embedding's
-all-reduce, imbalance from the embedding stage, NCCL's protocol choice, congestion between
-jobs, and stragglers.
+Also the backward's bias-gradient sums, the loss's passes over the logits, the tied
+embedding's gradient summed between the first and the last stage, and the optimizer's passes,
+each in the way the software makes them (:class:`Software`).
+
+Left out: kernel launch overheads, the embedding's gather, imbalance from the embedding stage,
+NCCL's protocol choice, congestion between jobs, and stragglers.
 """
 
 from __future__ import annotations
