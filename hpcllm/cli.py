@@ -890,6 +890,17 @@ def _add_bench(verbs: argparse._SubParsersAction) -> None:
     )
     kern.add_argument("kernel_args", nargs=argparse.REMAINDER)
     kern.set_defaults(run=_run_bench_kernels)
+    dev = targets.add_parser(
+        "device",
+        help="what hpcllm plan assumes of this GPU, measured: a gpu_spec for a cluster file",
+        description="Measure GEMM throughput by shape, causal attention and copy bandwidth on "
+        "this GPU and write them as the gpu_spec of a cluster file, so hpcllm plan prices "
+        "this GPU from its own numbers; arguments after 'device' go to the benchmark (--help "
+        "there). --cpu-smoke runs it tiny on the CPU.",
+        add_help=False,
+    )
+    dev.add_argument("device_args", nargs=argparse.REMAINDER)
+    dev.set_defaults(run=_run_bench_device)
 
 
 def _run_topo(args: argparse.Namespace) -> int:
@@ -1280,6 +1291,12 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     return kernels.main(list(args.kernel_args))
 
 
+def _run_bench_device(args: argparse.Namespace) -> int:
+    from hpcllm.bench import device
+
+    return device.main(list(args.device_args))
+
+
 def _run_bench_allreduce(args: argparse.Namespace) -> int:
     from hpcllm.bench import allreduce
 
@@ -1319,6 +1336,10 @@ def main(argv: list[str] | None = None) -> int:
             from hpcllm.bench import kernels
 
             return kernels.main(words[2:])
+        if words[:2] == ["bench", "device"]:
+            from hpcllm.bench import device
+
+            return device.main(words[2:])
         args = _build_parser().parse_args(words)
         return args.run(args)
 

@@ -12,7 +12,7 @@ from mpirun import REPO, python, run_mpi
 from hpcllm.parallel.pipeline.schedule import build, peak_in_flight
 from hpcllm.parallel.pipeline.simulate import simulate
 from hpcllm.plan.costs import Layout, Model, Software, _in_flight, estimate
-from hpcllm.plan.hardware import load_cluster
+from hpcllm.plan.hardware import gemm_efficiency, load_cluster
 from hpcllm.plan.search import Fixed, layouts, search
 
 DGX_A100 = REPO / "jobs" / "clusters" / "dgx-a100.yaml"
@@ -310,3 +310,80 @@ def test_when_nothing_fits_the_closest_layout_comes_first():
     assert not plan.ranked
     sizes = [e.memory_gb for e, _ in plan.losers]
     assert sizes[0] == min(sizes) and "does not fit" in plan.losers[0][1]
+
+
+def test_bench_device_writes_a_gpu_spec_the_planner_takes(tmp_path):
+    fragment = tmp_path / "gpu.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "bench", "device", "--cpu-smoke", "--dtype", "fp32",
+         "--out", str(fragment)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "| smallest GEMM dimension |" in done.stdout
+    network = (
+        "gpus_per_node: 4\nintra_node_gbps: 1\ninter_node_gbps: 1\n"
+        "intra_node_latency_us: 100\ninter_node_latency_us: 100\n"
+    )
+    cluster_file = tmp_path / "measured.yaml"
+    cluster_file.write_text(fragment.read_text() + network)
+    cluster = load_cluster(cluster_file)
+    assert [d for d, _ in cluster.gpu.shape_factor] == [16, 32, 64, 128]
+    assert max(share for _, share in cluster.gpu.shape_factor) == 1.0
+    assert cluster.gpu.gemm_ceiling == 1.0 and cluster.gpu.peak_fp32 > 0
+    planned = _plan(
+        "--model", "tiny", "--gpus", "2", "--global-batch", "4", "--precision", "fp32",
+        "--cluster", str(cluster_file),
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+
+
+def test_a_measured_shape_table_and_partial_spec_override_a_known_kind(tmp_path):
+    base = load_cluster(DGX_A100)
+    measured = load_cluster(
+        DGX_A100, ["gpu_spec.gemm_ceiling=0.7", "gpu_spec.shape_factor={64: 0.2, 2048: 0.9}"]
+    )
+    assert measured.gpu.peak_bf16 == base.gpu.peak_bf16 == 312.0  # kept from the kind
+    assert measured.gpu.hbm_gbps == base.gpu.hbm_gbps
+    assert gemm_efficiency(measured.gpu, (8192, 8192, 8192)) == pytest.approx(0.7 * 0.9)
+    assert gemm_efficiency(measured.gpu, (64, 8192, 8192)) == pytest.approx(0.7 * 0.2)
+    between = gemm_efficiency(measured.gpu, (362, 8192, 8192)) / 0.7  # log2 362 ~ halfway
+    assert 0.2 < between < 0.9 and between == pytest.approx(0.55, abs=0.01)
+    model, layout = Model(24, 2048, 16, 2048, 51200), Layout(1, 1, 8)
+    slow, fast = (estimate(model, layout, c, Software(), 64) for c in (measured, base))
+    assert slow.step_time_s > fast.step_time_s
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("gpu_spec.shape_factor=0.5", "gpu_spec.shape_factor must map two or more"),
+        ("gpu_spec.shape_factor={64: 0.2, x: 0.9}", "'x' is not a dimension"),
+        ("gpu_spec.shape_factor={64: 0.2, 128: 7}", "is not a fraction"),
+        ("gpu_spec.tensor_cores=4", "gpu_spec has unknown field tensor_cores"),
+    ],
+)
+def test_a_bad_measured_table_is_one_line_and_exit_2(override, message):
+    done = _plan(
+        "--model", "gpt2-1.3b", "--gpus", "8", "--global-batch", "8",
+        "--cluster", str(DGX_A100), "--cluster-set", override,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("Tesla V100-SXM2-32GB", None),
+    ],
+)
+def test_bench_device_knows_the_planners_kinds_by_name(name, kind):
+    from hpcllm.bench.device import kind_of
+
+    assert kind_of(name) == kind

@@ -31,6 +31,21 @@ from typing import Any
 
 from hpcllm.user_error import UserError
 
+# Fraction of ``gemm_ceiling`` by a GEMM's smallest dimension: 128×128 and 256×128 tiles are
+# filled only from 128 on, and a GEMM needs a few tiles per SM (108 on an A100, 132 on an
+# H100) to fill the waves; from about 2,048 on the shape no longer matters. Between the
+# points, linear in log2 of the dimension.
+SHAPE_FACTOR: tuple[tuple[int, float], ...] = (
+    (16, 0.08),
+    (32, 0.15),
+    (64, 0.30),
+    (128, 0.50),
+    (256, 0.70),
+    (512, 0.85),
+    (1024, 0.95),
+    (2048, 1.00),
+)
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -44,6 +59,9 @@ class GPU:
     gemm_ceiling: float
     flash_efficiency: float
     memory_efficiency: float
+    # (smallest dimension, fraction of gemm_ceiling), increasing; measured by
+    # ``hpcllm bench device`` where a cluster file gives one.
+    shape_factor: tuple[tuple[int, float], ...] = SHAPE_FACTOR
 
     def peak(self, precision: str) -> float:
         """Return the peak TFLOP/s for ``bf16``, ``fp16`` or ``fp32``."""
@@ -61,34 +79,20 @@ GPUS: dict[str, GPU] = {
     )
 }
 
-# Fraction of ``gemm_ceiling`` by a GEMM's smallest dimension: 128×128 and 256×128 tiles are
-# filled only from 128 on, and a GEMM needs a few tiles per SM (108 on an A100, 132 on an
-# H100) to fill the waves; from about 2,048 on the shape no longer matters. Between the
-# points, linear in log2 of the dimension.
-SHAPE_FACTOR: tuple[tuple[int, float], ...] = (
-    (16, 0.08),
-    (32, 0.15),
-    (64, 0.30),
-    (128, 0.50),
-    (256, 0.70),
-    (512, 0.85),
-    (1024, 0.95),
-    (2048, 1.00),
-)
-
 
 def gemm_efficiency(gpu: GPU, dims: Sequence[int]) -> float:
     """Return the fraction of peak a GEMM of these dimensions (M, N, K) reaches."""
+    table = gpu.shape_factor
     small = max(1, min(dims))
-    if small >= SHAPE_FACTOR[-1][0]:
-        return gpu.gemm_ceiling
-    if small <= SHAPE_FACTOR[0][0]:
-        return gpu.gemm_ceiling * SHAPE_FACTOR[0][1] * small / SHAPE_FACTOR[0][0]
-    for (d0, f0), (d1, f1) in zip(SHAPE_FACTOR, SHAPE_FACTOR[1:], strict=False):
+    if small >= table[-1][0]:
+        return gpu.gemm_ceiling * table[-1][1]
+    if small <= table[0][0]:
+        return gpu.gemm_ceiling * table[0][1] * small / table[0][0]
+    for (d0, f0), (d1, f1) in zip(table, table[1:], strict=False):
         if small <= d1:
             share = (math.log2(small) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
             return gpu.gemm_ceiling * (f0 + share * (f1 - f0))
-    return gpu.gemm_ceiling
+    return gpu.gemm_ceiling * table[-1][1]
 
 
 @dataclass(frozen=True)
@@ -122,23 +126,50 @@ def _number(where: str, key: str, value: Any, *, positive: bool = True) -> float
     return float(value)
 
 
+def _shape_factor(where: str, raw: Any) -> tuple[tuple[int, float], ...]:
+    if not isinstance(raw, dict) or len(raw) < 2:
+        raise UserError(
+            f"{where}: gpu_spec.shape_factor must map two or more GEMM dimensions to the "
+            "fraction of gemm_ceiling they reach, e.g. {{64: 0.3, 2048: 1.0}}"
+        )
+    table = []
+    for dim, share in raw.items():
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise UserError(f"{where}: gpu_spec.shape_factor: {dim!r} is not a dimension")
+        value = _number(where, f"gpu_spec.shape_factor[{dim}]", share)
+        if value > 1.5:
+            raise UserError(f"{where}: gpu_spec.shape_factor[{dim}] = {value} is not a fraction")
+        table.append((dim, value))
+    return tuple(sorted(table))
+
+
 def _gpu(where: str, raw: dict[str, Any]) -> GPU:
+    kind = raw.get("gpu")
+    base = GPUS.get(kind) if isinstance(kind, str) else None
     if "gpu_spec" in raw:
         spec = raw["gpu_spec"]
         if not isinstance(spec, dict):
             raise UserError(f"{where}: gpu_spec must be a mapping of the GPU fields")
-        names = [f.name for f in fields(GPU) if f.name != "name"]
-        missing = [n for n in names if n not in spec]
-        if missing:
-            raise UserError(f"{where}: gpu_spec lacks {', '.join(missing)}")
-        unknown = sorted(set(spec) - set(names))
+        names = [f.name for f in fields(GPU) if f.name not in ("name", "shape_factor")]
+        unknown = sorted(set(spec) - set(names) - {"shape_factor"})
         if unknown:
             raise UserError(f"{where}: gpu_spec has unknown field {unknown[0]}")
-        return GPU(str(raw.get("gpu", "custom")), **{n: _number(where, n, spec[n]) for n in names})
-    kind = raw.get("gpu")
-    if kind not in GPUS:
+        # A known kind takes the fields given (what ``hpcllm bench device`` measured) and
+        # keeps its own for the rest; any other kind must give them all.
+        missing = [n for n in names if n not in spec]
+        if missing and base is None:
+            raise UserError(f"{where}: gpu_spec lacks {', '.join(missing)}")
+        values: dict[str, Any] = {
+            n: _number(where, n, spec[n]) if n in spec else getattr(base, n) for n in names
+        }
+        if "shape_factor" in spec:
+            values["shape_factor"] = _shape_factor(where, spec["shape_factor"])
+        elif base is not None:
+            values["shape_factor"] = base.shape_factor
+        return GPU(str(kind if kind is not None else "custom"), **values)
+    if base is None:
         raise UserError(f"{where}: unknown gpu {kind!r}; kinds: {', '.join(GPUS)} (or a gpu_spec)")
-    return GPUS[kind]
+    return base
 
 
 def cluster_from_dict(raw: Any, where: str = "cluster") -> Cluster:
