@@ -6,6 +6,8 @@ which raises it too; import it from here.
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 import time
 import traceback
@@ -35,6 +37,37 @@ def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
             sys.stderr.flush()
             comm.Abort(USER_ERROR_EXIT)
         time.sleep(0.01)
+
+
+STDOUT_CLOSED_EXIT = 141
+
+
+def _stdout_closed(err: BrokenPipeError) -> bool:
+    """Return whether ``err`` came from stdout's reader going away; if so, silence stdout.
+
+    Python flushes stdout again at exit, which would print "Exception ignored ... Broken
+    pipe": stdout is pointed at /dev/null first.
+    """
+    del err  # where it was raised says nothing: stdout itself is asked
+    try:
+        sys.stdout.flush()
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        # A pipe whose reading end is closed polls as an error.
+        if not any(event & select.POLLERR for _, event in poller.poll(0)):
+            return False
+    except BrokenPipeError:
+        pass
+    except (OSError, ValueError, AttributeError):
+        return False
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return True
 
 
 def _abort_mpi_job(code: int) -> None:
@@ -74,6 +107,11 @@ def run_reporting_errors(main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as err:
+        if isinstance(err, BrokenPipeError) and _stdout_closed(err):
+            # The reader of our output went away (`hpcllm plan | head`): stop quietly, as
+            # the Unix tools do when SIGPIPE ends them (128 + 13), the other ranks with us.
+            _abort_mpi_job(STDOUT_CLOSED_EXIT)
+            return STDOUT_CLOSED_EXIT
         if _lost_a_peer(err):
             return _report_lost_peer(err)
         traceback.print_exc()

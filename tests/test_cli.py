@@ -58,3 +58,25 @@ def test_train_help_names_every_config_key():
     for section in dataclasses.fields(Config()):
         for key in dataclasses.fields(getattr(Config(), section.name)):
             assert key.name in text, f"{section.name}.{key.name}"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    # `hpcllm plan | head -1`: the reader closes the pipe before the output is written.
+    cluster = "jobs/clusters/dgx-a100.yaml"
+    command = [sys.executable, "-m", "hpcllm", "plan", "--model", "gpt2-1.3b", "--gpus", "64",
+               "--global-batch", "512", "--cluster", cluster, "--top", "50"]  # fmt: skip
+    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 141, stderr  # 128 + SIGPIPE, as Unix tools end
+    assert stderr == ""
+
+
+def test_a_broken_pipe_elsewhere_is_still_a_traceback(capsys):
+    from hpcllm.errors import run_reporting_errors
+
+    def writes_to_a_dead_child():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert run_reporting_errors(writes_to_a_dead_child) == 1
+    assert "BrokenPipeError" in capsys.readouterr().err
