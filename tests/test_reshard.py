@@ -205,6 +205,12 @@ def test_recut_there_and_back_is_exact(stdlib, tmp_path):
         for key, value in state.items():
             assert torch.equal(value, b["optimizer"]["state"][index][key]), (index, key)
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    # The tp stream is each tp rank's own: rank 0 continues the saved one, rank 1 (which the
+    # t = 1 run had not) keeps its fresh seed rather than sharing rank 0's.
+    tp0, tp1 = (checkpoint.load_shard(there / step, r, 0, 2, 2)["rng"] for r in (0, 1))
+    assert torch.equal(tp0["tp_stream"]["torch"], a["rng"]["tp_stream"]["torch"])
+    assert "tp_stream" not in tp1
+    assert torch.equal(tp0["torch"], tp1["torch"])  # the default stream: the same on both
     meta_a, meta_b = (
         checkpoint.read_meta(tmp_path / "run" / step),
         checkpoint.read_meta(back / step),

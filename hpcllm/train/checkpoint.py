@@ -77,6 +77,7 @@ from hpcllm.config import Config, config_from_dict, load_yaml
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, durable_replace, fsync_path
 from hpcllm.parallel.distributed_optimizer import is_shard_state, merge_shards
+from hpcllm.parallel.random import set_tp_stream_state, tp_stream_state
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -141,6 +142,11 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    tp_cpu, tp_cuda = tp_stream_state()
+    if tp_cpu is not None:  # this tp rank's own stream (dropout in split regions)
+        state["tp_stream"] = {"torch": tp_cpu}
+        if tp_cuda is not None:
+            state["tp_stream"]["cuda"] = tp_cuda
     return state
 
 
@@ -171,6 +177,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    stream = state.get("tp_stream")
+    if stream is not None:  # else (older checkpoints) the stream keeps its fresh seed
+        _, tp_cuda = tp_stream_state()
+        if device.type == "cuda" and stream.get("cuda") is not None:
+            tp_cuda = stream["cuda"]
+        set_tp_stream_state((stream["torch"], tp_cuda))
 
 
 # -- writing ---------------------------------------------------------------------------------

@@ -292,7 +292,16 @@ def cut_shard(
         shard["scaler"] = _owned(first["scaler"])
     source = saved.rng_source(layout, pp_rank)
     if source is not None and "rng" in saved.shard(0, source):
-        shard["rng"] = _owned(saved.shard(0, source)["rng"])
+        rng = dict(_owned(saved.shard(0, source)["rng"]))
+        # The tensor-parallel stream is each tp rank's own (different masks on each shard):
+        # tp rank r continues saved tp rank r's, and a tp rank the saved run had not keeps
+        # its fresh seed, so no two tp ranks ever share one.
+        rng.pop("tp_stream", None)
+        if tp_rank < saved.layout.tp:
+            own = saved.shard(tp_rank, source).get("rng", {}).get("tp_stream")
+            if own is not None:
+                rng["tp_stream"] = _owned(own)
+        shard["rng"] = rng
     if optimizer and saved.has_optimizer():
         order = optimizer_order(chunks)
         state = {}
