@@ -139,6 +139,12 @@ def test_ps_async_in_round_robin_order_is_its_one_process_replay(tmp_path, dp):
             assert {key: mine[key] for key in theirs} == theirs, k
         # Staleness happened (what the test is about): some gradient met newer weights.
         assert max(s["staleness_max"] for s in stats) >= 1
+        assert all(s["skipped_updates"] == 0 for s in got["stats"])
+    # A NaN gradient from worker 1: its update is skipped and counted, the others applied.
+    poisoned = _load(tmp_path, "rr-nan", dp)
+    assert [s["skipped_updates"] for s in poisoned["stats"]] == [1]
+    assert all(torch.isfinite(w).all() for w in poisoned["weights"].values())
+    assert _relative_error(start, poisoned["weights"]) > 1e-3
 
 
 def _replay_local_sgd(d, period, steps, moments, kind="adamw", clip=CLIP):

@@ -67,6 +67,12 @@ TAG_GRAD, TAG_REPLY, TAG_WEIGHTS = 7101, 7102, 7103
 TRAILER = 2
 MAX_VERSION = 2**24
 
+# The server's optimizer step on its masters: returns (gradient norm, update skipped), as
+# :func:`hpcllm.train.grads.optimizer_step` does (a non-finite gradient is skipped).
+ServerStep = Callable[
+    [list[nn.Parameter], torch.optim.Optimizer], tuple[torch.Tensor, torch.Tensor]
+]
+
 # Local work of one worker: returns (mean loss, data seconds, compute seconds) and leaves the
 # gradient of its micro-batches in the parameters' .grad.
 LocalGradient = Callable[[], tuple[torch.Tensor, float, float]]
@@ -81,6 +87,8 @@ class SegmentStats:
     grad_norm: float = 0.0  # the last update's
     updates: int = 0
     dropped: int = 0  # gradients that arrived after the segment's quota
+    skipped: int = 0  # updates whose gradient was not finite: the masters stayed as they were
+    bad_streak: int = 0  # updates skipped in a row at the segment's end (across segments)
     staleness_mean: float = 0.0  # versions between a gradient's weights and its update
     staleness_max: int = 0
     rank_gradients: list[int] = field(default_factory=list)  # gradients sent, by dp rank
@@ -94,6 +102,7 @@ class SegmentStats:
         return {
             "updates": self.updates,
             "dropped_gradients": self.dropped,
+            "skipped_updates": self.skipped,
             "staleness_mean": self.staleness_mean,
             "staleness_max": self.staleness_max,
             "rank_gradients": self.rank_gradients,
@@ -122,6 +131,7 @@ class AsyncParameterServerEngine(Engine):
         self.params: list[nn.Parameter] = []
         self.version = 0  # of this rank's weights
         self.master_optimizer: torch.optim.Optimizer | None = None
+        self.bad_streak = 0  # the server's skipped updates in a row, across segments
 
     @property
     def holds_optimizer_state(self) -> bool:  # type: ignore[override]
@@ -204,7 +214,7 @@ class AsyncParameterServerEngine(Engine):
         steps: int,
         local_gradient: LocalGradient,
         lr_of_step: Callable[[int], float],
-        server_step: Callable[[list[nn.Parameter], torch.optim.Optimizer], torch.Tensor],
+        server_step: ServerStep,
     ) -> SegmentStats:
         """Train ``steps`` steps from ``first_step``; every rank calls it, every rank returns
         the same stats (its own times) and the server's weights."""
@@ -289,7 +299,7 @@ class _Server:
         first_step: int,
         quota: int,
         lr_of_step: Callable[[int], float],
-        server_step: Callable[[list[nn.Parameter], torch.optim.Optimizer], torch.Tensor],
+        server_step: ServerStep,
     ) -> None:
         self.e = engine
         self.d = engine.grid.dp
@@ -386,10 +396,16 @@ class _Server:
         for group in opt.param_groups:
             group["lr"] = lr
         torch.mul(grad, scale, out=self.e.flat_grad)
-        norm = self.server_step(self.e.masters, opt)
+        norm, skipped = self.server_step(self.e.masters, opt)
         self.version += 1
         self.stats.lr = lr
         self.stats.grad_norm = float(norm)
+        if bool(skipped):
+            self.stats.skipped += 1
+            self.e.bad_streak += 1
+        else:
+            self.e.bad_streak = 0
+        self.stats.bad_streak = self.e.bad_streak
 
     def _answer(self, rank: int, fresh: bool, stop: bool) -> None:
         import numpy as np

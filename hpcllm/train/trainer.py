@@ -500,8 +500,7 @@ class Trainer:
             return loss_sum / self.accumulation, data_time, self._straggle(compute_time)
 
         def server_step(masters: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> Any:
-            norm, _ = grads.optimizer_step(masters, opt, self.scaler, t.grad_clip)
-            return norm
+            return grads.optimizer_step(masters, opt, self.scaler, t.grad_clip)
 
         stats = self.engine.run_segment(  # type: ignore[attr-defined]
             self.step,
@@ -512,6 +511,10 @@ class Trainer:
         )
         self.step += steps
         self.consumed_samples += steps * self.global_batch
+        # A skipped update counts as a skipped step, and train.max_bad_steps counts updates
+        # skipped in a row (the server's, which the segment's stats carry to every rank).
+        self._bad_pending += stats.skipped
+        self._bad_streak.fill_(stats.bad_streak)
         return {
             "step": self.step,
             "loss": stats.loss,
@@ -521,7 +524,7 @@ class Trainer:
             "data_time_s": stats.data_s / steps,
             "compute_s": stats.compute_s / steps,
             "comm_wait_s": stats.wait_s / steps,
-            "skipped": False,
+            "skipped": stats.skipped > 0,
             "steps": steps,
             **stats.metrics(),
         }
@@ -854,7 +857,8 @@ class Trainer:
                     torch.cuda.profiler.stop()
                 if dog is None:  # armed once the first step has compiled and autotuned
                     dog = watchdog.start(self.cfg.run.timeout_s, self.grid.rank, self.run_dir)
-                diverged = self._count_bad_steps() if logged else None
+                counted = logged or self.engine.runs_segments  # a segment ends at a sync point
+                diverged = self._count_bad_steps() if counted else None
                 if diverged:  # log the step that ends the run (every rank: _metrics gathers)
                     record = self._metrics(record, [record["step_time_s"]])
                     if log:

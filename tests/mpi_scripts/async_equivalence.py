@@ -6,7 +6,8 @@ MODE k0: the ps engine and ps-async at max_staleness 0, 3 steps each, with SGD a
 saves ``{ps,k0}-{sgd,adamw}-rank{R}.pt``.
 MODE rr: ps-async at max_staleness 1 and 2 with the round-robin order, a segment of 2 steps
 then one of 1, AdamW with an LR that changes each step; saves ``rr-k{K}-rank{R}.pt`` holding
-the weights and both segments' stats.
+the weights and both segments' stats; then at max_staleness 1 one segment of 2 steps in
+which worker 1's first gradient is NaN (``rr-nan-rank{R}.pt``).
 MODE local: local-sgd with AdamW at H = 1, H = 4 and H = 4 averaging the moments too, by ddp
 (torch) and at H = 4 by Horovod, 8 steps; and SGD without clipping at H = 1 beside the ddp
 engine, 3 steps; saves ``local-{case}-rank{R}.pt``.
@@ -67,7 +68,7 @@ def sync_steps(grid, engine_name, kind, sets, steps, clip=CLIP) -> torch.nn.Modu
     return model
 
 
-def segments(grid, kind, sets, lengths, lr_of_step) -> tuple[torch.nn.Module, list]:
+def segments(grid, kind, sets, lengths, lr_of_step, poison=None) -> tuple[torch.nn.Module, list]:
     model, module, optimizer, engine = setup(grid, "ps-async", kind, sets)
     scaler = build_scaler("fp32", grid.device)
     count = [0]
@@ -79,10 +80,12 @@ def segments(grid, kind, sets, lengths, lr_of_step) -> tuple[torch.nn.Module, li
         count[0] += 1
         loss = module(ids, labels)
         loss.backward()
+        if poison == (grid.dp_rank, count[0] - 1):  # this worker's gradient: not finite
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
         return loss.detach(), 0.0, 0.0
 
     def server_step(masters, opt):
-        return grads.optimizer_step(masters, opt, scaler, CLIP)[0]
+        return grads.optimizer_step(masters, opt, scaler, CLIP)
 
     stats, done = [], 0
     for n in lengths:
@@ -114,6 +117,10 @@ def main() -> None:
             sets = [f"parallel.max_staleness={k}", "parallel.ps_async_order=round-robin"]
             model, stats = segments(grid, "adamw", sets, [2, 1], rr_lr)
             save(model, out / f"rr-k{k}-rank{rank}.pt", stats=stats)
+        # Worker 1's first gradient is NaN: that update is skipped and counted, no more.
+        sets = ["parallel.max_staleness=1", "parallel.ps_async_order=round-robin"]
+        model, stats = segments(grid, "adamw", sets, [2], rr_lr, poison=(1, 0))
+        save(model, out / f"rr-nan-rank{rank}.pt", stats=stats)
     elif mode == "local":
         cases = {
             "h1": ["parallel.local_sgd_steps=1"],
