@@ -31,9 +31,12 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "precision,engine",
+    [("fp32", "ddp"), ("bf16", "ddp"), ("fp16", "ddp"), ("fp32", "ps-async")],
+)
 def test_a_diverging_run_skips_bad_steps_then_stops_with_its_weights_finite(
-    stdlib: Path, tmp_path: Path, precision: str
+    stdlib: Path, tmp_path: Path, precision: str, engine: str
 ) -> None:
     cfg = load_config(
         None,
@@ -45,6 +48,7 @@ def test_a_diverging_run_skips_bad_steps_then_stops_with_its_weights_finite(
             "train.lr=1e9",  # the first update blows the weights up; the loss goes non-finite
             "train.max_bad_steps=3",
             f"train.precision={precision}",
+            f"parallel.dp_engine={engine}",
         ],
     )
     with Trainer(cfg) as trainer:
