@@ -145,6 +145,7 @@ def test_convert_tp_resumes_where_the_original_run_would(stdlib, tmp_path):
     import subprocess
     import sys
 
+    import torch
     from test_train import SMALL
 
     from hpcllm.generate import load_run_model
@@ -192,12 +193,20 @@ def test_convert_tp_resumes_where_the_original_run_would(stdlib, tmp_path):
     assert model.wte.weight.shape[0] == 384  # 257 padded for t = 1, not for t = 2 (512)
     step = tmp_path / "t4" / "checkpoints" / "step_00000003"
     assert len(list(step.glob("model_tp*_pp00.pt"))) == 4
+    # The four t = 4 shards merge back into the t = 2 run's model, weight for weight.
+    merged, _ = load_run_model(tmp_path / "t4")
+    source, _ = load_run_model(tmp_path / "t2")
+    for (name, got), want in zip(
+        merged.state_dict().items(), source.state_dict().values(), strict=True
+    ):
+        assert torch.equal(got, want), name
     original = train(2, tmp_path / "t2", 6, 2)
-    for tp in (1, 4):
-        converted = train(tp, tmp_path / f"t{tp}", 6, tp)
-        assert sorted(converted) == [4, 5, 6]  # resumed at step 3: weights and Adam state
-        for step in (4, 5, 6):
-            assert converted[step] == pytest.approx(original[step], rel=1e-5), tp
+    # The t = 4 copy was checked above, merged; resuming it too (4 ranks on this machine's
+    # two cores) would add little to what t = 1 shows, and test_reshard resumes other re-cuts.
+    converted = train(1, tmp_path / "t1", 6, 1)
+    assert sorted(converted) == [4, 5, 6]  # resumed at step 3: weights and Adam state
+    for step in (4, 5, 6):
+        assert converted[step] == pytest.approx(original[step], rel=1e-5)
 
 
 def test_a_resume_with_tensor_parallel_dropout_logs_the_uninterrupted_losses(stdlib, tmp_path):
