@@ -42,13 +42,14 @@ def _wait_for_all_ranks(timeout_s: float = 30.0) -> None:
 STDOUT_CLOSED_EXIT = 141
 
 
-def _stdout_closed(err: BrokenPipeError) -> bool:
-    """Return whether ``err`` came from stdout's reader going away; if so, silence stdout.
+def _stdout_closed() -> bool:
+    """Return whether stdout's reader went away (a broken pipe's usual cause); if so, silence
+    stdout.
 
-    Python flushes stdout again at exit, which would print "Exception ignored ... Broken
-    pipe": stdout is pointed at /dev/null first.
+    Where the error was raised says nothing, so stdout itself is asked. Python flushes stdout
+    again at exit, which would print "Exception ignored ... Broken pipe": stdout is pointed at
+    /dev/null first.
     """
-    del err  # where it was raised says nothing: stdout itself is asked
     try:
         sys.stdout.flush()
         fd = sys.stdout.fileno()
@@ -101,13 +102,17 @@ def run_reporting_errors(main: Callable[[], int | None]) -> int:
     so that ranks blocked in a collective do not hang forever.
     """
     try:
-        return int(main() or 0)
+        code = int(main() or 0)
+        # Output still in the buffer is written here, not at exit, where a reader that went
+        # away would be reported as "Exception ignored ... BrokenPipeError".
+        sys.stdout.flush()
+        return code
     except UserError as err:
         return _report_user_error(str(err), err.same_on_all_ranks)
     except KeyboardInterrupt:
         return 130
     except Exception as err:
-        if isinstance(err, BrokenPipeError) and _stdout_closed(err):
+        if isinstance(err, BrokenPipeError) and _stdout_closed():
             # The reader of our output went away (`hpcllm plan | head`): stop quietly, as
             # the Unix tools do when SIGPIPE ends them (128 + 13), the other ranks with us.
             _abort_mpi_job(STDOUT_CLOSED_EXIT)

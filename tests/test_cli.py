@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from mpirun import REPO
 
 
@@ -60,23 +61,33 @@ def test_train_help_names_every_config_key():
             assert key.name in text, f"{section.name}.{key.name}"
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly():
-    # `hpcllm plan | head -1`: the reader closes the pipe before the output is written.
+@pytest.mark.parametrize("top", ["1", "50"], ids=["buffered", "written-while-running"])
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["block", "unbuffered"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(top, unbuffered):
+    # `hpcllm plan | head -1`: the reader closes the pipe before the output is written. A
+    # short output sits in stdout's buffer until the end; a long one is written while the
+    # command runs.
     cluster = "jobs/clusters/dgx-a100.yaml"
     command = [sys.executable, "-m", "hpcllm", "plan", "--model", "gpt2-1.3b", "--gpus", "64",
-               "--global-batch", "512", "--cluster", cluster, "--top", "50"]  # fmt: skip
-    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               "--global-batch", "512", "--cluster", cluster, "--top", top]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    child = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     child.stdout.close()
     stderr = child.stderr.read().decode()
     assert child.wait(timeout=120) == 141, stderr  # 128 + SIGPIPE, as Unix tools end
     assert stderr == ""
 
 
-def test_a_broken_pipe_elsewhere_is_still_a_traceback(capsys):
+def test_a_broken_pipe_elsewhere_is_still_a_traceback(capfd):
     from hpcllm.errors import run_reporting_errors
 
     def writes_to_a_dead_child():
         raise BrokenPipeError(32, "Broken pipe")
 
     assert run_reporting_errors(writes_to_a_dead_child) == 1
-    assert "BrokenPipeError" in capsys.readouterr().err
+    # stdout (a file here) is still writable: not the reader going away.
+    assert "BrokenPipeError" in capfd.readouterr().err
