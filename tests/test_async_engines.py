@@ -142,9 +142,22 @@ def test_ps_async_in_round_robin_order_is_its_one_process_replay(tmp_path, dp):
         assert all(s["skipped_updates"] == 0 for s in got["stats"])
     # A NaN gradient from worker 1: its update is skipped and counted, the others applied.
     poisoned = _load(tmp_path, "rr-nan", dp)
-    assert [s["skipped_updates"] for s in poisoned["stats"]] == [1]
+    (stats,) = poisoned["stats"]
+    assert (stats["skipped_updates"], stats["skipped_steps"], stats["bad_steps_in_a_row"]) == (
+        1,
+        1,
+        0,
+    )
     assert all(torch.isfinite(w).all() for w in poisoned["weights"].values())
     assert _relative_error(start, poisoned["weights"]) > 1e-3
+    # The last d updates skipped: d updates, but one step, and one step's worth in a row (what
+    # train.max_bad_steps counts).
+    (stats,) = _load(tmp_path, "rr-nan-step", dp)["stats"]
+    assert (stats["skipped_updates"], stats["skipped_steps"], stats["bad_steps_in_a_row"]) == (
+        dp,
+        1,
+        1,
+    )
 
 
 def _replay_local_sgd(d, period, steps, moments, kind="adamw", clip=CLIP):

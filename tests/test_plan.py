@@ -12,7 +12,7 @@ from mpirun import REPO, python, run_mpi
 from hpcllm.parallel.pipeline.schedule import build, peak_in_flight
 from hpcllm.parallel.pipeline.simulate import simulate
 from hpcllm.plan.costs import Layout, Model, Software, _in_flight, estimate
-from hpcllm.plan.hardware import gemm_efficiency, load_cluster
+from hpcllm.plan.hardware import cluster_from_dict, gemm_efficiency, load_cluster
 from hpcllm.plan.search import Fixed, layouts, search
 
 DGX_A100 = REPO / "jobs" / "clusters" / "dgx-a100.yaml"
@@ -315,8 +315,7 @@ def test_when_nothing_fits_the_closest_layout_comes_first():
 def test_bench_device_writes_a_gpu_spec_the_planner_takes(tmp_path):
     fragment = tmp_path / "gpu.yaml"
     done = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "bench", "device", "--cpu-smoke", "--dtype", "fp32",
-         "--out", str(fragment)],
+        [sys.executable, "-m", "hpcllm", "bench", "device", "--cpu-smoke", "--out", str(fragment)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -330,12 +329,40 @@ def test_bench_device_writes_a_gpu_spec_the_planner_takes(tmp_path):
     cluster = load_cluster(cluster_file)
     assert [d for d, _ in cluster.gpu.shape_factor] == [16, 32, 64, 128]
     assert max(share for _, share in cluster.gpu.shape_factor) == 1.0
-    assert cluster.gpu.gemm_ceiling == 1.0 and cluster.gpu.peak_fp32 > 0
+    assert cluster.gpu.gemm_ceiling == 1.0
+    assert cluster.gpu.peak_fp32 == pytest.approx(cluster.gpu.peak_bf16 / 2, rel=1e-3)
+    assert "hpcllm bench device --cpu-smoke --out" in fragment.read_text()  # how, in a comment
     planned = _plan(
-        "--model", "tiny", "--gpus", "2", "--global-batch", "4", "--precision", "fp32",
+        "--model", "tiny", "--gpus", "2", "--global-batch", "4",
         "--cluster", str(cluster_file),
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr
+
+
+def test_bench_devices_fragment_for_a_known_kind_gives_only_what_it_measured():
+    from hpcllm.bench.device import gpu_spec
+
+    measured = {
+        "size": 8192,
+        "square_tflops": 700.0,
+        "best_gemm_tflops": 760.0,
+        "by_dim_tflops": {64: 228.0, 1024: 722.0, 4096: 760.0},
+        "attention_tflops": 400.0,
+        "copy_gbps": 3000.0,
+    }
+    spec = gpu_spec(measured, "h100-sxm", 85.0)
+    assert set(spec) == {"gemm_ceiling", "flash_efficiency", "memory_efficiency", "shape_factor"}
+    assert spec["gemm_ceiling"] == pytest.approx(760 / 989.4, rel=1e-3)
+    assert spec["flash_efficiency"] == pytest.approx(400 / 989.4, rel=1e-3)
+    assert spec["memory_efficiency"] == pytest.approx(3000 / 3350, rel=1e-3)
+    shares = {64: 0.3, 1024: 0.95, 4096: 1.0, 8192: pytest.approx(0.921, rel=1e-3)}
+    assert spec["shape_factor"] == shares
+    network = {"gpus_per_node": 8, "intra_node_gbps": 360, "inter_node_gbps": 45,
+               "intra_node_latency_us": 8, "inter_node_latency_us": 12}  # fmt: skip
+    gpu = cluster_from_dict({"gpu": "h100-sxm", "gpu_spec": spec, **network}).gpu
+    assert (gpu.peak_bf16, gpu.memory_gb, gpu.hbm_gbps) == (989.4, 80.0, 3350.0)  # data sheet
+    # The planner prices a GEMM of smallest dimension 64 at the measured 228 TFLOP/s.
+    assert gemm_efficiency(gpu, (64, 8192, 8192)) * gpu.peak_bf16 == pytest.approx(228, rel=1e-2)
 
 
 def test_a_measured_shape_table_and_partial_spec_override_a_known_kind(tmp_path):
@@ -380,6 +407,9 @@ def test_a_bad_measured_table_is_one_line_and_exit_2(override, message):
         ("NVIDIA H200", "h200"),
         ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
         ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("NVIDIA A100 80GB PCIe", None),  # another bandwidth than the SXM part
+        ("NVIDIA GH200 480GB", None),
+        ("NVIDIA H100 NVL", None),
         ("Tesla V100-SXM2-32GB", None),
     ],
 )

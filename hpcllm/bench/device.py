@@ -10,26 +10,32 @@ file takes as it is, so the planner prices this GPU from its own numbers.
 
 - GEMMs: for each dimension d, the three shapes with d as M, N or K and the other two at
   ``--size`` (default 8192), and the square ``--size`` GEMM; TFLOP/s = 2·M·N·K / time
-  (median of CUDA-event timings). ``gemm_ceiling`` = the best of them / peak;
-  ``shape_factor[d]`` = the median of d's three shapes / the best.
+  (median of CUDA-event timings). ``gemm_ceiling`` = the best of the square GEMM and each
+  d's median / peak; ``shape_factor[d]`` = d's median / that best (and the square GEMM's
+  share at d = ``--size``).
 - Attention: ``scaled_dot_product_attention`` causal, forward and backward, at batch 4,
   16 heads of 128, sequence 2048; the planner counts 2·b·s²·h FLOPs forward and 2.5 times
   that backward (the causal half), so ``flash_efficiency`` = 7·b·s²·h / time / peak.
 - HBM: ``dst.copy_(src)`` of 1 GiB; bandwidth = 2 × bytes / time; ``memory_efficiency`` =
   bandwidth / the data sheet's.
 
-The peak and HBM bandwidth are the data sheet's for the kinds the planner knows (matched by
-the device name, or ``--kind``); for another device give ``--peak-tflops`` and
-``--hbm-gbps``, or the ceiling and copy bandwidth measured here stand in for them (fractions
-of 1). ``--cpu-smoke`` runs it all tiny on the CPU, to show the script works; its numbers
-describe nothing.
+It measures in bf16 (or fp16: the same tensor-core peak), the precision whose fractions the
+planner applies. The peaks, memory and HBM bandwidth are the data sheet's for the kinds the
+planner knows (matched by the device name, or ``--kind``), and the fragment gives only what
+was measured; for another device give ``--peak-tflops`` (16-bit) and ``--hbm-gbps``, or the
+best GEMM and the copy measured here stand in for them (fractions of 1), its TF32 peak is
+taken as half the 16-bit one (as on every kind listed) unless ``--peak-fp32-tflops`` says
+otherwise, and its memory is the device's. ``--cpu-smoke`` runs it all tiny on the CPU, to
+show the script works; its numbers describe nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,14 +52,22 @@ SMOKE_DIMS = (16, 32, 64)
 
 
 def kind_of(name: str) -> str | None:
-    """Return the planner's GPU kind for a CUDA device name, or None if it knows none."""
-    upper = name.upper()
+    """Return the planner's GPU kind for a CUDA device name, or None if it knows none.
+
+    Variants with other peaks or memory (GH200, H100 NVL, A100 80GB PCIe) are none of the
+    kinds: give ``--kind`` or the figures.
+    """
+    upper = name.upper().replace(" ", "")
+    if "GH200" in upper or "NVL" in upper:
+        return None
     if "H200" in upper:
         return "h200"
     if "H100" in upper:
         return "h100-pcie" if "PCIE" in upper else "h100-sxm"
     if "A100" in upper:
-        return "a100-80gb" if "80GB" in upper.replace(" ", "") else "a100-40gb"
+        if "80GB" in upper:
+            return None if "PCIE" in upper else "a100-80gb"
+        return "a100-40gb"
     return None
 
 
@@ -119,7 +133,7 @@ def measure(
 
     def attend() -> None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(grad)
+        torch.autograd.grad(out, (q, k, v), grad)  # no accumulation into .grad
 
     attention_s = timed(attend)
     hidden = heads * head_dim
@@ -146,26 +160,30 @@ def _sig(x: float) -> float:
 def gpu_spec(
     measured: dict[str, Any],
     kind: str | None,
-    dtype: torch.dtype,
     memory_gb: float,
     peak_tflops: float | None = None,
     hbm_gbps: float | None = None,
+    peak_fp32_tflops: float | None = None,
 ) -> dict[str, Any]:
-    """Return the ``gpu_spec`` mapping a cluster file takes, from the measured figures."""
+    """Return the ``gpu_spec`` mapping a cluster file takes, from 16-bit measurements.
+
+    For a kind the planner knows, only the measured fractions (its data sheet keeps the
+    peaks, memory and bandwidth); for another device every field.
+    """
     known = GPUS.get(kind) if kind else None
-    precision = "fp32" if dtype == torch.float32 else "bf16"
-    peak = peak_tflops or (known.peak(precision) if known else None)
-    hbm = hbm_gbps or (known.hbm_gbps if known else None)
     best = measured["best_gemm_tflops"]
+    peak = peak_tflops or (known.peak_bf16 if known else None)
     ceiling = best / peak if peak else 1.0
     peak = peak or best
-    # The other precision's peak: the data sheet's, or (unknown device) the one measured.
-    other = (known.peak_bf16 if precision == "fp32" else known.peak_fp32) if known else peak
-    spec: dict[str, Any] = {
-        "peak_bf16": _sig(other if precision == "fp32" else peak),
-        "peak_fp32": _sig(peak if precision == "fp32" else other),
-        "memory_gb": _sig(memory_gb),
-        "hbm_gbps": _sig(hbm or measured["copy_gbps"]),
+    hbm = hbm_gbps or (known.hbm_gbps if known else None)
+    spec: dict[str, Any] = {}
+    if known is None or peak_tflops or peak_fp32_tflops or hbm_gbps:
+        fp32 = peak_fp32_tflops or (known.peak_fp32 if known else peak / 2)
+        spec |= {"peak_bf16": _sig(peak), "peak_fp32": _sig(fp32)}
+        spec["hbm_gbps"] = _sig(hbm or measured["copy_gbps"])
+    if known is None:
+        spec["memory_gb"] = _sig(memory_gb)
+    spec |= {
         "gemm_ceiling": _sig(ceiling),
         "flash_efficiency": _sig(measured["attention_tflops"] / peak),
         "memory_efficiency": _sig(measured["copy_gbps"] / hbm if hbm else 1.0),
@@ -189,7 +207,7 @@ def render_yaml(spec: dict[str, Any], kind: str | None, header: Sequence[str]) -
     return "\n".join(lines) + "\n"
 
 
-def render_table(measured: dict[str, Any], spec: dict[str, Any]) -> str:
+def render_table(measured: dict[str, Any], spec: dict[str, Any], peak: float) -> str:
     """Return the measured figures as text: GEMMs by dimension, attention, copy."""
     size = measured["size"]
     rows = [
@@ -201,11 +219,11 @@ def render_table(measured: dict[str, Any], spec: dict[str, Any]) -> str:
     rows += [
         "",
         f"best GEMM: {measured['best_gemm_tflops']:.4g} TFLOP/s "
-        f"(gemm_ceiling {spec['gemm_ceiling']:.3f} of {spec['peak_bf16']} peak)",
+        f"(gemm_ceiling {spec['gemm_ceiling']:.3f} of the {peak:.4g} TFLOP/s 16-bit peak)",
         f"causal attention, forward + backward: {measured['attention_tflops']:.4g} TFLOP/s "
         f"(flash_efficiency {spec['flash_efficiency']:.3f})",
         f"copy: {measured['copy_gbps']:.4g} GB/s (memory_efficiency "
-        f"{spec['memory_efficiency']:.3f} of {spec['hbm_gbps']} GB/s)",
+        f"{spec['memory_efficiency']:.3f})",
     ]
     return "\n".join(rows)
 
@@ -217,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument(
+        "--dtype", choices=("bf16", "fp16"), default="bf16", help="16-bit kind [default: bf16]"
+    )
     parser.add_argument("--size", type=int, default=None, help="[default: 8192, smoke 128]")
     parser.add_argument("--iters", type=int, default=None, help="[default: 20, smoke 2]")
     parser.add_argument("--kind", choices=sorted(GPUS), default=None, help="[default: by name]")
-    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit peak")
+    parser.add_argument("--peak-fp32-tflops", type=float, default=None, help="TF32 peak")
     parser.add_argument("--hbm-gbps", type=float, default=None)
     parser.add_argument(
         "--out", type=Path, default=None, help="write the cluster-file fragment here"
@@ -231,33 +252,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
-    for name in ("size", "iters", "peak_tflops", "hbm_gbps"):
+    for name in ("size", "iters", "peak_tflops", "peak_fp32_tflops", "hbm_gbps"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    dims = SMOKE_DIMS if smoke else DIMS
+    if args.size is not None and args.size <= dims[0]:
+        raise UserError(f"--size {args.size} leaves no GEMM dimension below it: use {dims[1]}+")
+    if args.out is not None:
+        folder = args.out.resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UserError(f"cannot write {args.out}: {folder} is not a writable folder")
     if not smoke and not torch.cuda.is_available():
         raise UserError("hpcllm bench device measures a GPU and this node has none (--cpu-smoke)")
     device = torch.device("cpu" if smoke else "cuda")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if smoke:
         name, memory_gb = "cpu", 1.0
     else:
         props = torch.cuda.get_device_properties(device)
         name, memory_gb = props.name, props.total_memory / 1e9
-        if dtype == torch.float32:
-            torch.backends.cuda.matmul.allow_tf32 = True
     kind = args.kind or (None if smoke else kind_of(name))
     measured = measure(
         device,
         dtype,
         args.size or (128 if smoke else 8192),
-        SMOKE_DIMS if smoke else DIMS,
+        dims,
         args.iters or (2 if smoke else 20),
         1 if smoke else 5,
         (1, 2, 64, 32) if smoke else (4, 16, 2048, 128),
         (4 << 20) if smoke else (1 << 30),
     )
-    spec = gpu_spec(measured, kind, dtype, memory_gb, args.peak_tflops, args.hbm_gbps)
+    spec = gpu_spec(
+        measured, kind, memory_gb, args.peak_tflops, args.hbm_gbps, args.peak_fp32_tflops
+    )
+    peak = args.peak_tflops or (GPUS[kind].peak_bf16 if kind else measured["best_gemm_tflops"])
     versions = f"torch {torch.__version__}"
     if not smoke:
         versions += f", CUDA {torch.version.cuda}"
@@ -267,16 +296,19 @@ def main(argv: list[str] | None = None) -> int:
             versions += f", Triton {triton.__version__}"
         except ImportError:
             pass
+    command = " ".join(["hpcllm bench device", *(argv if argv is not None else sys.argv[1:])])
     header = [
-        f"measured by `hpcllm bench device --dtype {args.dtype}` on {name} "
-        f"({kind or 'no kind the planner knows'}), {versions}, "
+        f"measured by `{command}` on {name} ({kind or 'no kind the planner knows'}), {versions}, "
         f"{datetime.date.today().isoformat()}",
         "paste into a cluster file (jobs/clusters/*.yaml) in place of its gpu line",
     ]
-    print(render_table(measured, spec))
+    print(render_table(measured, spec, peak))
     text = render_yaml(spec, kind, header)
     if args.out:
-        atomic_write(args.out, text)
+        try:
+            atomic_write(args.out, text)
+        except OSError as err:
+            raise UserError(f"cannot write {args.out}: {err.strerror or err}") from None
         print(f"wrote {args.out}")
     else:
         print(text, end="")

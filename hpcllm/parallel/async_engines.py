@@ -88,7 +88,8 @@ class SegmentStats:
     updates: int = 0
     dropped: int = 0  # gradients that arrived after the segment's quota
     skipped: int = 0  # updates whose gradient was not finite: the masters stayed as they were
-    bad_streak: int = 0  # updates skipped in a row at the segment's end (across segments)
+    skipped_steps: int = 0  # steps (of updates_per_step updates) with a skipped update
+    bad_steps_in_a_row: int = 0  # whole steps' worth of skipped updates in a row, at the end
     staleness_mean: float = 0.0  # versions between a gradient's weights and its update
     staleness_max: int = 0
     rank_gradients: list[int] = field(default_factory=list)  # gradients sent, by dp rank
@@ -131,7 +132,7 @@ class AsyncParameterServerEngine(Engine):
         self.params: list[nn.Parameter] = []
         self.version = 0  # of this rank's weights
         self.master_optimizer: torch.optim.Optimizer | None = None
-        self.bad_streak = 0  # the server's skipped updates in a row, across segments
+        self.bad_streak = 0  # the server's updates skipped in a row, across segments
 
     @property
     def holds_optimizer_state(self) -> bool:  # type: ignore[override]
@@ -311,6 +312,7 @@ class _Server:
         self.local_in: queue.Queue[torch.Tensor] = queue.Queue()
         self.local_out: queue.Queue[Any] = queue.Queue()
         self.stats = SegmentStats(rank_gradients=[0] * self.d)
+        self.last_skipped_step = -1
         self.losses: list[float] = []
         self.staleness: list[int] = []
         self.error: BaseException | None = None
@@ -402,10 +404,14 @@ class _Server:
         self.stats.grad_norm = float(norm)
         if bool(skipped):
             self.stats.skipped += 1
+            if step != self.last_skipped_step:
+                self.stats.skipped_steps += 1
+                self.last_skipped_step = step
             self.e.bad_streak += 1
         else:
             self.e.bad_streak = 0
-        self.stats.bad_streak = self.e.bad_streak
+        # train.max_bad_steps counts steps: a step's worth of updates skipped in a row is one.
+        self.stats.bad_steps_in_a_row = self.e.bad_streak // self.e.updates_per_step
 
     def _answer(self, rank: int, fresh: bool, stop: bool) -> None:
         import numpy as np

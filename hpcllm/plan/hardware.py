@@ -130,7 +130,7 @@ def _shape_factor(where: str, raw: Any) -> tuple[tuple[int, float], ...]:
     if not isinstance(raw, dict) or len(raw) < 2:
         raise UserError(
             f"{where}: gpu_spec.shape_factor must map two or more GEMM dimensions to the "
-            "fraction of gemm_ceiling they reach, e.g. {{64: 0.3, 2048: 1.0}}"
+            "fraction of gemm_ceiling they reach, e.g. {64: 0.3, 2048: 1.0}"
         )
     table = []
     for dim, share in raw.items():

@@ -511,10 +511,11 @@ class Trainer:
         )
         self.step += steps
         self.consumed_samples += steps * self.global_batch
-        # A skipped update counts as a skipped step, and train.max_bad_steps counts updates
-        # skipped in a row (the server's, which the segment's stats carry to every rank).
-        self._bad_pending += stats.skipped
-        self._bad_streak.fill_(stats.bad_streak)
+        # A step with a skipped update counts as a skipped step; train.max_bad_steps counts
+        # whole steps' worth of the server's updates skipped in a row (the segment's stats
+        # carry both to every rank).
+        self._bad_pending += stats.skipped_steps
+        self._bad_streak.fill_(stats.bad_steps_in_a_row)
         return {
             "step": self.step,
             "loss": stats.loss,

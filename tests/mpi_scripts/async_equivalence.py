@@ -7,7 +7,8 @@ saves ``{ps,k0}-{sgd,adamw}-rank{R}.pt``.
 MODE rr: ps-async at max_staleness 1 and 2 with the round-robin order, a segment of 2 steps
 then one of 1, AdamW with an LR that changes each step; saves ``rr-k{K}-rank{R}.pt`` holding
 the weights and both segments' stats; then at max_staleness 1 one segment of 2 steps in
-which worker 1's first gradient is NaN (``rr-nan-rank{R}.pt``).
+which worker 1's first gradient is NaN (``rr-nan-rank{R}.pt``), and one in which every
+worker's second gradient is (``rr-nan-step-rank{R}.pt``).
 MODE local: local-sgd with AdamW at H = 1, H = 4 and H = 4 averaging the moments too, by ddp
 (torch) and at H = 4 by Horovod, 8 steps; and SGD without clipping at H = 1 beside the ddp
 engine, 3 steps; saves ``local-{case}-rank{R}.pt``.
@@ -80,7 +81,7 @@ def segments(grid, kind, sets, lengths, lr_of_step, poison=None) -> tuple[torch.
         count[0] += 1
         loss = module(ids, labels)
         loss.backward()
-        if poison == (grid.dp_rank, count[0] - 1):  # this worker's gradient: not finite
+        if poison is not None and poison(grid.dp_rank, count[0] - 1):  # not finite
             next(model.parameters()).grad.view(-1)[0] = float("nan")
         return loss.detach(), 0.0, 0.0
 
@@ -90,7 +91,8 @@ def segments(grid, kind, sets, lengths, lr_of_step, poison=None) -> tuple[torch.
     stats, done = [], 0
     for n in lengths:
         s = engine.run_segment(done, n, local_gradient, lr_of_step, server_step)
-        stats.append(s.metrics() | {"loss": s.loss})
+        extra = {"skipped_steps": s.skipped_steps, "bad_steps_in_a_row": s.bad_steps_in_a_row}
+        stats.append(s.metrics() | {"loss": s.loss} | extra)
         done += n
     return model, stats
 
@@ -119,8 +121,11 @@ def main() -> None:
             save(model, out / f"rr-k{k}-rank{rank}.pt", stats=stats)
         # Worker 1's first gradient is NaN: that update is skipped and counted, no more.
         sets = ["parallel.max_staleness=1", "parallel.ps_async_order=round-robin"]
-        model, stats = segments(grid, "adamw", sets, [2], rr_lr, poison=(1, 0))
+        model, stats = segments(grid, "adamw", sets, [2], rr_lr, lambda r, k: (r, k) == (1, 0))
         save(model, out / f"rr-nan-rank{rank}.pt", stats=stats)
+        # Every worker's second gradient is NaN: the segment's last d updates, one step's worth.
+        model, stats = segments(grid, "adamw", sets, [2], rr_lr, lambda r, k: k == 1)
+        save(model, out / f"rr-nan-step-rank{rank}.pt", stats=stats)
     elif mode == "local":
         cases = {
             "h1": ["parallel.local_sgd_steps=1"],
