@@ -218,6 +218,27 @@ def test_the_command_ranks_gpt2_1_3b_on_64_gpus_in_seconds(tmp_path):
             ["--gpus", "8", "--pp", "4", "--schedule", "zb-h1", "--software", "megatron-2021"],
             "--schedule zb-h1: this software runs 1f1b, interleaved",
         ),
+        (
+            ["--gpus", "10", "--pp", "5", "--software", "megatron-2021"],
+            "--pp 5: this software needs the 24 layers divisible by p",
+        ),
+        (
+            [
+                "--gpus",
+                "8",
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--software",
+                "megatron-2021",
+            ],
+            "--pp 2: this software runs the interleaved schedule at p >= 3 only",
+        ),  # fmt: skip
+        (
+            ["--gpus", "8", "--pp", "4", "--vpp", "4", "--software", "megatron-2021"],
+            "--vpp 4: this software needs v to divide the 6 layers of a stage",
+        ),
         (["--gpus", "8", "--png", "/nonexistent/x.png"], "cannot write /nonexistent/x.png"),
     ],
 )

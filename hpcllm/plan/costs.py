@@ -233,7 +233,7 @@ class _Layer:
     attention_b: float
     elementwise_f: float
     tp_f: float  # exposed all-reduce time of one forward
-    weight_grad: float  # the share of the backward that computes weight gradients
+    weight_grad: float  # the share of the backward that computes weight (and bias) gradients
     bias_grads: float = 0.0  # the backward's bias-gradient reductions
 
     @property
@@ -289,8 +289,10 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     if software.separate_bias_pass:  # the q|k|v output read and written once more
         elementwise += _memory_s(cluster, 2 * b * s * 3 * h / t * e)
     # Backward: each linear's bias gradient sums its output gradient over the tokens (q|k|v
-    # and MLP up split over t, the attention output and MLP down whole).
-    bias_grads = _memory_s(cluster, b * s * (7 * h / t + 2 * h) * e)
+    # and MLP up split over t; the attention output and MLP down whole, over s/t tokens with
+    # sequence parallelism, whose reduce-scatter leaves each rank its share of them).
+    row_tokens = b * s / (t if layout.sequence_parallel else 1)
+    bias_grads = _memory_s(cluster, (b * s * 7 * h / t + row_tokens * 2 * h) * e)
     tp_f = 0.0
     if t > 1:
         gbps, latency = (
@@ -299,7 +301,8 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
             else (cluster.intra_node_gbps, cluster.intra_node_latency_us)
         )
         tp_f = 2 * _ring_allreduce_s(b * s * h * e, t, gbps, latency)
-    return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm, bias_grads)
+    # zb-h1's weight pass: the weight GEMMs and the bias gradients.
+    return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm + bias_grads, bias_grads)
 
 
 def _in_flight(layout: Layout, m: int) -> float:

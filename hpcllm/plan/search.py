@@ -178,6 +178,7 @@ def search(
         raise UserError(
             f"--schedule {fixed.schedule}: this software runs {', '.join(software.schedules)}"
         )
+    _check_software_layout(model, fixed, software)
     found = [
         estimate(model, layout, cluster, software, global_batch)
         for layout in layouts(model, gpus, global_batch, fixed, software)
@@ -207,6 +208,23 @@ def search(
         ranked,
         [(e, _why(e, best, cluster)) for e in rest],
     )
+
+
+def _check_software_layout(model: Model, fixed: Fixed, software: Software) -> None:
+    """Refuse, in one line, a fixed pipeline layout the software does not run."""
+    p, v = fixed.pp, fixed.vpp
+    interleaved = fixed.schedule == "interleaved" or (v or 1) > 1
+    if software.even_stages and p and model.layers % p:
+        raise UserError(f"--pp {p}: this software needs the {model.layers} layers divisible by p")
+    if interleaved and p and p < software.interleave_min_pp:
+        raise UserError(
+            f"--pp {p}: this software runs the interleaved schedule at p >= "
+            f"{software.interleave_min_pp} only"
+        )
+    if interleaved and software.even_stages and p and v and (model.layers // p) % v:
+        raise UserError(
+            f"--vpp {v}: this software needs v to divide the {model.layers // p} layers of a stage"
+        )
 
 
 def layout_record(e: Estimate) -> dict[str, Any]:
