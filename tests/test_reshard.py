@@ -354,3 +354,11 @@ def test_only_the_rank_that_starts_where_a_saved_stage_started_continues_its_str
     assert saved.rng_source(reshard.Cut(pp=1), 0) == 0
     interleaved = reshard.Cut(pp=2, vpp=2)  # rank 1's first stage is stage 1: block 1
     assert [saved.rng_source(interleaved, r) for r in range(2)] == [0, None]
+    # Saved interleaved (p 2, v 2: rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3), cut
+    # to p 4: new ranks 0 and 1 start where saved ranks 0 and 1 started; 2 and 3 start at
+    # their second chunks and must not take their streams (rank 0's would be drawn twice).
+    (folder / "meta.json").write_text('{"step": 1, "tp": 1, "pp": 2, "vpp": 2, "vocab_size": 300}')
+    cfg.parallel.vpp, cfg.parallel.schedule = 2, "interleaved"
+    cfg.dump(folder / "config.yaml")
+    saved = reshard.SavedState(folder)
+    assert [saved.rng_source(reshard.Cut(pp=4), r) for r in range(4)] == [0, 1, None, None]

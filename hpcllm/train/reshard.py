@@ -199,15 +199,19 @@ class SavedState:
     def rng_source(self, layout: Cut, pp_rank: int) -> int | None:
         """Return the saved pipeline rank whose random states ``pp_rank`` of ``layout`` takes.
 
-        The saved rank whose stage starts where this rank's first stage starts: pipeline
-        stages draw from different streams, so where several new ranks come from one saved
-        rank, only the one that starts where it started continues its streams (None: the
-        rest keep their fresh seeds).
+        The saved rank whose first stage starts where this rank's first stage starts:
+        pipeline stages draw from different streams, so where several new ranks come from
+        one saved rank, only the one that starts where it started continues its streams
+        (None: the rest keep their fresh seeds). Only a saved rank's *first* stage counts: an
+        interleaved rank's later chunks start elsewhere, and a new rank starting at one of
+        them would otherwise share that rank's streams with the new rank starting at its
+        first.
         """
         start = layout.stages(self.cfg.model.n_layer)[pp_rank].start
-        for stage, layers in enumerate(self.layout.stages(self.cfg.model.n_layer)):
+        saved_firsts = self.layout.stages(self.cfg.model.n_layer)[: self.layout.pp]
+        for rank, layers in enumerate(saved_firsts):
             if layers.start == start:
-                return stage % self.layout.pp
+                return rank
         return None
 
     def _slices(self, name: str, pick: Any) -> list[Any]:
