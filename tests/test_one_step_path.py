@@ -64,6 +64,10 @@ CASES: dict[str, tuple[int, list[str]]] = {
 # The LR moves with the step; how AdamW runs (fused since the bad-step skip, foreach before)
 # is reset on load, not restored (hpcllm.train.optim.load_optimizer_state).
 IGNORED_GROUP_KEYS = ("lr", "fused", "foreach", "capturable", "differentiable")
+# RNG states added since, which a reader without them ignores (checkpoint.set_rng_state reads
+# the states it knows by name) and a reader with them does without (a fresh seed): each tp
+# rank's tensor-parallel dropout stream.
+ADDED_RNG_KEYS = ("tp_stream",)
 
 _WORDS = "def return import class self lambda yield with as for in if else while try".split()
 
@@ -135,7 +139,7 @@ def checkpoint_format(run_dir: Path) -> dict[str, Any]:
                 for group in optimizer["param_groups"]
             ],
             "scaler": sorted(shard["scaler"]),
-            "rng": sorted(shard["rng"]),
+            "rng": sorted(k for k in shard["rng"] if k not in ADDED_RNG_KEYS),
         }
     found = {"meta": sorted(json.loads((folder / "meta.json").read_text())), "shards": shards}
     return json.loads(json.dumps(found))  # as the recorded file reads back: tuples as lists

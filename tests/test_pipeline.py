@@ -87,6 +87,12 @@ def test_sequence_parallel_pipeline_equals_one_process():
         _check(case)
 
 
+# The p = 1 runs the cases below compare with, by precision: trained once, under ddp and
+# without recomputation, so each pipeline case also crosses its engine and recomputation
+# (which change no loss beyond rounding: tests/test_data_parallel.py, tests/test_model.py).
+_SERIAL: dict[str, tuple] = {}
+
+
 @pytest.mark.parametrize(
     "schedule, vpp, engine, common, rel",
     [
@@ -110,7 +116,7 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
 
     data = stdlib  # the session's prepared corpus (read only)
 
-    def train(run, *extra):
+    def train(run, *extra, engine=engine, common=common):
         args = ["-m", "hpcllm", "train", "--no-progress"]
         for item in [
             *SMALL,
@@ -131,7 +137,11 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
         summary = [line for line in result.rank_stdout[0].splitlines() if "parameters" in line]
         return read_metrics(run), summary[0].split(", ")[1]
 
-    serial, serial_size = train(tmp_path / "p1")
+    precision = [c for c in common if c.startswith("train.precision=")]
+    key = precision[0] if precision else "fp32"
+    if key not in _SERIAL:
+        _SERIAL[key] = train(tmp_path / "p1", engine="ddp", common=precision)
+    serial, serial_size = _SERIAL[key]
     piped, piped_size = train(
         tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"
     )

@@ -91,6 +91,11 @@ def test_dropout_streams_communication_and_memory_at_t(tp):
         assert saved["tp+sp"]["total"] < saved["tp"]["total"]
 
 
+# The t = 1 runs of the cases below, by (engine, d): the sp = False and sp = True cases of an
+# engine compare with the same serial run, trained once.
+_SERIAL: dict[tuple[str, int], list] = {}
+
+
 @pytest.mark.parametrize(
     "engine, tp, sp",
     [
@@ -127,7 +132,9 @@ def test_trainer_with_tp_logs_the_losses_of_t1(stdlib, tmp_path, engine, tp, sp)
         return read_metrics(run)
 
     dp = 4 // tp
-    serial = train(dp, tmp_path / "t1")
+    if (engine, dp) not in _SERIAL:
+        _SERIAL[engine, dp] = train(dp, tmp_path / "t1")
+    serial = _SERIAL[engine, dp]
     parallel = train(
         4, tmp_path / "t2", f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}"
     )
