@@ -106,18 +106,23 @@ def _train_cli(np, stdlib, run_dir, *extra, timeout=300):
 def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path, engine):
     # Two ranks, two micro-batches each per step (global batch 16): accumulation, and the
     # optimizer state must survive the engine's wrapping (Horovod builds a new optimizer).
+    # The three runs (8 steps; 4, then resumed to 8) share one launch.
     common = [
+        *SMALL,
         "train.global_batch_size=16",
         "train.lr_decay_steps=8",
         "train.eval_interval=0",
         f"parallel.dp_engine={engine}",
     ]
-    _train_cli(2, stdlib, tmp_path / "whole", "train.steps=8", *common)
-    _train_cli(2, stdlib, tmp_path / "split", "train.steps=4", *common)
-    _train_cli(2, stdlib, tmp_path / "split", "train.steps=8", *common)
-    whole = {r["step"]: r for r in read_metrics(tmp_path / "whole")}
-    split = {r["step"]: r for r in read_metrics(tmp_path / "split")}
-    assert sorted(split) == list(range(1, 9))
+    script = python(
+        "tests/mpi_scripts/resume_in_one_launch.py", stdlib, tmp_path, "8", json.dumps(common)
+    )
+    result = run_mpi(2, script, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    runs = json.loads(result.rank_stdout[0].splitlines()[-1])
+    whole = {r["step"]: r for r in runs["whole"]}
+    split = {r["step"]: r for r in runs["split"]}
+    # Steps 1-4, then 5-8 from the checkpoint (a fresh start would log 1-8 again).
+    assert [r["step"] for r in runs["split"]] == list(range(1, 9))
     for step in range(1, 9):
         assert split[step]["loss"] == whole[step]["loss"], step
         assert split[step]["grad_norm"] == whole[step]["grad_norm"], step
