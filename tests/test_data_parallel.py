@@ -101,31 +101,22 @@ def test_every_engine_equals_one_process_on_the_global_batch(tmp_path, dp, preci
 
 
 def test_trainer_with_each_engine_logs_the_same_losses(stdlib, tmp_path):
+    import json
+
     from test_train import SMALL
 
-    from hpcllm.observe import read_metrics
-
-    data = stdlib  # the session's prepared corpus (read only)
-
-    def train_args(name, *extra):
-        args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [
-            *SMALL,
-            f"data.path={data}",
-            f"run.dir={tmp_path / name}",
-            "train.steps=4",
-            "train.global_batch_size=16",
-            "train.eval_interval=0",
-            *extra,
-        ]:
-            args += ["--set", item]
-        return args
-
+    common = [*SMALL, "train.steps=4", "train.global_batch_size=16", "train.eval_interval=0"]
+    runs = {engine: [*common, f"parallel.dp_engine={engine}"] for engine in ENGINES}
+    # A dialled straggler: rank 1's compute takes 3 times as long.
+    runs["straggler"] = [*common, "train.straggler_rank=1", "train.straggler_factor=3"]
+    script = python(
+        "tests/mpi_scripts/train_in_one_launch.py", stdlib, tmp_path, json.dumps(runs)
+    )  # the four runs share one launch
+    result = run_mpi(2, script, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    metrics = json.loads(result.rank_stdout[0].splitlines()[-1])
     losses = {}
     for engine in ENGINES:
-        args = train_args(engine, f"parallel.dp_engine={engine}")
-        run_mpi(2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
-        records = read_metrics(tmp_path / engine)
+        records = metrics[engine]
         losses[engine] = [r["loss"] for r in records]
         last = records[-1]
         assert last["dp_engine"] == engine
@@ -136,16 +127,17 @@ def test_trainer_with_each_engine_logs_the_same_losses(stdlib, tmp_path):
         torch.testing.assert_close(
             torch.tensor(losses[engine]), torch.tensor(losses["ddp"]), rtol=1e-5, atol=1e-6
         )
-    # A dialled straggler: rank 1's compute takes 3 times as long; it is the slowest rank of
-    # every step, and the arithmetic is the same.
-    args = train_args("straggler", "train.straggler_rank=1", "train.straggler_factor=3")
-    run_mpi(2, python(*args), timeout=300).check()
-    records = read_metrics(tmp_path / "straggler")
+    # The straggler is the slowest rank of every step, and the arithmetic is the same.
+    records = metrics["straggler"]
     assert [r["slowest_rank"] for r in records] == [1] * 4
     assert all(r["rank_compute_s"][1] > 2 * r["rank_compute_s"][0] for r in records)
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in records]), torch.tensor(losses["ddp"]), rtol=1e-5, atol=0
     )
+    # A straggler rank the job does not have: one line, as the user types it.
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in [*common, f"data.path={stdlib}", f"run.dir={tmp_path / 'bad'}"]:
+        args += ["--set", item]
     bad = run_mpi(2, python(*args, "--set", "train.straggler_rank=2"), timeout=120)
     assert bad.returncode != 0
     assert "train.straggler_rank 2 is not a rank of this job (world size 2)" in bad.stderr
