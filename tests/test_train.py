@@ -284,3 +284,21 @@ def test_the_trainer_hands_the_process_back_as_it_found_it(stdlib, tmp_path, mon
     assert signal.getsignal(signal.SIGUSR1) == handler
     with pytest.raises(RuntimeError, match="closed"):
         trainer.train_step(iter(trainer.reader))
+
+
+def test_ps_async_segments_end_where_profiling_starts_and_stops(stdlib, tmp_path):
+    # ps-async runs the steps between sync points as one segment: the profiler, which starts
+    # and stops between segments, must get segments that end at train.profile_steps' bounds.
+    from hpcllm.config import load_config
+    from hpcllm.train.trainer import Trainer
+
+    sets = [*SMALL, f"data.path={stdlib}", f"run.dir={tmp_path}", "train.steps=10"]
+    sets += ["train.log_interval=10", "train.eval_interval=0", "parallel.dp_engine=ps-async"]
+    with Trainer(load_config(None, [*sets, "train.profile_steps=3:5"])) as trainer:
+        lengths = []
+        while trainer.step < 10:
+            lengths.append(trainer._segment_steps())
+            trainer.step += lengths[-1]
+        assert lengths == [3, 2, 5]
+    with Trainer(load_config(None, sets)) as trainer:
+        assert trainer._segment_steps() == 10

@@ -532,13 +532,15 @@ class Trainer:
 
     def _segment_steps(self) -> int:
         """Return the steps from here to the next sync point: a logged step, a save, an
-        evaluation or the end."""
+        evaluation, the start or end of ``train.profile_steps``, or the end."""
         t = self.cfg.train
         ends = [t.steps]
         every = [t.log_interval, t.save_interval]
         if self.val_reader is not None:
             every.append(t.eval_interval)
         ends += [(self.step // n + 1) * n for n in every if n]
+        if self.profile:  # the profiler starts and stops between segments
+            ends += [step for step in self.profile if step > self.step]
         return min(ends) - self.step
 
     def _count_bad_steps(self) -> str | None:
