@@ -297,8 +297,8 @@ def test_ps_async_segments_end_where_profiling_starts_and_stops(stdlib, tmp_path
     with Trainer(load_config(None, [*sets, "train.profile_steps=3:5"])) as trainer:
         lengths = []
         while trainer.step < 10:
-            lengths.append(trainer._segment_steps())
-            trainer.step += lengths[-1]
+            lengths.append(trainer.next_sync_step() - trainer.step)
+            trainer.state.step += lengths[-1]
         assert lengths == [3, 2, 5]
     with Trainer(load_config(None, sets)) as trainer:
-        assert trainer._segment_steps() == 10
+        assert trainer.next_sync_step() == 10

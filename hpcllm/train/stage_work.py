@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hpcllm import observe
+from hpcllm import observe, watchdog
 from hpcllm.parallel.data_parallel import Engine
 from hpcllm.parallel.pipeline.zero_bubble import (
     defer_weight_grads,
@@ -176,3 +177,14 @@ class MicroBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
                 )
             self.data_time += time.perf_counter() - started
         return self._read[index]
+
+
+def stage_loss_sum(work: GPTStageWork, pp_group: Any, device: torch.device) -> torch.Tensor:
+    """Return the sum of the losses of ``work``'s micro-batches, on every pipeline stage."""
+    loss_sum = torch.zeros((), device=device)
+    for loss in work.losses.values():
+        loss_sum += loss.float()
+    if pp_group is not None:  # only the last stage has the losses
+        with watchdog.waiting("loss all-reduce", axis="pp"):
+            dist.all_reduce(loss_sum, group=pp_group)
+    return loss_sum

@@ -1,0 +1,230 @@
+"""The checkpointer: a run's folder, its checkpoints, and when they are written.
+
+It claims and locks the run folder before anything is built, so a run that is refused leaves
+the folder as it was (:mod:`hpcllm.train.run_dir`); it finds the checkpoint to resume from
+(the newest that verifies, re-cut with ``run.reshard`` when the layout changed); it loads the
+model, optimizer, scaler and random states into the built run and gives back the
+:class:`~hpcllm.train.state.TrainState`; it saves every ``train.save_interval`` steps and at
+the end, synchronously on every rank (:func:`hpcllm.train.checkpoint.save`), and prunes and
+verifies older checkpoints on a thread of rank 0, beside training.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.amp import GradScaler
+from torch.optim import Optimizer
+
+from hpcllm.config import Config
+from hpcllm.datasets.shards import Manifest
+from hpcllm.errors import UserError
+from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
+from hpcllm.parallel.data_parallel import Engine
+from hpcllm.topology import Grid
+from hpcllm.train import checkpoint, reshard
+from hpcllm.train import run_dir as run_folder
+from hpcllm.train.optim import load_optimizer_state
+from hpcllm.train.state import Cadence, TrainState
+
+Warn = Callable[[str], None]
+
+
+class Checkpointer:
+    """Owns the run folder (claim, lock, release) and the run's checkpoints (resume, save).
+
+    Built before the model, so that a run the folder refuses costs nothing;
+    :meth:`track` then names what a checkpoint holds.
+    """
+
+    def __init__(self, cfg: Config, grid: Grid, vocab_size: int, warn: Warn) -> None:
+        self.cfg, self.grid, self.warn = cfg, grid, warn
+        self.run_dir = Path(cfg.run.dir)
+        self.vocab_size = vocab_size
+        self.cadence = Cadence(cfg.train.save_interval)
+        # False skips every save (a benchmark of the loop that must not pay for checkpoints).
+        self.enabled = True
+        self._lock: run_folder.RunLock | None = None
+        self._pruning: threading.Thread | None = None
+        self._tracked: tuple[nn.ModuleList, Optimizer, GradScaler, Engine] | None = None
+        # The newest checkpoint that verifies (a damaged newer one is named and passed over),
+        # and the saved layout when it differs from this run's (run.reshard re-cuts it).
+        self.resume_from: Path | None = None
+        self.reshard_from: reshard.Cut | None = None
+        self._claim()
+
+    def _claim(self) -> None:
+        """Lock the run folder for this job and check it against this run; write nothing else.
+
+        ``run.resume: none`` over checkpoints refuses, or with ``run.overwrite`` moves the
+        earlier run aside (:func:`hpcllm.train.run_dir.claim`); ``auto`` refuses a checkpoint
+        of another model.
+        """
+        r = self.cfg.run
+        self._lock = self.on_rank0(
+            lambda: run_folder.claim(self.run_dir, r.resume, r.overwrite, self.warn)
+        )
+        if r.resume != "auto":
+            return
+        try:
+            self.resume_from = checkpoint.agreed_resumable(self.run_dir, self.grid, self.warn)
+            if self.resume_from is not None:
+                checkpoint.check_same_model(self.resume_from, self.cfg, self.vocab_size)
+                self.reshard_from = reshard.check_resumable(self.resume_from, self.cfg)
+        except BaseException:
+            self.release(failed=True)
+            raise
+
+    def on_rank0(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on rank 0; a UserError it raises is raised on every rank, alike."""
+        result, error = None, None
+        if self.grid.rank == 0:
+            try:
+                result = work()
+            except UserError as err:
+                error = str(err)
+            except OSError as err:  # a file-system failure is one line too
+                error = str(run_folder.fs_error("use", Path(err.filename or "?"), err))
+        if self.grid.world_size > 1:
+            if self.grid.world_comm is not None:
+                error = self.grid.world_comm.bcast(error, root=0)
+            else:
+                box = [error]
+                dist.broadcast_object_list(box, src=0)
+                error = box[0]
+        if error is not None:
+            raise UserError(error)
+        return result
+
+    def write_run_dir(self, manifest: Manifest) -> None:
+        """Write the resolved config and the tokenizer (so generate and convert need not find
+        the data), and drop an earlier run's timelines, which would mix with this one's.
+
+        Called once set-up has succeeded: a rejected run leaves the folder as it was.
+        """
+
+        def write() -> None:
+            with run_folder.fs_errors("write", self.run_dir / "config.yaml"):
+                shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
+                self.cfg.dump(self.run_dir / "config.yaml")
+                shutil.copy(manifest.tokenizer_path, self.run_dir / "tokenizer.json")
+
+        self.on_rank0(write)
+
+    def release(self, failed: bool = False) -> None:
+        """Give the run folder up; a run that failed to start puts a moved-aside run back."""
+        self.finish_pruning()
+        if self._lock is not None:
+            self._lock.release()
+            if failed:
+                self._lock.undo_move()
+            self._lock = None
+
+    def track(
+        self,
+        chunks: nn.ModuleList,
+        optimizer: Optimizer,
+        scaler: GradScaler,
+        engine: Engine,
+    ) -> None:
+        """Name what a checkpoint holds: this rank's model chunks, optimizer, scaler, engine."""
+        self._tracked = (chunks, optimizer, scaler, engine)
+
+    def describe_resume(self, step: int) -> str:
+        """Return where the run starts, for the banner."""
+        if self.resume_from is None:
+            return "starts fresh"
+        text = f"resumes from step {step} ({self.resume_from})"
+        if self.reshard_from is not None:
+            text += f", re-cut from {self.reshard_from} (run.reshard)"
+        return text
+
+    def load(self, global_batch: int) -> TrainState:
+        """Load the checkpoint to resume from into the tracked objects; return its state.
+
+        A fresh state when there is none (or ``run.resume: none``).
+        """
+        folder = self.resume_from
+        if self.cfg.run.resume != "auto" or folder is None:
+            return TrainState()
+        chunks, optimizer, scaler, _ = self._objects()
+        g = self.grid
+        if self.reshard_from is None:
+            shard = checkpoint.load_shard(folder, g.tp_rank, g.pp_rank, g.tp, g.pp, g.dp_rank)
+        else:
+            shard = reshard.cut_shard(
+                reshard.SavedState(folder), reshard.Cut.of(self.cfg), g.tp_rank, g.pp_rank
+            )
+        load_chunks_state_dict(chunks, g.pp, shard["model"])
+        if shard.get("optimizer") is not None:
+            load_optimizer_state(optimizer, shard["optimizer"])
+        if shard.get("scaler"):
+            scaler.load_state_dict(shard["scaler"])
+        if shard.get("rng") is not None:
+            checkpoint.set_rng_state(shard["rng"], g.device)
+        return TrainState.from_meta(checkpoint.read_meta(folder), folder, global_batch)
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        """Return whether a checkpoint is due once ``step`` steps are done."""
+        return self.cadence.due(step, last_step)
+
+    def next_due(self, step: int, last_step: int) -> int:
+        """Return the next step after ``step`` that saves."""
+        return self.cadence.next_due(step, last_step)
+
+    def save(self, state: TrainState, global_batch: int, final: bool = False) -> Path | None:
+        """Write a checkpoint of ``state`` (every rank must call this); return its folder.
+
+        None when the save failed and ``run.save_failure: warn`` lets the run go on (the next
+        interval tries again), or when saving is off (:attr:`enabled`). A ``final`` save (the
+        last step, or a stop signal) has no next interval: its failure always ends the run.
+        """
+        if not self.enabled:
+            return None
+        chunks, optimizer, scaler, engine = self._objects()
+        self.finish_pruning()  # one pruning at a time, and never of a folder being written
+        engine.before_save()  # local SGD: one model in the checkpoint, not d
+        shard = {
+            "model": chunks_state_dict(chunks, self.grid.pp),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "rng": checkpoint.rng_state(self.grid.device),
+        }
+        folder = checkpoint.save(
+            self.run_dir,
+            state.step,
+            self.grid,
+            shard,
+            state.meta(global_batch, self.vocab_size),
+            yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
+            on_failure="fail" if final else self.cfg.run.save_failure,
+            warn=self.warn,
+            per_replica=engine.optimizer_per_replica,
+        )
+        keep = self.cfg.run.keep_checkpoints
+        if folder is not None and keep is not None and self.grid.rank == 0:
+            # Verifying reads the whole checkpoint: rank 0 does it beside training, not in
+            # the way of the next step's collectives.
+            self._pruning = threading.Thread(
+                target=checkpoint.prune, args=(folder, keep, self.warn), name="prune"
+            )
+            self._pruning.start()
+        return folder
+
+    def finish_pruning(self) -> None:
+        """Wait for the pruning of older checkpoints that the last save started."""
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
+
+    def _objects(self) -> tuple[nn.ModuleList, Optimizer, GradScaler, Engine]:
+        if self._tracked is None:
+            raise RuntimeError("Checkpointer.track names the model before a load or save")
+        return self._tracked

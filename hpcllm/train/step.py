@@ -1,0 +1,280 @@
+"""What one turn of the training loop runs: a synchronous step, or an asynchronous segment.
+
+The trainer chooses the strategy once, at start-up (:func:`choose_step`), from its
+data-parallel engine, and its loop never asks which it has:
+
+- :class:`SynchronousStep` (every engine but ps-async; local SGD is a synchronous step whose
+  engine averages the replicas every H steps) runs one optimizer step: this rank's schedule
+  over the step's micro-batches, the gradients finished (:func:`grads.finish_gradients`), one
+  clipped optimizer step (:func:`grads.step`).
+- :class:`SegmentStep` (ps-async) hands the engine the steps up to the loop's next sync point
+  (a logged step, a save, a validation, a profiler bound, the end): the engine's server
+  applies the workers' gradients as they come, so no step boundary exists in between.
+
+Both run the same :class:`ScheduleRunner` for a rank's forwards and backwards, and both return
+a :class:`StepOutcome`: the metrics record of the turn and how many steps it took.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.amp import GradScaler
+
+from hpcllm import observe, watchdog
+from hpcllm.config import Config
+from hpcllm.parallel.pipeline.runtime import Runtime
+from hpcllm.parallel.pipeline.schedule import Interval
+from hpcllm.topology import Grid
+from hpcllm.train import grads
+from hpcllm.train.divergence import DivergenceGuard
+from hpcllm.train.optim import autocast, lr_at, step_autocast_cache
+from hpcllm.train.parallelize import ParallelModel
+from hpcllm.train.stage_work import GPTStageWork, MicroBatches, stage_loss_sum
+from hpcllm.train.state import TrainState
+
+# Called after the gradients are finished, before the optimizer step, with the step and this
+# rank's model chunks (a ModuleList; one chunk, the whole GPT, with one pipeline stage).
+GradHook = Callable[[int, torch.nn.Module], None]
+
+
+@dataclass
+class StepOutcome:
+    """What one turn of the loop did."""
+
+    record: dict[str, Any]  # the metrics of its (last) step; loss and grad norm may be tensors
+    steps: int  # optimizer steps taken: 1, or a segment's
+    synced: bool  # whether the host has read the device's results (the skip count is current)
+
+
+class ScheduleRunner:
+    """Runs this rank's pipeline schedule over one step's micro-batches.
+
+    Keeps the intervals of the last run in :attr:`timeline` (for the timeline files).
+    """
+
+    def __init__(
+        self, cfg: Config, grid: Grid, model: ParallelModel, scaler: GradScaler, accumulation: int
+    ) -> None:
+        self.cfg, self.grid, self.model, self.scaler = cfg, grid, model, scaler
+        self.accumulation = accumulation
+        self.timeline: list[Interval] = []
+
+    def __call__(self, batches: Iterator[Any], timed: bool) -> tuple[torch.Tensor, float, float]:
+        """Return the step's summed micro-batch losses, its data time and its compute time.
+
+        The losses are summed on every stage. On a GPU, ``timed`` steps wait for each action's
+        kernels, so their intervals time the device.
+        """
+        t, model, device = self.cfg.train, self.model, self.grid.device
+        micro = MicroBatches(batches, self.accumulation, device)
+        # Only the last stage scales a loss; every stage's scaler must hold the scale, since
+        # each unscales its own gradients and all of them update it together.
+        self.scaler.scale(torch.zeros((), device=device))
+        work = GPTStageWork(
+            model.chunks,
+            model.engine,
+            micro,
+            modules=model.forward_modules,
+            autocast=lambda: autocast(t.precision, device),
+            scale=self.scaler.scale,
+            split_backward=model.split_backward,
+        )
+        if timed and model.pp_group is not None:
+            # Stages of a logged step start together, so that its recorded timelines share
+            # one origin; other steps skip it (on NCCL a barrier waits for the device).
+            with watchdog.waiting("pipeline start barrier", axis="pp"):
+                dist.barrier(group=model.pp_group)
+        with (
+            observe.nvtx_range(f"pipeline {model.schedule}"),
+            step_autocast_cache(t.precision, device),
+        ):
+            sync = torch.cuda.synchronize if timed and device.type == "cuda" else None
+            self.timeline = Runtime(model.channel).run(
+                model.actions, work, split_backward=model.split_backward, synchronize=sync
+            )
+        # Micro-batches are read inside the forwards that first need them.
+        compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
+        loss_sum = stage_loss_sum(work, model.pp_group, device)
+        return loss_sum, micro.data_time, self._straggle(compute - micro.data_time)
+
+    def _straggle(self, compute_time: float) -> float:
+        """Return this rank's compute time, made ``train.straggler_factor`` times as long on
+        ``train.straggler_rank``: as if its forward and backward took that long, before its
+        gradients leave it (its peers wait for them, or for it)."""
+        t = self.cfg.train
+        if self.grid.rank == t.straggler_rank and t.straggler_factor > 1:
+            with observe.nvtx_range("straggler sleep"):
+                time.sleep((t.straggler_factor - 1) * compute_time)
+            compute_time *= t.straggler_factor
+        return compute_time
+
+
+class SynchronousStep:
+    """One optimizer step over ``accumulation`` micro-batches, every rank in lockstep."""
+
+    def __init__(
+        self,
+        runner: ScheduleRunner,
+        guard: DivergenceGuard,
+        global_batch: int,
+        grad_hooks: list[GradHook],
+    ) -> None:
+        self.runner, self.guard = runner, guard
+        self.cfg, self.grid, self.model = runner.cfg, runner.grid, runner.model
+        self.global_batch = global_batch
+        self.grad_hooks = grad_hooks
+
+    def run(
+        self,
+        batches: Iterator[Any],
+        state: TrainState,
+        *,
+        until: int,
+        timed: bool = False,
+        wait: bool = True,
+    ) -> StepOutcome:
+        """Run one step (``until``, the next sync point, is always at least one step away).
+
+        ``timed`` (on logged steps) waits for the GPU after each forward and backward, so that
+        the per-rank compute time measures the device's work, not kernel launches. Without
+        ``wait`` the step reads nothing back from the device (bf16 and fp32; fp16's skip check
+        must): its loss and grad norm stay 0-d device tensors and its step time is the host's,
+        so on a GPU the next step's kernels queue behind this one's. The loop waits on logged
+        steps only; its mean step time over a logging interval is then still the device's.
+        """
+        t, model, engine = self.cfg.train, self.model, self.model.engine
+        scaler, device = self.runner.scaler, self.grid.device
+        started = time.perf_counter()
+        lr = lr_at(state.step, t, self.global_batch)
+        for group in model.optimizer.param_groups:
+            group["lr"] = lr
+        model.chunks.train()
+        engine.reset_timers()
+        loss_sum, data_time, compute_time = self.runner(batches, timed)
+        with (
+            observe.nvtx_range("gradient communication"),
+            watchdog.waiting("gradient communication", axis="dp"),
+        ):
+            grads.finish_gradients(
+                model.chunks, engine, model.optimizer, model.tp_group, model.embedding_group
+            )
+        if engine.waits_in_backward:
+            compute_time -= engine.comm_wait_s
+        for hook in self.grad_hooks:
+            hook(state.step, model.chunks)
+        with observe.nvtx_range("optimizer"), watchdog.waiting("optimizer step", axis="mp"):
+            grad_norm, skipped = grads.step(
+                engine,
+                model.parameters,
+                model.optimizer,
+                scaler,
+                t.grad_clip,
+                model.tp_group,
+                model.pp_group,
+            )
+            model.optimizer.zero_grad()
+        # Counted on the device; read on logged steps and before saving.
+        self.guard.count_step(skipped)
+        state.advance(1, self.global_batch)
+        loss_mean = loss_sum / self.runner.accumulation
+        if self.grid.dp > 1:
+            with watchdog.waiting("loss all-reduce", axis="dp"):
+                dist.all_reduce(loss_mean, group=self.grid.dp_group)
+            loss_mean /= self.grid.dp
+        if wait:
+            # On a GPU the host meets a stalled collective here, where it reads the device.
+            with watchdog.waiting("device results"):
+                self.guard.check(state)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        record = {
+            "step": state.step,
+            "loss": loss_mean.item() if wait else loss_mean,
+            "lr": lr,
+            "grad_norm": grad_norm.item() if wait else grad_norm,
+            "step_time_s": time.perf_counter() - started,
+            "data_time_s": data_time,
+            "compute_s": compute_time,
+            "comm_wait_s": engine.comm_wait_s,
+            "skipped": bool(skipped) if wait else skipped,
+        }
+        return StepOutcome(record, steps=1, synced=wait)
+
+
+class SegmentStep:
+    """The steps up to the next sync point under an engine that runs segments (ps-async)."""
+
+    def __init__(self, runner: ScheduleRunner, guard: DivergenceGuard, global_batch: int) -> None:
+        self.runner, self.guard = runner, guard
+        self.cfg, self.model = runner.cfg, runner.model
+        self.global_batch = global_batch
+
+    def run(
+        self,
+        batches: Iterator[Any],
+        state: TrainState,
+        *,
+        until: int,
+        timed: bool = False,
+        wait: bool = True,
+    ) -> StepOutcome:
+        """Run the steps from ``state.step`` to ``until``; the record is the segment's last
+        step's, its times the segment's means per step. A segment always ends synced."""
+        t, steps = self.cfg.train, until - state.step
+        started = time.perf_counter()
+        self.model.chunks.train()
+        params = self.model.parameters
+
+        def local_gradient() -> tuple[torch.Tensor, float, float]:
+            for p in params:
+                p.grad = None
+            loss_sum, data_time, compute_time = self.runner(batches, timed=False)
+            return loss_sum / self.runner.accumulation, data_time, compute_time
+
+        def server_step(masters: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> Any:
+            return grads.optimizer_step(masters, opt, self.runner.scaler, t.grad_clip)
+
+        stats = self.model.engine.run_segment(  # type: ignore[attr-defined]
+            state.step,
+            steps,
+            local_gradient,
+            lambda step: lr_at(step, t, self.global_batch),
+            server_step,
+        )
+        state.advance(steps, self.global_batch)
+        # A step with a skipped update counts as a skipped step; train.max_bad_steps counts
+        # whole steps' worth of the server's updates skipped in a row (the segment's stats
+        # carry both to every rank).
+        self.guard.count_segment(stats.skipped_steps, stats.bad_steps_in_a_row)
+        record = {
+            "step": state.step,
+            "loss": stats.loss,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "step_time_s": (time.perf_counter() - started) / steps,
+            "data_time_s": stats.data_s / steps,
+            "compute_s": stats.compute_s / steps,
+            "comm_wait_s": stats.wait_s / steps,
+            "skipped": stats.skipped > 0,
+            "steps": steps,
+            **stats.metrics(),
+        }
+        return StepOutcome(record, steps=steps, synced=True)
+
+
+def choose_step(
+    runner: ScheduleRunner,
+    guard: DivergenceGuard,
+    global_batch: int,
+    grad_hooks: list[GradHook],
+) -> SynchronousStep | SegmentStep:
+    """Return the step strategy of the run's data-parallel engine (chosen once, at start-up)."""
+    if runner.model.engine.runs_segments:
+        return SegmentStep(runner, guard, global_batch)
+    return SynchronousStep(runner, guard, global_batch, grad_hooks)

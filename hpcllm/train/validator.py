@@ -1,0 +1,99 @@
+"""The validator: the mean validation loss every ``train.eval_interval`` steps and at the end.
+
+Validation runs the forward-only schedule over ``train.eval_iters`` micro-batches of the val
+split, the same batches every time, through the same pipeline runtime as training; the mean
+is taken over every data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpcllm import observe, watchdog
+from hpcllm.config import Config
+from hpcllm.datasets.reader import MicroBatchReader
+from hpcllm.datasets.shards import Manifest
+from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
+from hpcllm.topology import Grid
+from hpcllm.train.optim import autocast
+from hpcllm.train.parallelize import ParallelModel
+from hpcllm.train.stage_work import GPTStageWork, MicroBatches, stage_loss_sum
+from hpcllm.train.state import Cadence
+
+
+class Validator:
+    """Computes the validation loss on its cadence; never, when the data has no val split."""
+
+    def __init__(self, cfg: Config, grid: Grid, manifest: Manifest) -> None:
+        self.cfg, self.grid = cfg, grid
+        self.cadence = Cadence(cfg.train.eval_interval)
+        self.reader = self._reader(manifest)
+
+    def _reader(self, manifest: Manifest) -> MicroBatchReader | None:
+        """Return the validation reader, None (with a warning) if the data has no val split."""
+        if manifest.n_tokens("val") == 0:
+            if self.grid.rank == 0:
+                print(
+                    "hpcllm: warning: the data has no validation split; val_loss is not "
+                    "computed (prepare with --val-fraction > 0)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
+        # Built now so that a validation split too small for one global micro-batch stops the
+        # run before training, not after it.
+        return MicroBatchReader(
+            manifest,
+            split="val",
+            seq_len=self.cfg.model.seq_len,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            dp_rank=self.grid.dp_rank,
+            dp_size=self.grid.dp,
+            seed=self.cfg.data.seed,
+            prefetch=2,
+        )
+
+    def should_validate(self, step: int, last_step: int) -> bool:
+        """Return whether validation is due once ``step`` steps are done."""
+        return self.reader is not None and self.cadence.due(step, last_step)
+
+    def next_due(self, step: int, last_step: int) -> int:
+        """Return the next step after ``step`` that validates (the last step without a split)."""
+        return self.cadence.next_due(step, last_step) if self.reader is not None else last_step
+
+    @torch.no_grad()
+    def validate(self, model: ParallelModel) -> float:
+        """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
+        if self.reader is None:
+            raise RuntimeError("the data has no validation split")
+        t, device = self.cfg.train, self.grid.device
+        model.chunks.eval()
+        reader = self.reader
+        reader.consumed_samples = 0  # the same validation batches every time
+        batches = iter(reader)
+        iters = min(t.eval_iters, reader.steps_per_epoch)
+        micro = MicroBatches(batches, iters, device)
+        work = GPTStageWork(
+            model.chunks,
+            model.engine,
+            micro,
+            modules=model.forward_modules,
+            autocast=lambda: autocast(t.precision, device),
+        )
+        actions = forward_only(
+            self.cfg.parallel.pp, self.grid.pp_rank, iters, self.cfg.parallel.vpp
+        )
+        try:
+            with observe.nvtx_range("evaluation"):
+                Runtime(model.channel).run(actions, work)
+        finally:
+            batches.close()
+        total = stage_loss_sum(work, model.pp_group, device) / iters
+        if self.grid.dp > 1:
+            with watchdog.waiting("validation loss all-reduce", axis="dp"):
+                dist.all_reduce(total, group=self.grid.dp_group)
+            total /= self.grid.dp
+        return total.item()
