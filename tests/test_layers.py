@@ -366,11 +366,11 @@ def test_layer_table():
     assert layer_of("hpcllm.errorsx") is None
 
 
-def test_the_readme_states_this_layer_order():
-    # README's "Repository" section lists the layers bottom to top, one numbered item each,
-    # naming its modules in backticks; it must say what this test enforces.
-    text = (REPO / "README.md").read_text()
-    items = re.findall(r"^(\d+)\. ((?:`[\w.]+`(?:, )?)+):", text, flags=re.MULTILINE)
+def test_the_architecture_map_states_this_layer_order():
+    # docs/architecture.md lists the layers bottom to top, one numbered item each, naming its
+    # modules in backticks; it must say what this test enforces.
+    text = (REPO / "docs" / "architecture.md").read_text()
+    items = re.findall(r"^\s*(\d+)\. ((?:`[\w.]+`(?:, )?)+):", text, flags=re.MULTILINE)
     stated = [re.findall(r"`([\w.]+)`", names) for _, names in items]
     assert [int(number) for number, _ in items] == list(range(len(LAYERS)))
     assert stated == [prefixes for _, prefixes in LAYERS]
