@@ -1,1 +1,1 @@
-"""The training step, optimizer and schedule, checkpoints."""
+"""The trainer and its components: the step, checkpoints, metrics, validation."""

@@ -1,9 +1,9 @@
 """The profiler window: ``train.profile_steps`` as the CUDA profiler's start and stop.
 
 Nsight Systems run with ``--capture-range=cudaProfilerApi`` records only between
-``cudaProfilerStart`` and ``cudaProfilerStop``; the window opens before step ``start + 1``
-and closes after step ``stop``. Off the GPU it does nothing, but its bounds are still sync
-points, so an asynchronous segment never runs across them.
+``cudaProfilerStart`` and ``cudaProfilerStop``. ``A:B`` captures steps A to B-1, counted from
+0: the window opens when A steps are done and closes when B are. Off the GPU it does nothing,
+but its bounds are still sync points, so an asynchronous segment never runs across them.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ class ProfilerWindow:
         self.active = self.bounds is not None and device.type == "cuda"
 
     def before_step(self, step: int) -> None:
-        """Open the window when the step after ``step`` is its first."""
+        """Open the window when ``step`` steps done is its start."""
         if self.active and step == self.bounds[0]:
             torch.cuda.profiler.start()
 
     def after_step(self, step: int) -> None:
-        """Close the window when ``step`` was its last."""
+        """Close the window when ``step`` steps done is its end."""
         if self.active and step == self.bounds[1]:
             torch.cuda.profiler.stop()
 

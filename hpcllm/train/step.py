@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,22 @@ class StepOutcome:
     record: dict[str, Any]  # the metrics of its (last) step; loss and grad norm may be tensors
     steps: int  # optimizer steps taken: 1, or a segment's
     synced: bool  # whether the host has read the device's results (the skip count is current)
+
+
+class Step(Protocol):
+    """A step strategy: what one turn of the training loop runs."""
+
+    def run(
+        self,
+        batches: Iterator[Any],
+        state: TrainState,
+        *,
+        until: int,
+        timed: bool = False,
+        wait: bool = True,
+    ) -> StepOutcome:
+        """Train from ``state`` (advancing it) toward ``until``, the next sync point."""
+        ...
 
 
 class ScheduleRunner:
@@ -273,7 +289,7 @@ def choose_step(
     guard: DivergenceGuard,
     global_batch: int,
     grad_hooks: list[GradHook],
-) -> SynchronousStep | SegmentStep:
+) -> Step:
     """Return the step strategy of the run's data-parallel engine (chosen once, at start-up)."""
     if runner.model.engine.runs_segments:
         return SegmentStep(runner, guard, global_batch)
