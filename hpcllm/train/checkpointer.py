@@ -1,6 +1,6 @@
 """The checkpointer: a run's folder, its checkpoints, and when they are written.
 
-It claims and locks the run folder before anything is built, so a run that is refused leaves
+It claims and locks the run folder before the model is built, so a run that is refused leaves
 the folder as it was (:mod:`hpcllm.train.run_dir`); it finds the checkpoint to resume from
 (the newest that verifies, re-cut with ``run.reshard`` when the layout changed); it loads the
 model, optimizer, scaler and random states into the built run and gives back the

@@ -1,8 +1,8 @@
 """The metrics component: what a run tells its user, and when.
 
 Rank 0 prints the banner (:meth:`Metrics.banner`) and one line per logged step
-(:func:`hpcllm.observe.interval_line`), writes metrics.jsonl and TensorBoard
-(:class:`hpcllm.observe.MetricsLog`) and the run's summary; every rank takes part in the
+(:func:`hpcllm.observe.interval_line`) and writes metrics.jsonl and TensorBoard
+(:class:`hpcllm.observe.MetricsLog`); every rank returns the run's summary, and takes part in the
 per-rank gathers (compute and wait times, the busiest rank's memory) that a logged step's
 record carries, and writes its last pipeline timeline. A step is logged every
 ``train.log_interval`` steps and at the last (:class:`~hpcllm.train.state.Cadence`), and also
@@ -80,6 +80,7 @@ class Metrics:
         self.peak = observe.peak_tflops(grid.device, cfg.train.precision, cfg.train.peak_tflops)
         self._log: observe.MetricsLog | None = None
         self._bar: Any = None
+        self._start_counting(TrainState(), last_step=0)
 
     # -- cadence ---------------------------------------------------------------------------
 
@@ -102,8 +103,9 @@ class Metrics:
         largest = {k: max(r[k] for r in rows) for k in mine}
         return memory.describe(largest, self.grid.dp, self.cfg.parallel.distributed_optimizer)
 
-    def banner(self, resume: str, parameters: int, vocab_size: int, data: str) -> list[str]:
-        """Return the run's start-up lines (every rank must call this: it gathers memory).
+    def banner(self, resume: str, vocab_size: int, data: str) -> list[str]:
+        """Return the run's start-up lines (every rank must call this: it gathers memory and
+        counts parameters).
 
         Versions, launcher, grid, memory, engine, run folder and where it resumes from
         (``resume``), model, data (``data`` describes it) and the path of the resolved
@@ -113,11 +115,13 @@ class Metrics:
 
         cfg, g, m, engine = self.cfg, self.grid, self.cfg.model, self.model.engine
         run_dir = Path(cfg.run.dir)
+        memory_line = self.memory_line()
+        parameters = count_parameters(self.model.chunks, g)
         lines = [
             f"hpcllm {__version__}, torch {torch.__version__}, launcher {g.launch.launcher}, "
             f"device {g.device.type}",
             f"grid t={g.tp} p={g.pp} d={g.dp} v={cfg.parallel.vpp}, world size {g.world_size}",
-            f"memory per rank (the largest): {self.memory_line()}",
+            f"memory per rank (the largest): {memory_line}",
             f"data parallel {engine.name}: {engine.describe()}"
             if g.dp > 1
             else f"data parallel {engine.name}: d = 1, nothing to reduce",
@@ -141,11 +145,11 @@ class Metrics:
         """
         from tqdm import tqdm
 
+        self._start_counting(state, last_step)
         if self.is_root:
             print("\n".join(banner), flush=True)
-            self._log = observe.MetricsLog(
-                Path(self.cfg.run.dir), self.cfg.run.tensorboard, state.step
-            )
+            run = self.cfg.run
+            self._log = observe.MetricsLog(Path(run.dir), run.tensorboard, state.step)
         self._bar = tqdm(
             total=last_step,
             initial=state.step,
@@ -155,9 +159,11 @@ class Metrics:
             dynamic_ncols=True,
             mininterval=2.0,
         )
-        self._started = time.perf_counter()
-        self._first_step = state.step
-        self._last_step = last_step
+
+    def _start_counting(self, state: TrainState, last_step: int) -> None:
+        """Start a run's clock, sums and summary at ``state``."""
+        self._started = self._ended = time.perf_counter()
+        self._first_step, self._last_step = state.step, last_step
         # Summed on the device between logged steps: no step waits for the GPU to log it.
         self._loss_sum: Any = 0.0
         self._loss_steps = 0
@@ -293,15 +299,17 @@ class Metrics:
         return path
 
     def close(self) -> None:
-        """End the run's output (the bar and metrics.jsonl)."""
+        """End the run's output (the bar and metrics.jsonl) and its clock."""
         if self._bar is not None:
             self._bar.close()
         if self._log:
             self._log.close()
             self._log = None
+        self._ended = time.perf_counter()
 
-    def summary(self, state: TrainState, parameters: int, stopped_by: str | None) -> dict[str, Any]:
-        """Return the run's summary (see :meth:`hpcllm.train.trainer.Trainer.run`)."""
+    def summary(self, state: TrainState, stopped_by: str | None) -> dict[str, Any]:
+        """Return the run's summary (see :meth:`hpcllm.train.trainer.Trainer.run`); a
+        collective (it counts parameters over the stages)."""
         summary = dict(self._summary)
         if stopped_by is not None:
             summary["stopped_by"] = stopped_by
@@ -310,10 +318,10 @@ class Metrics:
             run_tokens_per_s=self.tokens_per_step * self._run_steps / run_time
             if run_time
             else None,
-            wall_s=time.perf_counter() - self._started,
+            wall_s=self._ended - self._started,
             step=state.step,
             skipped_steps=state.skipped_steps,
-            parameters=parameters,
+            parameters=count_parameters(self.model.chunks, self.grid),
             world_size=self.grid.world_size,
             global_batch=self.global_batch,
             run_dir=str(Path(self.cfg.run.dir)),

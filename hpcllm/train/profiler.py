@@ -18,16 +18,16 @@ class ProfilerWindow:
 
     def __init__(self, profile_steps: str | None, device: torch.device) -> None:
         self.bounds = parse_profile_steps(profile_steps) if profile_steps else None
-        self.active = self.bounds is not None and device.type == "cuda"
+        self.on_gpu = device.type == "cuda"
 
     def before_step(self, step: int) -> None:
         """Open the window when ``step`` steps done is its start."""
-        if self.active and step == self.bounds[0]:
+        if self.on_gpu and self.bounds is not None and step == self.bounds[0]:
             torch.cuda.profiler.start()
 
     def after_step(self, step: int) -> None:
         """Close the window when ``step`` steps done is its end."""
-        if self.active and step == self.bounds[1]:
+        if self.on_gpu and self.bounds is not None and step == self.bounds[1]:
             torch.cuda.profiler.stop()
 
     def next_due(self, step: int, last_step: int) -> int:

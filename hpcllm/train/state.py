@@ -72,7 +72,8 @@ class Cadence:
         return step == last_step or (self.interval > 0 and step % self.interval == 0)
 
     def next_due(self, step: int, last_step: int) -> int:
-        """Return the first step after ``step`` at which the component acts."""
+        """Return the first step after ``step`` at which the component acts (``last_step``
+        once ``step`` has reached it)."""
         if self.interval <= 0:
             return last_step
         return min(last_step, (step // self.interval + 1) * self.interval)

@@ -30,9 +30,10 @@ from hpcllm.config import Config, accumulation_steps, padded_vocab
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
+from hpcllm.parallel.data_parallel import Engine
 from hpcllm.train.checkpointer import Checkpointer
 from hpcllm.train.divergence import DivergenceGuard
-from hpcllm.train.metrics import Metrics, count_parameters
+from hpcllm.train.metrics import Metrics
 from hpcllm.train.optim import build_scaler
 from hpcllm.train.parallelize import parallelize
 from hpcllm.train.preflight import cpu_has_native_bf16, preflight, startup_warnings
@@ -53,17 +54,18 @@ class Trainer:
     hands back the rest.
     """
 
+    checkpointer: Checkpointer
+
     def __init__(self, cfg: Config, grad_hooks: list[GradHook] | None = None) -> None:
         self.cfg = cfg
         self.grad_hooks = grad_hooks if grad_hooks is not None else []
         self.process = ProcessSettings()
-        self.checkpointer: Checkpointer | None = None
         self._closed = False
         try:
             self._set_up()
         except BaseException:
             self.process.restore()
-            if self.checkpointer is not None:
+            if hasattr(self, "checkpointer"):  # a run folder claimed before the failure
                 self.checkpointer.release(failed=True)
             raise
 
@@ -81,7 +83,6 @@ class Trainer:
                 f"train.straggler_rank {t.straggler_rank} is not a rank of this job "
                 f"(world size {self.grid.world_size})"
             )
-        self._set_process()
         self.manifest = load_manifest(cfg.data.path)
         vocab = self.vocab_size = cfg.model.vocab_size or self.manifest.vocab_size
         if vocab < self.manifest.vocab_size:
@@ -89,6 +90,7 @@ class Trainer:
                 f"model.vocab_size {vocab} is smaller than the data's tokenizer "
                 f"({self.manifest.vocab_size})"
             )
+        self._set_process()
         # Every check of the config against the job before the run folder is touched.
         preflight(cfg, self.grid.world_size)
         self.accumulation = accumulation_steps(t, self.grid.dp)
@@ -160,9 +162,9 @@ class Trainer:
 
         The trainer cannot train after this.
         """
+        self.checkpointer.finish_pruning()
         self.process.restore()
-        if self.checkpointer is not None:
-            self.checkpointer.release()
+        self.checkpointer.release()
         self._closed = True
 
     def __enter__(self) -> Trainer:
@@ -182,7 +184,7 @@ class Trainer:
         return self.parallelized.chunks
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         """The data-parallel engine."""
         return self.parallelized.engine
 
@@ -206,10 +208,6 @@ class Trainer:
         """The validation split's reader (None without one)."""
         return self.validator.reader
 
-    def parameters(self) -> int:
-        """Return the whole model's parameter count (a collective over the stages)."""
-        return count_parameters(self.model, self.grid)
-
     def banner(self) -> list[str]:
         """Return the run's start-up lines (every rank must call this: it gathers)."""
         data = (
@@ -217,7 +215,7 @@ class Trainer:
             f"{self.reader.dataset.n_samples} samples"
         )
         resume = self.checkpointer.describe_resume(self.state.step)
-        return self.metrics.banner(resume, self.parameters(), self.vocab_size, data)
+        return self.metrics.banner(resume, self.vocab_size, data)
 
     # -- one step, and what the loop runs between steps ------------------------------------
 
@@ -226,8 +224,7 @@ class Trainer:
     ) -> dict[str, Any]:
         """Run one turn of the step strategy (one step; a segment of one under ps-async);
         return its metrics record (see :meth:`hpcllm.train.step.SynchronousStep.run`)."""
-        if self._closed:
-            raise RuntimeError("this Trainer is closed; build a new one to train again")
+        self._check_open()
         until = self.state.step + 1
         return self.stepper.run(batches, self.state, until=until, timed=timed, wait=wait).record
 
@@ -262,6 +259,10 @@ class Trainer:
         """Write this rank's last recorded pipeline step to RUN_DIR/timeline/ (atomically)."""
         return self.metrics.write_timeline(self.runner.timeline, self.state.step)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Trainer is closed; build a new one to train again")
+
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._stop_signal = signum
 
@@ -290,6 +291,7 @@ class Trainer:
         every interval but the first (which pays compilation and warm-up), None with only
         one; ``wall_s`` is the loop's time.
         """
+        self._check_open()
         state, metrics, last = self.state, self.metrics, self.cfg.train.steps
         metrics.open(self.banner(), state, last, progress)
         batches = iter(self.reader)
@@ -348,4 +350,4 @@ class Trainer:
             # The run's signal handlers end with it; the rest is the trainer's until close().
             self.process.restore("signals")
             metrics.close()
-        return metrics.summary(state, self.parameters(), stopped_by)
+        return metrics.summary(state, stopped_by)
