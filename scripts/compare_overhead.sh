@@ -7,8 +7,9 @@
 # so that a drifting machine hits both alike. A tree with `hpcllm bench step` runs
 # `bench step --cpu-smoke` and gives its kernels-off hpcllm step / plain eager step; an
 # older tree runs `bench overhead`, whose plain loop trains hpcllm's own GPT. Either ratio
-# (of step times) cancels the machine's speed of the moment. Prints every run's ratio, then
-# each side's median and spread (max - min): a difference smaller than the spread is no
+# (of step times) cancels the machine's speed of the moment; bench step also gives the whole
+# trainer loop's step (reader, metrics, stop agreement) / plain eager step. Prints every run's
+# ratio, then each side's median and spread (max - min): a difference smaller than the spread is no
 # difference. The options (--config, --set, --steps, --rounds) go to both. The earlier
 # commit is checked out in a temporary folder and imported from there with the project's
 # venv; nothing in the working tree changes.
@@ -77,16 +78,36 @@ def ratio_and_ms(result):
     return result["ratio"], result["median_step_s"]["hpcllm"] * 1e3
 
 
+def loop_ratio(result):
+    """The trainer loop's step / plain step of a bench step result (None without one)."""
+    if "shapes" not in result:
+        return None
+    ms = {r["key"]: r["step_ms"] for r in result["shapes"][0]["rows"]}
+    return ms["hpcllm_loop"] / ms["plain_eager"] if "hpcllm_loop" in ms else None
+
+
+def summary(label, ratios):
+    return (f"  {label}: ratios " + " ".join(f"{x:.3f}" for x in ratios)
+            + f"  median {statistics.median(ratios):.3f}  spread {max(ratios) - min(ratios):.3f}")
+
+
 print(f"hpcllm step / plain step, {len(rows) // 2} runs each, alternating")
-medians = {}
+medians, loops = {}, {}
 for side in ("earlier", "current"):
     runs = [r["result"] for r in rows if r["side"] == side]
     ratios, steps = zip(*map(ratio_and_ms, runs))
     bench = "bench step" if "shapes" in runs[0] else "bench overhead"
     medians[side] = statistics.median(ratios)
-    print(f"  {side:8s} ({sys.argv[2] if side == 'earlier' else 'working tree'}, {bench}): "
-          + "ratios " + " ".join(f"{x:.3f}" for x in ratios)
-          + f"  median {medians[side]:.3f}  spread {max(ratios) - min(ratios):.3f}"
-          + f"  (hpcllm step median {statistics.median(steps):.1f} ms)")
+    name = f"{side:8s} ({sys.argv[2] if side == 'earlier' else 'working tree'}, {bench})"
+    print(summary(name, ratios) + f"  (hpcllm step median {statistics.median(steps):.1f} ms)")
+    loop = [x for x in map(loop_ratio, runs) if x is not None]
+    if len(loop) == len(runs):
+        loops[side] = loop
 print(f"  current / earlier: {medians['current'] / medians['earlier']:.3f}")
+if len(loops) == 2:
+    print("hpcllm trainer loop step / plain step")
+    for side, ratios in loops.items():
+        print(summary(f"{side:8s}", ratios))
+    current, earlier = (statistics.median(loops[s]) for s in ("current", "earlier"))
+    print(f"  current / earlier: {current / earlier:.3f}")
 EOF
