@@ -58,3 +58,40 @@ def test_divergence_guard_stops_after_max_bad_steps_in_a_row_and_counts_every_sk
     assert state.skipped_steps == 5
     guard.count_segment(skipped_steps=2, bad_steps_in_a_row=0)
     assert guard.check(state) is None and state.skipped_steps == 7
+
+
+def test_the_step_strategy_is_chosen_once_from_the_engine():
+    from types import SimpleNamespace
+
+    from hpcllm.train.step import SegmentStep, SynchronousStep, choose_step
+
+    def runner(runs_segments: bool) -> SimpleNamespace:
+        engine = SimpleNamespace(runs_segments=runs_segments)
+        return SimpleNamespace(cfg=None, grid=None, model=SimpleNamespace(engine=engine))
+
+    guard = DivergenceGuard(1, build_scaler("fp32", torch.device("cpu")), torch.device("cpu"))
+    hooks: list = []
+    synchronous = choose_step(runner(False), guard, 16, hooks)
+    assert isinstance(synchronous, SynchronousStep) and synchronous.grad_hooks is hooks
+    assert isinstance(choose_step(runner(True), guard, 16, hooks), SegmentStep)
+
+
+def test_the_trainer_stays_a_short_loop_over_its_components():
+    # The sizes the trainer-components issue set: the trainer module, its loop, and every
+    # function of hpcllm/train/; and the loop asks no engine what kind it is.
+    import ast
+    import inspect
+
+    from hpcllm.train import trainer
+
+    train = Path(trainer.__file__).parent
+    assert len(Path(trainer.__file__).read_text().splitlines()) <= 500
+    lengths = {}
+    for path in sorted(train.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lengths[f"{path.name}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert lengths["trainer.py:run"] <= 80
+    assert max(lengths.values()) <= 120, max(lengths.items(), key=lambda item: item[1])
+    loop = inspect.getsource(trainer.Trainer.run)
+    assert "runs_segments" not in loop and "engine" not in loop
