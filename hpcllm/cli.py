@@ -1341,6 +1341,23 @@ def main(argv: list[str] | None = None) -> int:
 
             return device.main(words[2:])
         args = _build_parser().parse_args(words)
-        return args.run(args)
+        code = args.run(args)
+        _end_torch_distributed()
+        return code
 
     return run_reporting_errors(parse_and_run)
+
+
+def _end_torch_distributed() -> None:
+    """Destroy torch.distributed's process groups, if a command started them, before exit.
+
+    A Gloo group left to the interpreter's exit keeps its worker threads: one that is still
+    releasing a finished operation's tensors when Python finalises is killed inside C++ and
+    the rank aborts (SIGABRT, "terminate called without an active exception") after a run
+    that succeeded. Destroying the group joins those threads first.
+    """
+    if "torch.distributed" not in sys.modules:  # a command that never imported torch
+        return
+    from hpcllm import topology
+
+    topology.shutdown()

@@ -31,6 +31,9 @@ def test_cpu_smoke_writes_every_row_to_json(data, tmp_path, monkeypatch, capsys)
     sets = [arg for key in [*TINY, f"data.path={data}"] for arg in ("--set", key)]
     argv = ["bench", "step", "--cpu-smoke", "--compile", *sets, "--steps", "1", "--rounds", "2"]
     assert main([*argv, "--warmup", "1", "--loop-steps", "3", "--json-out", str(out)]) == 0
+    # The command destroyed the process group it started, so no Gloo worker thread outlives
+    # it into the interpreter's exit (where one that releases a tensor aborts the rank).
+    assert not torch.distributed.is_initialized()
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["precision"] == "fp32"
