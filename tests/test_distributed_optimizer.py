@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from mpirun import python, run_mpi
+from overflow_record import check_or_record
 from test_train import SMALL
 
 from hpcllm.config import load_config
@@ -301,3 +302,5 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(data, tmp_path):
     for out in outs:
         assert out["skipped_steps"] == 1 and out["step2_unchanged"] and out["moved_after"]
     assert outs[0]["scale"] == outs[1]["scale"] < 2.0**16
+    # Each step's gradient norm and skip, as logged before the optimizer took the step over.
+    check_or_record("zero", tmp_path / "run")

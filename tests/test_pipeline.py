@@ -4,6 +4,7 @@ import json
 
 import pytest
 from mpirun import python, run_mpi
+from overflow_record import check_or_record
 
 pytestmark = pytest.mark.mpi
 SCHEDULES = {"gpipe", "1f1b", "interleaved", "zb-h1"}
@@ -254,6 +255,8 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(stdlib, tmp_pa
         # The first stage's gradients were finite, but the global norm was not: it skips too.
         assert out["skipped_steps"] == 1 and out["step2_unchanged"] and out["moved_after"]
     assert outs[0]["scale"] == outs[1]["scale"], "the stages' loss scales drifted apart"
+    # Each step's gradient norm and skip, as logged before the optimizer took the step over.
+    check_or_record("pp", tmp_path / "run")
 
 
 @pytest.mark.parametrize("ranks, engines", [(1, "none"), (2, "ddp,horovod")])
