@@ -111,13 +111,21 @@ class Layout:
         _, _, dp_rank = self.coords(rank)
         return sorted(self.rank(t, p, dp_rank) for p in range(self.pp) for t in range(self.tp))
 
+    def embedding_group(self, rank: int) -> list[int]:
+        """Return the world ranks of the first and last stage of ``rank``'s pipeline, which
+        hold the two copies of the tied embedding (one rank when p = 1)."""
+        stages = self.pp_group(rank)
+        return sorted({stages[0], stages[-1]})
+
     def groups(self, axis: str) -> list[list[int]]:
-        """Return every group along ``axis`` (``tp``, ``pp``, ``dp`` or ``mp``), each once."""
+        """Return every group along ``axis`` (``tp``, ``pp``, ``dp``, ``mp`` or
+        ``embedding``), each once."""
         member_of = {
             "tp": self.tp_group,
             "pp": self.pp_group,
             "dp": self.dp_group,
             "mp": self.mp_group,
+            "embedding": self.embedding_group,
         }[axis]
         seen: dict[tuple[int, ...], None] = {}
         for rank in range(self.world_size):
@@ -129,13 +137,51 @@ class Layout:
 # The running grid
 
 
+# The axes whose groups every rank holds today, and the slots later axes fill.
+AXES = ("tp", "pp", "dp", "mp", "embedding")
+LATER_AXES = ("cp", "ep", "expert_dp")
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """Every process group of this rank, as torch groups and as mpi4py communicators.
+
+    One bundle is handed around instead of loose groups (Megatron-Core's ``ProcessGroupCollection``
+    plays this part): ``tp``, ``pp``, ``dp`` and ``mp`` (the tp×pp block) are torch groups of
+    the members :class:`Layout` names, one rank included (a group of one); ``embedding`` joins
+    the first and last pipeline stage, which hold the two copies of the tied embedding (None
+    when p = 1: nothing is tied across ranks). ``*_comm`` are the matching mpi4py
+    communicators (None in a single process started without a launcher, where MPI is never
+    imported). ``cp``, ``ep`` and ``expert_dp`` (context, expert and expert-data parallelism)
+    are the slots later axes fill; None until then.
+    """
+
+    tp: Any
+    pp: Any
+    dp: Any
+    mp: Any
+    embedding: Any = None
+    world_comm: Any = None
+    tp_comm: Any = None
+    pp_comm: Any = None
+    dp_comm: Any = None
+    mp_comm: Any = None
+    embedding_comm: Any = None
+    cp: Any = None
+    ep: Any = None
+    expert_dp: Any = None
+
+    def axes(self) -> dict[str, bool]:
+        """Return every axis, present ones and later slots, and whether this rank has it."""
+        return {axis: getattr(self, axis) is not None for axis in (*AXES, *LATER_AXES)}
+
+
 @dataclass
 class Grid:
     """This rank's place in the grid, with its MPI communicators and torch process groups.
 
-    ``*_comm`` are mpi4py communicators (``None`` in a single process started without a
-    launcher, where MPI is never imported); ``*_group`` are torch.distributed groups with
-    the same members. ``pp_prev``/``pp_next`` are the world ranks of the neighbouring pipeline
+    ``groups`` holds its torch groups and mpi4py communicators (:class:`ProcessGroups`).
+    ``pp_prev``/``pp_next`` are the world ranks of the neighbouring pipeline
     stages, wrapping around as the interleaved schedule needs. ``timeout_s`` is what
     :func:`init` gave the torch groups (None: torch's defaults), for engines that start
     collectives of their own (Horovod).
@@ -150,15 +196,7 @@ class Grid:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    tp_group: Any
-    pp_group: Any
-    dp_group: Any
-    mp_group: Any
-    world_comm: Any = None
-    tp_comm: Any = None
-    pp_comm: Any = None
-    dp_comm: Any = None
-    mp_comm: Any = None
+    groups: ProcessGroups
     timeout_s: float | None = None
 
     @property
@@ -221,6 +259,8 @@ class Grid:
             "tp_group": self.layout.tp_group(self.rank),
             "pp_group": self.layout.pp_group(self.rank),
             "dp_group": self.layout.dp_group(self.rank),
+            "embedding_group": self.layout.embedding_group(self.rank) if self.pp > 1 else None,
+            "later_axes": {axis: None for axis in LATER_AXES},
             "host": self.host,
             "local_rank": self.local_rank,
             "device": str(self.device),
@@ -268,14 +308,17 @@ def _rendezvous(world: Any, launch: Launch, timeout: timedelta) -> tuple[str, in
 def _torch_groups(
     layout: Layout, rank: int, backend: str, timeout: timedelta | None
 ) -> dict[str, Any]:
-    """Create every tp/pp/dp/mp torch group (all ranks must take part) and keep ours.
+    """Create every tp/pp/dp/mp torch group, and the embedding groups when p > 1 (all ranks
+    must take part), and keep ours.
 
     A new group does not inherit the world group's timeout; each is given ``timeout``.
     """
     import torch.distributed as dist
 
-    mine = {}
-    for axis in ("tp", "pp", "dp", "mp"):
+    mine: dict[str, Any] = {"embedding": None}
+    for axis in ("tp", "pp", "dp", "mp", "embedding"):
+        if axis == "embedding" and layout.pp == 1:
+            continue
         # Every rank creates every group in the same order, as torch.distributed requires.
         for members in layout.groups(axis):
             group = dist.new_group(members, backend=backend, timeout=timeout)
@@ -285,7 +328,10 @@ def _torch_groups(
 
 
 def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
-    """Split the MPI world into this rank's tp/pp/dp/mp communicators, ordered as the grid."""
+    """Split the MPI world into this rank's tp/pp/dp/mp communicators, ordered as the grid,
+    and, when p > 1, the embedding communicator of its first and last stage."""
+    from mpi4py import MPI
+
     tp_rank, pp_rank, dp_rank = layout.coords(rank)
     splits = {
         "tp": (pp_rank * layout.dp + dp_rank, tp_rank),
@@ -293,7 +339,15 @@ def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
         "dp": (pp_rank * layout.tp + tp_rank, dp_rank),
         "mp": (dp_rank, rank),
     }
-    return {axis: world.Split(color, key) for axis, (color, key) in splits.items()}
+    comms = {axis: world.Split(color, key) for axis, (color, key) in splits.items()}
+    comms["embedding"] = None
+    if layout.pp > 1:
+        # Every rank takes part in the split; the middle stages keep no communicator.
+        tied = rank in layout.embedding_group(rank)
+        color = dp_rank * layout.tp + tp_rank if tied else MPI.UNDEFINED
+        comm = world.Split(color, pp_rank)
+        comms["embedding"] = comm if tied else None
+    return comms
 
 
 # Open MPI settings hpcllm gives CPU ranks unless the environment sets them. A rank waiting in
@@ -403,15 +457,19 @@ def init(
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         dp_rank=dp_rank,
-        tp_group=groups["tp"],
-        pp_group=groups["pp"],
-        dp_group=groups["dp"],
-        mp_group=groups["mp"],
-        world_comm=world_comm,
-        tp_comm=comms.get("tp"),
-        pp_comm=comms.get("pp"),
-        dp_comm=comms.get("dp"),
-        mp_comm=comms.get("mp"),
+        groups=ProcessGroups(
+            tp=groups["tp"],
+            pp=groups["pp"],
+            dp=groups["dp"],
+            mp=groups["mp"],
+            embedding=groups["embedding"],
+            world_comm=world_comm,
+            tp_comm=comms.get("tp"),
+            pp_comm=comms.get("pp"),
+            dp_comm=comms.get("dp"),
+            mp_comm=comms.get("mp"),
+            embedding_comm=comms.get("embedding"),
+        ),
         timeout_s=timeout_s,
     )
 
@@ -439,7 +497,19 @@ def describe_grid(grid: Grid) -> dict[str, Any]:
 
 def render_grid(report: dict[str, Any]) -> str:
     """Return a human-readable table and picture of a :func:`describe_grid` report."""
-    head = ("rank", "host", "local", "device", "tp", "pp", "dp", "tp_group", "pp_group", "dp_group")
+    head = (
+        "rank",
+        "host",
+        "local",
+        "device",
+        "tp",
+        "pp",
+        "dp",
+        "tp_group",
+        "pp_group",
+        "dp_group",
+        "embedding_group",
+    )
     rows = [
         (
             str(r["rank"]),
@@ -452,6 +522,7 @@ def render_grid(report: dict[str, Any]) -> str:
             _members(r["tp_group"]),
             _members(r["pp_group"]),
             _members(r["dp_group"]),
+            _members(r["embedding_group"]) if r.get("embedding_group") else "-",
         )
         for r in report["ranks"]
     ]
@@ -476,6 +547,13 @@ def render_grid(report: dict[str, Any]) -> str:
             )
             cells.append(f"dp {replica}: {_members(first['tp_group'])}")
         out.append(f"  stage {stage}:  " + "   ".join(cells))
+    later = ", ".join(report["ranks"][0].get("later_axes", {})) or "none"
+    out += [
+        "",
+        "process groups of each rank (torch group and MPI communicator each): tp, pp, dp, mp "
+        "(its tp x pp block), embedding (first and last stage, when p > 1); "
+        f"slots for later axes, empty in this layout: {later}",
+    ]
     return "\n".join(out)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
-    """Return the tp, pp, dp and mp groups Megatron-LM forms for these sizes."""
+    """Return the tp, pp, dp, mp and embedding groups Megatron-LM forms for these sizes."""
     world = tp * pp * dp
     per_stage = world // pp
     tp_groups = [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)]
@@ -21,7 +21,15 @@ def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
     mp_groups = [
         sorted(r for g in pp_groups for r in g if (r % per_stage) // tp == d) for d in range(dp)
     ]
-    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups}
+    # Megatron's embedding groups: each pipeline's first and last stage (the tied embedding).
+    embedding_groups = [[g[0], g[-1]] for g in pp_groups] if pp > 1 else []
+    return {
+        "tp": tp_groups,
+        "pp": pp_groups,
+        "dp": dp_groups,
+        "mp": mp_groups,
+        "embedding": embedding_groups,
+    }
 
 
 def group_of(groups: list[list[int]], rank: int) -> list[int]:

@@ -65,15 +65,20 @@ def test_the_step_strategy_is_chosen_once_from_the_engine():
 
     from hpcllm.train.step import SegmentStep, SynchronousStep, choose_step
 
+    class Segments:  # what RunsSegments asks of an engine: run_segment
+        def run_segment(self, first_step, steps, worker):
+            raise AssertionError("not run here")
+
     def runner(runs_segments: bool) -> SimpleNamespace:
-        engine = SimpleNamespace(runs_segments=runs_segments)
+        engine = Segments() if runs_segments else SimpleNamespace(name="ddp")
         return SimpleNamespace(cfg=None, grid=None, model=SimpleNamespace(engine=engine))
 
     guard = DivergenceGuard(1, build_scaler("fp32", torch.device("cpu")), torch.device("cpu"))
     hooks: list = []
     synchronous = choose_step(runner(False), guard, 16, hooks)
     assert isinstance(synchronous, SynchronousStep) and synchronous.grad_hooks is hooks
-    assert isinstance(choose_step(runner(True), guard, 16, hooks), SegmentStep)
+    segment = choose_step(runner(True), guard, 16, hooks)
+    assert isinstance(segment, SegmentStep) and isinstance(segment.engine, Segments)
 
 
 def test_the_trainer_stays_a_short_loop_over_its_components():

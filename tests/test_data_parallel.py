@@ -182,10 +182,10 @@ def test_missing_horovod_names_make_setup(monkeypatch):
     from types import SimpleNamespace
 
     from hpcllm.errors import UserError
-    from hpcllm.parallel.data_parallel import HorovodEngine
+    from hpcllm.parallel.data.horovod import HorovodEngine
 
     monkeypatch.setitem(sys.modules, "horovod.torch", None)  # import now fails
-    grid = SimpleNamespace(dp_comm=object(), dp=2)
+    grid = SimpleNamespace(groups=SimpleNamespace(dp_comm=object()), dp=2)
     with pytest.raises(UserError, match="make setup"):
         HorovodEngine(grid)
 

@@ -12,7 +12,7 @@ from mpirun import python, run_mpi
 
 from hpcllm.config import ParallelConfig, load_config
 from hpcllm.errors import UserError
-from hpcllm.parallel.data_parallel import (
+from hpcllm.parallel.data.horovod import (
     HOROVOD_KEYS,
     HorovodEngine,
     describe_horovod,
@@ -138,7 +138,9 @@ def test_the_engine_hands_horovod_its_settings_before_init(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.torch", fake)
     if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute first
         monkeypatch.setattr(sys.modules["horovod"], "torch", fake, raising=False)
-    grid = SimpleNamespace(dp_comm=object(), dp=2, timeout_s=None, device=torch.device("cpu"))
+    grid = SimpleNamespace(
+        groups=SimpleNamespace(dp_comm=object()), dp=2, timeout_s=None, device=torch.device("cpu")
+    )
     engine = HorovodEngine(grid, ParallelConfig(horovod_fusion_mb=1.0))
     assert seen == {
         "HOROVOD_FUSION_THRESHOLD": str(2**20),  # the key
@@ -203,15 +205,15 @@ def test_allreduce_on_one_rank_says_there_is_nothing_to_compare():
 
 
 def test_bench_dp_replaces_its_own_scratch_runs_and_nothing_else(tmp_path):
-    from hpcllm.bench.dp import MARK, _fresh_run_dir
+    from hpcllm.bench.runs import MARK, fresh_run_dir
 
-    run = _fresh_run_dir(tmp_path / "ddp-d2-fp32")
+    run = fresh_run_dir(tmp_path / "ddp-d2-fp32")
     (run / "checkpoints").mkdir()  # what the run left: a second bench dp starts it afresh
-    assert _fresh_run_dir(run) == run and sorted(p.name for p in run.iterdir()) == [MARK]
+    assert fresh_run_dir(run) == run and sorted(p.name for p in run.iterdir()) == [MARK]
     mine = tmp_path / "my-run"
     (mine / "checkpoints").mkdir(parents=True)
     with pytest.raises(UserError, match="is not a run of hpcllm bench dp; give another --out"):
-        _fresh_run_dir(mine)
+        fresh_run_dir(mine)
     assert (mine / "checkpoints").is_dir()
 
 

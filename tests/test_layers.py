@@ -40,11 +40,11 @@ LAYERS = [
 
 # The data-parallel engines wrap any model and optimizer; they know nothing of the model, the
 # trainer or pipelines.
-ENGINES = [
-    "hpcllm.parallel.data_parallel",
-    "hpcllm.parallel.async_engines",
-    "hpcllm.parallel.engines",
-]
+ENGINES = ["hpcllm.parallel.data"]
+
+# Private names another module may import: cli.py's of the config (its choices table, which
+# the config-rules issue makes public).
+PRIVATE_IMPORTS_ALLOWED = {("hpcllm.cli", "hpcllm.config._CHOICES")}
 ENGINES_MUST_NOT_IMPORT = ["hpcllm.model", "hpcllm.train", "hpcllm.parallel.pipeline"]
 
 TOP = "hpcllm"
@@ -94,23 +94,27 @@ def _deepest(name: str, modules: dict[str, Module]) -> str | None:
     return name or None
 
 
+def imported_from(node: ast.ImportFrom, mod: Module) -> str:
+    """Return the absolute module a ``from ... import`` in ``mod`` names (relative resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def import_edges(modules: dict[str, Module], top: str = TOP) -> list[Edge]:
     """Each import of a module under `top`, anywhere in each module's source."""
     edges = []
     for mod in modules.values():
         tree = ast.parse(mod.path.read_text(), filename=str(mod.path))
-        package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
         for node in ast.walk(tree):
             targets = []  # (name as written, candidates from deepest to shallowest)
             if isinstance(node, ast.Import):
                 targets = [(alias.name, [alias.name]) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
+                source = imported_from(node, mod)
                 for alias in node.names:
                     if alias.name == "*":
                         targets.append((source, [source]))
@@ -130,6 +134,46 @@ def import_edges(modules: dict[str, Module], top: str = TOP) -> list[Edge]:
                 if edge not in edges:  # `from a import b, c` is one edge
                     edges.append(edge)
     return edges
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(modules: dict[str, Module], top: str = TOP) -> list[tuple[str, str, str]]:
+    """Each use of another hpcllm module's private (``_name``) name: (importer, the name with
+    its module, where). Counts ``from m import _name`` and ``m._name`` on a name bound to an
+    hpcllm module or to a name imported from one, anywhere in the source; dunder names such
+    as ``__version__`` are public."""
+    found = []
+    for mod in modules.values():
+        tree = ast.parse(mod.path.read_text(), filename=str(mod.path))
+        bound: dict[str, str] = {}  # local name -> what it is, dotted
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = imported_from(node, mod)
+                if not under(source, top):
+                    continue
+                for alias in node.names:
+                    if _private(alias.name) and source != mod.name:
+                        found.append((mod.name, f"{source}.{alias.name}", f"line {node.lineno}"))
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if under(alias.name, top):
+                        name = alias.asname or alias.name.partition(".")[0]
+                        bound[name] = alias.name if alias.asname else name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and _private(node.attr)
+            ):
+                found.append(
+                    (mod.name, f"{bound[node.value.id]}.{node.attr}", f"line {node.lineno}")
+                )
+    return found
 
 
 def layer_of(name: str, layers: list = LAYERS, top: str = TOP) -> int | None:
@@ -264,6 +308,45 @@ def test_data_parallel_engines_know_no_model_trainer_or_pipeline():
     assert not bad, "data-parallel engines importing model, trainer or pipeline:\n" + "\n".join(bad)
 
 
+def test_no_module_uses_another_modules_private_names():
+    modules, _ = _real_graph()
+    bad = [
+        f"{importer} ({where}) uses {name}"
+        for importer, name, where in private_imports(modules)
+        if (importer, name) not in PRIVATE_IMPORTS_ALLOWED
+    ]
+    assert not bad, "private names used across modules (make them public):\n" + "\n".join(bad)
+
+
+def test_parallel_holds_the_tensor_pipeline_and_data_packages_and_no_engine_outside():
+    parallel = REPO / "hpcllm" / "parallel"
+    packages = sorted(p.name for p in parallel.iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["data", "pipeline", "tensor"]
+    modules, edges = _real_graph()
+    data = "hpcllm.parallel.data"
+    # Data-parallel machinery is data/'s: outside it no module starts Horovod, wraps in DDP,
+    # subclasses an engine or its optimizer, or shards an optimizer.
+    machinery = {"DistributedDataParallel", "hvd", "horovod", "ZeroState", "DistributedAdamW"}
+    bad = []
+    for name, mod in modules.items():
+        if under(name, data):
+            continue
+        for node in ast.walk(ast.parse(mod.path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+                if bases & {"Engine", "MixedPrecisionOptimizer"}:
+                    bad.append(f"{name}: class {node.name} is an engine or its optimizer")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                if any(n.partition(".")[0] == "horovod" for n in names):
+                    bad.append(f"{name}:{node.lineno} imports Horovod")
+            if isinstance(node, ast.Call):
+                called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                if called in machinery:
+                    bad.append(f"{name}:{node.lineno} calls {called}")
+    assert not bad, "data-parallel code outside hpcllm/parallel/data/:\n" + "\n".join(bad)
+
+
 def test_every_hpcllm_import_names_an_existing_module():
     _, edges = _real_graph()
     bad = [
@@ -355,6 +438,35 @@ def test_walker_sees_function_level_relative_and_mapped_imports(tmp_path):
     report = cycle_report(edges, tmp_path)
     assert "    pkg/errors.py:4  hpcllm.errors -> hpcllm.topology" in report
     assert "    kern/__init__.py:2  hpcllm.kernels -> hpcllm.model.gpt" in report
+
+
+def test_private_walker_sees_from_imports_attributes_and_aliases(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "__version__ = '0'\n",
+            "pkg/a.py": "_secret = 1\n\ndef _helper():\n    return _secret\n",
+            "pkg/b.py": (
+                "from hpcllm.a import _helper  # a private name, imported\n"
+                "from hpcllm import __version__  # dunder: public\n"
+                "from hpcllm import a\n"
+                "import hpcllm.a as alias\n"
+                "\n"
+                "def f():\n"
+                "    from . import a as local\n"
+                "    return a._secret + alias._secret + local._helper() + a.public\n"
+            ),
+            "pkg/c.py": "import os\n\nx = os._exit  # not hpcllm's\n",
+        },
+    )
+    modules = find_modules(tmp_path, {"hpcllm": "pkg"})
+    found = sorted((importer, name) for importer, name, _ in private_imports(modules))
+    assert found == [
+        ("hpcllm.b", "hpcllm.a._helper"),
+        ("hpcllm.b", "hpcllm.a._helper"),
+        ("hpcllm.b", "hpcllm.a._secret"),
+        ("hpcllm.b", "hpcllm.a._secret"),
+    ]
 
 
 def test_layer_table():

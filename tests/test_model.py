@@ -201,7 +201,7 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
 
     from hpcllm.config import ModelConfig
     from hpcllm.model.stages import build_chunks
-    from hpcllm.parallel.data_parallel import Engine
+    from hpcllm.parallel.data.engine import Engine
     from hpcllm.train.stage_work import GPTStageWork
 
     cfg = ModelConfig(preset=None, n_layer=2, n_head=2, d_model=32, seq_len=16, recompute=recompute)

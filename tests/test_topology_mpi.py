@@ -34,6 +34,14 @@ def test_grid_groups_under_mpirun_8_ranks():
                 assert report["torch"][axis] == members, (axis, report)
                 assert report["mpi"][axis] == members, (axis, report)
                 assert report["sum"][axis] == sum(m + 1 for m in members), (axis, report)
+            tied = [g for g in oracle["embedding"] if rank in g]
+            if tied:
+                (members,) = tied
+                assert report["torch"]["embedding"] == members, report
+                assert report["mpi"]["embedding"] == members, report
+                assert report["sum"]["embedding"] == sum(m + 1 for m in members), report
+            else:
+                assert "embedding" not in report["torch"], report
             pipeline = group_of(oracle["pp"], rank)
             stage = pipeline.index(rank)
             assert report["pp_prev"] == pipeline[stage - 1]
@@ -55,6 +63,9 @@ def test_topo_json_under_mpirun():
         assert row["tp_group"] == layout.tp_group(rank)
         assert row["pp_group"] == layout.pp_group(rank)
         assert row["dp_group"] == layout.dp_group(rank)
+        pipeline = layout.pp_group(rank)
+        assert row["embedding_group"] == [pipeline[0], pipeline[-1]]
+        assert row["later_axes"] == {"cp": None, "ep": None, "expert_dp": None}
         assert row["local_rank"] == rank and row["device"] == "cpu" and row["host"]
 
 
@@ -63,6 +74,7 @@ def test_topo_table_under_mpirun():
     text = result.rank_stdout[0]
     assert "world 4 = tp 2 x pp 1 x dp 2" in text
     assert "stage 0:  dp 0: [0 1]   dp 1: [2 3]" in text
+    assert "slots for later axes, empty in this layout: cp, ep, expert_dp" in text
 
 
 @pytest.mark.parametrize(

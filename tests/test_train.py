@@ -74,7 +74,7 @@ def test_loss_falls_on_the_stdlib_corpus(stdlib, tmp_path):
 def test_fp16_skips_a_step_with_an_inf_gradient_and_goes_on(stdlib, tmp_path):
     before = {}
 
-    def hook(step, model):
+    def hook(step, model, optimizer):
         before[step] = [p.detach().clone() for p in model.parameters()]
         if step == 2:
             next(model.parameters()).grad.view(-1)[0] = float("inf")

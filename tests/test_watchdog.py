@@ -209,7 +209,7 @@ def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, pr
     import sys
     from types import SimpleNamespace
 
-    from hpcllm.parallel.data_parallel import HOROVOD_KEYS, HorovodEngine
+    from hpcllm.parallel.data.horovod import HOROVOD_KEYS, HorovodEngine
 
     names = ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     # Every variable the engine sets, so that they are restored after the test.
@@ -229,7 +229,9 @@ def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, pr
     monkeypatch.setitem(sys.modules, "horovod.torch", fake)
     if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute first
         monkeypatch.setattr(sys.modules["horovod"], "torch", fake, raising=False)
-    HorovodEngine(SimpleNamespace(dp_comm=object(), dp=2, timeout_s=timeout_s))
+    HorovodEngine(
+        SimpleNamespace(groups=SimpleNamespace(dp_comm=object()), dp=2, timeout_s=timeout_s)
+    )
     assert (seen[names[0]], seen[names[1]]) == expected
 
 

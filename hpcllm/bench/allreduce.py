@@ -44,7 +44,7 @@ def bench_allreduce(
     from hpcllm import topology
 
     grid = topology.init()
-    comm = grid.world_comm
+    comm = grid.groups.world_comm
     if comm is None:
         raise UserError("hpcllm bench allreduce runs under mpirun with 2 or more ranks")
     n = grid.world_size
@@ -62,10 +62,24 @@ def bench_allreduce(
     # Horovod runs with the settings a training run would have (parallel.horovod_* keys
     # reach this process as HOROVOD_* variables; hpcllm's defaults otherwise).
     from hpcllm.config import ParallelConfig
-    from hpcllm.parallel.data_parallel import describe_horovod, horovod_settings
+    from hpcllm.parallel.data.horovod import (
+        describe_horovod,
+        horovod_settings,
+        horovod_transport,
+        start_horovod,
+    )
 
     hvd_settings = horovod_settings(ParallelConfig(), os.environ, grid.device.type)
     hvd_transport = "MPI"
+    started: list[Any] = []  # Horovod, once a transport that needs it has started it
+
+    def hvd_started() -> Any:
+        # As the engines start it: on the grid's dp communicator (the world here, d = n).
+        nonlocal hvd_transport
+        if not started:
+            started.append(start_horovod(grid, ParallelConfig())[0])
+            hvd_transport = horovod_transport(grid, started[0])
+        return started[0]
 
     # Each transport is set up only when its turn comes: Horovod's background thread keeps
     # polling once started, and on a machine with as many ranks as cores it would slow the
@@ -83,16 +97,7 @@ def bench_allreduce(
         return lambda: dist.all_reduce(tensor)
 
     def horovod() -> Callable[[], Any]:
-        nonlocal hvd_transport
-        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "MPI")
-        for variable, (value, source) in hvd_settings.items():
-            if source == "hpcllm default":
-                os.environ[variable] = value
-        import horovod.torch as hvd
-
-        hvd.init(comm=comm)
-        if grid.device.type == "cuda" and hvd.nccl_built():
-            hvd_transport = "NCCL"
+        hvd = hvd_started()
         tensor = torch.ones(count, device=grid.device)
         return lambda: hvd.allreduce_(tensor, op=hvd.Sum, name="bench")
 
@@ -112,8 +117,7 @@ def bench_allreduce(
         return run
 
     def horovod_rs_ag() -> Callable[[], Any]:
-        import horovod.torch as hvd
-
+        hvd = hvd_started()
         padded = -(-count // n) * n
         tensor = torch.ones(padded, device=grid.device)
         return lambda: hvd.allgather(

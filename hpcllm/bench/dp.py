@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import numpy as np
 import torch
 
 from hpcllm.bench.allreduce import render_allreduce
-from hpcllm.launcher import mpirun_command, mpirun_env
+from hpcllm.bench.runs import fresh_run_dir, launch_ranks
 from hpcllm.observe import CaseProgress
 from hpcllm.train.preflight import cpu_has_native_bf16
 
@@ -59,54 +57,12 @@ def default_precisions(gpu: bool, native_bf16: bool) -> tuple[list[str], str | N
     )
 
 
-def _launch(
-    np_: int,
-    args: list[str],
-    timeout: float,
-    force_mpirun: bool = False,
-    threads: int | None = None,
-    env: dict[str, str] | None = None,
-) -> None:
-    """Run ``hpcllm ARGS`` on ``np_`` ranks (through mpirun when more than one, or forced),
-    with ``env`` added to the environment of every rank."""
-    # Horovod's CPU collectives go through MPI under mpirun (its gloo path crashes there).
-    settings = {"HOROVOD_CPU_OPERATIONS": os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI")}
-    settings.update(env or {})
-    if threads is not None:
-        settings["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "hpcllm", *args]
-    if np_ > 1 or force_mpirun:
-        cmd = mpirun_command(np_, cmd, export=settings)
-    subprocess.run(
-        cmd, check=True, env=mpirun_env(settings), timeout=timeout, stdout=subprocess.DEVNULL
-    )
-
-
-MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace
-
-
-def _fresh_run_dir(path: Path, verb: str = "bench dp") -> Path:
-    """Return ``path`` empty but for the benchmark's mark, replacing a run an earlier one made
-    there (its scratch runs); refuse a folder no hpcllm benchmark made."""
-    import shutil
-
-    from hpcllm.errors import UserError
-
-    if path.exists():
-        if not (path / MARK).is_file():
-            raise UserError(f"{path} exists and is not a run of hpcllm {verb}; give another --out")
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    (path / MARK).write_text(f"a scratch run of hpcllm {verb}, replaced by the next one\n")
-    return path
-
-
 def _launch_allreduce(
     np_: int, args: list[str], timeout: float, config: Path | None, overrides: list[str]
 ) -> None:
     """Run ``bench allreduce`` with the Horovod settings the config's training runs used."""
     from hpcllm.config import load_config
-    from hpcllm.parallel.data_parallel import HOROVOD_KEYS
+    from hpcllm.parallel.data.horovod import HOROVOD_KEYS
 
     parallel = load_config(config, overrides).parallel
     keys = {
@@ -114,7 +70,7 @@ def _launch_allreduce(
         for key, (variable, write) in HOROVOD_KEYS.items()
         if getattr(parallel, key) is not None
     }
-    _launch(np_, args, timeout=timeout, env=keys)
+    launch_ranks(np_, args, timeout=timeout, env=keys)
 
 
 def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -144,17 +100,14 @@ def engine_settings(
 ) -> dict[str, str]:
     """Return each engine's settings as its ranks will resolve them, one line per engine.
 
-    The ranks read the same config and overrides, and the environment ``_launch`` gives them
-    (this process's, plus ``HOROVOD_CPU_OPERATIONS``), so the Horovod precedence of
-    :func:`~hpcllm.parallel.data_parallel.horovod_settings` gives the same answer here.
+    The ranks read the same config and overrides, and the environment
+    :func:`~hpcllm.bench.runs.launch_ranks` gives them (this process's, plus
+    ``HOROVOD_CPU_OPERATIONS``), so the Horovod precedence of
+    :func:`~hpcllm.parallel.data.horovod.horovod_settings` gives the same answer here.
     """
     from hpcllm.config import load_config
-    from hpcllm.parallel.data_parallel import (
-        describe_ddp,
-        describe_horovod,
-        describe_mpi,
-        horovod_settings,
-    )
+    from hpcllm.parallel.data.ddp import describe_ddp
+    from hpcllm.parallel.data.horovod import describe_horovod, describe_mpi, horovod_settings
 
     parallel = load_config(config, overrides).parallel
     gpu = torch.cuda.is_available()
@@ -220,7 +173,7 @@ def bench_dp(
         baseline = None
         for engine, d in engine_runs(dps, engines):
             progress.start(f"{engine} d={d} {precision}")
-            run_dir = _fresh_run_dir(out / f"{engine}-d{d}-{precision}")
+            run_dir = fresh_run_dir(out / f"{engine}-d{d}-{precision}")
             base, _, zero = engine.partition("-")
             args = [
                 "train",
@@ -236,7 +189,7 @@ def bench_dp(
             ]
             started = time.perf_counter()
             # Horovod needs an MPI launcher even for one rank.
-            _launch(d, args, timeout=1800, force_mpirun=base == "horovod", threads=threads)
+            launch_ranks(d, args, timeout=1800, force_mpirun=base == "horovod", threads=threads)
             row = {
                 "engine": engine,
                 "dp": d,

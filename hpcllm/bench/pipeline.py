@@ -78,7 +78,7 @@ def _gpt_work(grid: Any, v: int, m: int, split: bool, seed: int = 1) -> tuple[An
     """Return (factory of GPT stage work for one step, activation shape) for the tiny GPT."""
     from hpcllm.config import load_config
     from hpcllm.model.stages import build_chunks
-    from hpcllm.parallel.data_parallel import Engine
+    from hpcllm.parallel.data.engine import Engine
     from hpcllm.train.stage_work import GPTStageWork
 
     tiny = load_config(None, ["model.preset=tiny"]).model

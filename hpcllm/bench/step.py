@@ -181,7 +181,7 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
     """
     stamps: list[tuple[float, float]] = []
     trainer.grad_hooks.append(
-        lambda _step, _model: stamps.append((time.perf_counter(), time.process_time()))
+        lambda _step, _model, _optimizer: stamps.append((time.perf_counter(), time.process_time()))
     )
     trainer.cfg.train.steps = trainer.step + steps
     # The run's final checkpoint falls after the last stamp; saving it would only cost time

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcllm.bench.dp import _fresh_run_dir, _launch
+from hpcllm.bench.runs import fresh_run_dir, launch_ranks
 from hpcllm.observe import CaseProgress, read_metrics
 
 ENGINES = ("ddp", "ps", "ps-async", "local-sgd")
@@ -125,7 +125,7 @@ def bench_sync(
                 label = f"{name}{' straggler' if straggler else ''} #{repeat + 1}"
                 progress.start(label)
                 slug = name.replace(" ", "-").replace("=", "")
-                run_dir = _fresh_run_dir(
+                run_dir = fresh_run_dir(
                     out / f"{slug}{'-straggler' if straggler else ''}-{repeat + 1}", "bench sync"
                 )
                 args = ["train", *common]
@@ -133,7 +133,7 @@ def bench_sync(
                 for item in [*sets, *(slow if straggler else []), *seeded, f"run.dir={run_dir}"]:
                     args += ["--set", item]
                 started = time.perf_counter()
-                _launch(dp, args, timeout=1800, threads=1)
+                launch_ranks(dp, args, timeout=1800, threads=1)
                 summary = summarise(run_dir)
                 summary["wall_s"] = time.perf_counter() - started
                 runs.append(summary)

@@ -76,7 +76,7 @@ from hpcllm import watchdog
 from hpcllm.config import Config, config_from_dict, load_yaml
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, durable_replace, fsync_path
-from hpcllm.parallel.distributed_optimizer import is_shard_state, merge_shards
+from hpcllm.parallel.data.distributed_optimizer import is_shard_state, merge_shards
 from hpcllm.parallel.random import set_tp_stream_state, tp_stream_state
 
 LATEST = "latest"
@@ -274,8 +274,8 @@ def _gather(grid: Any, item: Any) -> list[Any]:
     """Return every rank's ``item`` in rank order (on the host through MPI where it exists)."""
     if grid.world_size == 1:
         return [item]
-    if grid.world_comm is not None:
-        return grid.world_comm.allgather(item)
+    if grid.groups.world_comm is not None:
+        return grid.groups.world_comm.allgather(item)
     items: list[Any] = [None] * grid.world_size
     dist.all_gather_object(items, item)
     return items

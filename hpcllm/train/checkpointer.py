@@ -21,13 +21,13 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 from torch.amp import GradScaler
-from torch.optim import Optimizer
 
 from hpcllm.config import Config
 from hpcllm.datasets.shards import Manifest
 from hpcllm.errors import UserError
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
-from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 from hpcllm.train import checkpoint, reshard
 from hpcllm.train import run_dir as run_folder
@@ -35,6 +35,9 @@ from hpcllm.train.optim import load_optimizer_state
 from hpcllm.train.state import Cadence, TrainState
 
 Warn = Callable[[str], None]
+
+# What a checkpoint holds, as :meth:`Checkpointer.track` names it.
+Tracked = tuple[nn.ModuleList, MixedPrecisionOptimizer, GradScaler, Engine]
 
 
 class Checkpointer:
@@ -53,7 +56,9 @@ class Checkpointer:
         self.enabled = True
         self._lock: run_folder.RunLock | None = None
         self._pruning: threading.Thread | None = None
-        self._tracked: tuple[nn.ModuleList, Optimizer, GradScaler, Engine] | None = None
+        self._tracked: tuple[nn.ModuleList, MixedPrecisionOptimizer, GradScaler, Engine] | None = (
+            None
+        )
         # The newest checkpoint that verifies (a damaged newer one is named and passed over),
         # and the saved layout when it differs from this run's (run.reshard re-cuts it).
         self.resume_from: Path | None = None
@@ -93,8 +98,8 @@ class Checkpointer:
             except OSError as err:  # a file-system failure is one line too
                 error = str(run_folder.fs_error("use", Path(err.filename or "?"), err))
         if self.grid.world_size > 1:
-            if self.grid.world_comm is not None:
-                error = self.grid.world_comm.bcast(error, root=0)
+            if self.grid.groups.world_comm is not None:
+                error = self.grid.groups.world_comm.bcast(error, root=0)
             else:
                 box = [error]
                 dist.broadcast_object_list(box, src=0)
@@ -130,7 +135,7 @@ class Checkpointer:
     def track(
         self,
         chunks: nn.ModuleList,
-        optimizer: Optimizer,
+        optimizer: MixedPrecisionOptimizer,
         scaler: GradScaler,
         engine: Engine,
     ) -> None:
@@ -206,7 +211,7 @@ class Checkpointer:
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
             on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self.warn,
-            per_replica=engine.optimizer_per_replica,
+            per_replica=optimizer.state_per_replica,
         )
         keep = self.cfg.run.keep_checkpoints
         if folder is not None and keep is not None and self.grid.rank == 0:
@@ -224,7 +229,7 @@ class Checkpointer:
             self._pruning.join()
             self._pruning = None
 
-    def _objects(self) -> tuple[nn.ModuleList, Optimizer, GradScaler, Engine]:
+    def _objects(self) -> Tracked:
         if self._tracked is None:
             raise RuntimeError("Checkpointer.track names the model before a load or save")
         return self._tracked

@@ -1,7 +1,8 @@
 """The divergence guard: counts skipped steps and stops a run that only skips.
 
-A step whose loss or gradient is not finite is skipped (:func:`hpcllm.train.grads.optimizer_step`),
-so the weights stay those of the last good step. The guard counts skips on the device, so that
+A step whose loss or gradient is not finite is skipped (the optimizer's step,
+:meth:`~hpcllm.parallel.data.optimizer.MixedPrecisionOptimizer.step`), so the weights stay
+those of the last good step. The guard counts skips on the device, so that
 no step waits for the GPU to be counted, and reads the count where the host meets the device
 anyway (a logged step, a save, a segment's end). ``train.max_bad_steps`` skips in a row end
 the run with one line that says what to change.

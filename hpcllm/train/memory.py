@@ -12,26 +12,27 @@ from typing import Any
 
 import torch
 
-from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 
 
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | MixedPrecisionOptimizer) -> int:
     """Return the bytes of the optimizer's state tensors as they are now."""
     return sum(_bytes(state.values()) for state in optimizer.state.values())
 
 
-def adamw_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def adamw_state_bytes(optimizer: torch.optim.Optimizer | MixedPrecisionOptimizer) -> int:
     """Return the bytes AdamW's state will hold once it has stepped (it is made lazily):
     two fp32 moments per element and one fp32 step per tensor."""
     return sum(2 * p.numel() * 4 + 4 for group in optimizer.param_groups for p in group["params"])
 
 
 def memory_parts(
-    engine: Engine, optimizer: torch.optim.Optimizer, device: torch.device
+    engine: Engine, optimizer: MixedPrecisionOptimizer, device: torch.device
 ) -> dict[str, int]:
     """Return this rank's bytes of weights, gradients and optimizer state (and on CUDA the
     step's peak allocation beyond them, ``peak_other``).
@@ -41,7 +42,7 @@ def memory_parts(
     holds none.
     """
     weights, gradients = engine.buffer_bytes()
-    if not engine.holds_optimizer_state:
+    if not optimizer.holds_state:
         state = 0
     elif optimizer.state:
         state = optimizer_state_bytes(optimizer) + engine.master_bytes()

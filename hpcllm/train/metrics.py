@@ -47,7 +47,7 @@ def count_parameters(chunks: torch.nn.Module, grid: Grid) -> int:
     )
     if grid.pp > 1:
         total = torch.tensor([count], dtype=torch.int64, device=grid.device)
-        dist.all_reduce(total, group=grid.pp_group)
+        dist.all_reduce(total, group=grid.groups.pp)
         count = int(total.item())
     return count
 

@@ -45,7 +45,7 @@ def build_optimizer(
     """Return AdamW over ``model``: weight decay on matrices (≥ 2-D) only, fused.
 
     Fused (one multi-tensor kernel, on CUDA and CPU alike) also takes a skipped step's verdict
-    on the device (:func:`hpcllm.train.grads.optimizer_step`).
+    on the device (:meth:`~hpcllm.parallel.data.optimizer.MixedPrecisionOptimizer.step`).
     """
     decay, no_decay = [], []
     for param in model.parameters():

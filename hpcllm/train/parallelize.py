@@ -14,7 +14,8 @@ compilation):
 4. compilation (``model.compile``): each transformer block and the output head compiled on
    its own (``blocks``), or each chunk whole (``full``); see :func:`compile_chunks`;
 5. the data-parallel engine's wrap of the chunks;
-6. the optimizer, which the engine may wrap (Horovod).
+6. the optimizer, which the engine builds over AdamW and the loss scaler
+   (:meth:`Engine.build_optimizer <hpcllm.parallel.data.engine.Engine.build_optimizer>`).
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hpcllm.config import Config
 from hpcllm.errors import UserError
 from hpcllm.model.stages import build_chunks, split_layers
-from hpcllm.parallel.data_parallel import Engine
-from hpcllm.parallel.engines import build_engine
+from hpcllm.parallel.data.builder import build_engine
+from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.parallel.pipeline.runtime import Channel
 from hpcllm.parallel.pipeline.schedule import Action, check_sizes, rank_actions
 from hpcllm.parallel.random import seed_streams
-from hpcllm.topology import Grid
-from hpcllm.train.optim import build_optimizer
+from hpcllm.topology import Grid, ProcessGroups
+from hpcllm.train.optim import build_optimizer, build_scaler
 
 
 @dataclass
@@ -45,13 +46,16 @@ class ParallelModel:
     chunks: nn.ModuleList  # the weights this rank holds; checkpoints save these
     forward_modules: list[nn.Module]  # what runs each chunk's forward (the engine's wrap)
     engine: Engine
-    optimizer: torch.optim.Optimizer
+    optimizer: MixedPrecisionOptimizer  # steps: unscale, clip, skip on inf/NaN (its scaler)
     schedule: str  # the schedule the actions follow (1f1b with one stage)
     actions: list[Action]  # this rank's actions for one training step
     channel: Channel | None  # point-to-point to the neighbouring stages (None if p = 1)
-    embedding_group: Any  # the first and last stage's group for the tied embedding
-    tp_group: Any  # None with one tp rank
-    pp_group: Any  # None with one stage
+    groups: ProcessGroups  # the grid's process groups
+
+    @property
+    def pp_group(self) -> Any:
+        """Return the pipeline's group, None with one stage (nothing to exchange)."""
+        return self.groups.pp if self.channel is not None else None
 
     @property
     def split_backward(self) -> bool:
@@ -137,22 +141,6 @@ def compile_chunks(chunks: nn.ModuleList, how: str) -> None:
             chunk.head = torch.compile(chunk.head)
 
 
-def embedding_group(grid: Grid) -> Any:
-    """Return the torch group of this rank's first and last pipeline stage (None if p = 1).
-
-    Every rank takes part in creating every such group, as ``new_group`` requires.
-    """
-    if grid.pp == 1:
-        return None
-    mine = None
-    for members in grid.layout.groups("pp"):
-        ranks = sorted({members[0], members[-1]})
-        group = dist.new_group(ranks)
-        if grid.rank in ranks:
-            mine = group
-    return mine
-
-
 def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> ParallelModel:
     """Return this rank's chunks, wrapped for data parallelism, with schedule and optimizer.
 
@@ -162,7 +150,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     """
     p, t, device = cfg.parallel, cfg.train, grid.device
     check_pipeline(cfg, accumulation)
-    tp_group = grid.tp_group if p.tp > 1 else None
+    tp_group = grid.groups.tp if p.tp > 1 else None
 
     seed_streams(t.seed, grid.tp_rank, grid.pp_rank, device)
 
@@ -192,13 +180,16 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
             scatter_gather=p.scatter_gather,
             sequence_parallel=chunks[0].sequence_parallel,
         )
-    tied = embedding_group(grid)
-
     compile_chunks(chunks, resolve_compile(cfg.model.compile, device, schedule))
     engine = build_engine(p.dp_engine, grid, p, t.param_dtype)
     modules = engine.wrap(chunks)
 
-    optimizer = engine.attach_optimizer(build_optimizer(chunks, t, device), accumulation)
+    optimizer = engine.build_optimizer(
+        build_optimizer(chunks, t, device),
+        build_scaler(t.precision, device),
+        t.grad_clip,
+        accumulation,
+    )
     return ParallelModel(
         chunks=chunks,
         forward_modules=modules,
@@ -207,7 +198,5 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
         schedule=schedule,
         actions=actions,
         channel=channel,
-        embedding_group=tied,
-        tp_group=tp_group,
-        pp_group=grid.pp_group if p.pp > 1 else None,
+        groups=grid.groups,
     )

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcllm import observe, watchdog
-from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.pipeline.zero_bubble import (
     defer_weight_grads,
     deferrable_weight_grads,

@@ -4,11 +4,14 @@ The trainer chooses the strategy once, at start-up (:func:`choose_step`), from i
 data-parallel engine, and its loop never asks which it has:
 
 - :class:`SynchronousStep` (every engine but ps-async; local SGD is a synchronous step whose
-  engine averages the replicas every H steps) runs one optimizer step: this rank's schedule
-  over the step's micro-batches, the gradients finished (:func:`grads.finish_gradients`), one
-  clipped optimizer step (:func:`grads.step`).
-- :class:`SegmentStep` (ps-async) hands the engine the steps up to the loop's next sync point
-  (a logged step, a save, a validation, a profiler bound, the end): the engine's server
+  optimizer averages the replicas every H steps) runs one optimizer step as Megatron-Core
+  takes it: this rank's schedule over the step's micro-batches, the engine's one
+  ``finalize_grads()`` (its reduction over d and the model's gradient sums), then
+  ``optimizer.step()``, which unscales, clips, skips on inf/NaN and returns (grad norm,
+  skipped).
+- :class:`SegmentStep` (an engine that :class:`~hpcllm.parallel.data.engine.RunsSegments`,
+  ps-async) hands the engine the steps up to the loop's next sync point (a logged step, a
+  save, a validation, a profiler bound, the end) and one worker object: the engine's server
   applies the workers' gradients as they come, so no step boundary exists in between.
 
 Both run the same :class:`ScheduleRunner` for a rank's forwards and backwards, and both return
@@ -28,19 +31,21 @@ from torch.amp import GradScaler
 
 from hpcllm import observe, watchdog
 from hpcllm.config import Config
+from hpcllm.parallel.data.engine import RunsSegments
+from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.parallel.pipeline.runtime import Runtime
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.topology import Grid
-from hpcllm.train import grads
 from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.optim import autocast, lr_at, step_autocast_cache
 from hpcllm.train.parallelize import ParallelModel
 from hpcllm.train.stage_work import GPTStageWork, MicroBatches, stage_loss_sum
 from hpcllm.train.state import TrainState
 
-# Called after the gradients are finished, before the optimizer step, with the step and this
-# rank's model chunks (a ModuleList; one chunk, the whole GPT, with one pipeline stage).
-GradHook = Callable[[int, torch.nn.Module], None]
+# Called after the gradients are finished, before the optimizer step, with the step, this
+# rank's model chunks (a ModuleList; one chunk, the whole GPT, with one pipeline stage) and
+# the optimizer (whose main_grads() are the gradients its step reads, whatever the engine).
+GradHook = Callable[[int, torch.nn.Module, MixedPrecisionOptimizer], None]
 
 
 @dataclass
@@ -74,10 +79,9 @@ class ScheduleRunner:
     Keeps the intervals of the last run in :attr:`timeline` (for the timeline files).
     """
 
-    def __init__(
-        self, cfg: Config, grid: Grid, model: ParallelModel, scaler: GradScaler, accumulation: int
-    ) -> None:
-        self.cfg, self.grid, self.model, self.scaler = cfg, grid, model, scaler
+    def __init__(self, cfg: Config, grid: Grid, model: ParallelModel, accumulation: int) -> None:
+        self.cfg, self.grid, self.model = cfg, grid, model
+        self.scaler: GradScaler = model.optimizer.scaler
         self.accumulation = accumulation
         self.timeline: list[Interval] = []
 
@@ -165,10 +169,10 @@ class SynchronousStep:
         steps only; its mean step time over a logging interval is then still the device's.
         """
         t, model, engine = self.cfg.train, self.model, self.model.engine
-        scaler, device = self.runner.scaler, self.grid.device
+        optimizer, device = self.model.optimizer, self.grid.device
         started = time.perf_counter()
         lr = lr_at(state.step, t, self.global_batch)
-        for group in model.optimizer.param_groups:
+        for group in optimizer.param_groups:
             group["lr"] = lr
         model.chunks.train()
         engine.reset_timers()
@@ -177,31 +181,21 @@ class SynchronousStep:
             observe.nvtx_range("gradient communication"),
             watchdog.waiting("gradient communication", axis="dp"),
         ):
-            grads.finish_gradients(
-                model.chunks, engine, model.optimizer, model.tp_group, model.embedding_group
-            )
-        if engine.waits_in_backward:
-            compute_time -= engine.comm_wait_s
+            engine.finalize_grads()
+        # What DDP's reducer waited for inside the last backward was not compute.
+        compute_time -= engine.backward_wait_s
         for hook in self.grad_hooks:
-            hook(state.step, model.chunks)
+            hook(state.step, model.chunks, optimizer)
         with observe.nvtx_range("optimizer"), watchdog.waiting("optimizer step", axis="mp"):
-            grad_norm, skipped = grads.step(
-                engine,
-                model.parameters,
-                model.optimizer,
-                scaler,
-                t.grad_clip,
-                model.tp_group,
-                model.pp_group,
-            )
-            model.optimizer.zero_grad()
+            grad_norm, skipped = optimizer.step()
+            optimizer.zero_grad()
         # Counted on the device; read on logged steps and before saving.
         self.guard.count_step(skipped)
         state.advance(1, self.global_batch)
         loss_mean = loss_sum / self.runner.accumulation
         if self.grid.dp > 1:
             with watchdog.waiting("loss all-reduce", axis="dp"):
-                dist.all_reduce(loss_mean, group=self.grid.dp_group)
+                dist.all_reduce(loss_mean, group=self.grid.groups.dp)
             loss_mean /= self.grid.dp
         if wait:
             # On a GPU the host meets a stalled collective here, where it reads the device.
@@ -223,11 +217,39 @@ class SynchronousStep:
         return StepOutcome(record, steps=1, synced=wait)
 
 
+class SegmentWork:
+    """This rank's worker side of a segment: a gradient of one step's micro-batches, and the
+    learning rate of each step (what :class:`~hpcllm.parallel.data.engine.SegmentWorker`
+    asks of it)."""
+
+    def __init__(self, runner: ScheduleRunner, batches: Iterator[Any], global_batch: int) -> None:
+        self.runner, self.batches, self.global_batch = runner, batches, global_batch
+        self.params = runner.model.parameters
+
+    def local_gradient(self) -> tuple[torch.Tensor, float, float]:
+        """Compute this rank's gradient of its next micro-batches; return (mean loss, data
+        seconds, compute seconds)."""
+        for p in self.params:
+            p.grad = None
+        loss_sum, data_time, compute_time = self.runner(self.batches, timed=False)
+        return loss_sum / self.runner.accumulation, data_time, compute_time
+
+    def lr(self, step: int) -> float:
+        """Return the learning rate of step ``step``."""
+        return lr_at(step, self.runner.cfg.train, self.global_batch)
+
+
 class SegmentStep:
     """The steps up to the next sync point under an engine that runs segments (ps-async)."""
 
-    def __init__(self, runner: ScheduleRunner, guard: DivergenceGuard, global_batch: int) -> None:
-        self.runner, self.guard = runner, guard
+    def __init__(
+        self,
+        runner: ScheduleRunner,
+        engine: RunsSegments,
+        guard: DivergenceGuard,
+        global_batch: int,
+    ) -> None:
+        self.runner, self.engine, self.guard = runner, engine, guard
         self.cfg, self.model = runner.cfg, runner.model
         self.global_batch = global_batch
 
@@ -242,27 +264,11 @@ class SegmentStep:
     ) -> StepOutcome:
         """Run the steps from ``state.step`` to ``until``; the record is the segment's last
         step's, its times the segment's means per step. A segment always ends synced."""
-        t, steps = self.cfg.train, until - state.step
+        steps = until - state.step
         started = time.perf_counter()
         self.model.chunks.train()
-        params = self.model.parameters
-
-        def local_gradient() -> tuple[torch.Tensor, float, float]:
-            for p in params:
-                p.grad = None
-            loss_sum, data_time, compute_time = self.runner(batches, timed=False)
-            return loss_sum / self.runner.accumulation, data_time, compute_time
-
-        def server_step(masters: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> Any:
-            return grads.optimizer_step(masters, opt, self.runner.scaler, t.grad_clip)
-
-        stats = self.model.engine.run_segment(  # type: ignore[attr-defined]
-            state.step,
-            steps,
-            local_gradient,
-            lambda step: lr_at(step, t, self.global_batch),
-            server_step,
-        )
+        worker = SegmentWork(self.runner, batches, self.global_batch)
+        stats = self.engine.run_segment(state.step, steps, worker)
         state.advance(steps, self.global_batch)
         # A step with a skipped update counts as a skipped step; train.max_bad_steps counts
         # whole steps' worth of the server's updates skipped in a row (the segment's stats
@@ -291,6 +297,7 @@ def choose_step(
     grad_hooks: list[GradHook],
 ) -> Step:
     """Return the step strategy of the run's data-parallel engine (chosen once, at start-up)."""
-    if runner.model.engine.runs_segments:
-        return SegmentStep(runner, guard, global_batch)
+    engine = runner.model.engine
+    if isinstance(engine, RunsSegments):
+        return SegmentStep(runner, engine, guard, global_batch)
     return SynchronousStep(runner, guard, global_batch, grad_hooks)

@@ -30,11 +30,11 @@ from hpcllm.config import Config, accumulation_steps, padded_vocab
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
-from hpcllm.parallel.data_parallel import Engine
+from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.train.checkpointer import Checkpointer
 from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.metrics import Metrics
-from hpcllm.train.optim import build_scaler
 from hpcllm.train.parallelize import parallelize
 from hpcllm.train.preflight import cpu_has_native_bf16, preflight, startup_warnings
 from hpcllm.train.process import ProcessSettings
@@ -111,11 +111,11 @@ class Trainer:
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
         self.parallelized = parallelize(cfg, self.grid, vocab, self.accumulation)
         self.padded_vocab = padded_vocab(vocab, p.tp)
-        self.scaler = build_scaler(t.precision, self.device)
+        self.scaler = self.optimizer.scaler
         self.checkpointer.track(self.model, self.optimizer, self.scaler, self.engine)
         self.state = self.checkpointer.load(self.global_batch)
         self.engine.resume_at(self.state.step)
-        self.engine.broadcast_state(self.optimizer)
+        self.engine.broadcast_state()
         self.reader = MicroBatchReader(
             self.manifest,
             seq_len=cfg.model.seq_len,
@@ -132,9 +132,7 @@ class Trainer:
         )
         self.profiler = ProfilerWindow(t.profile_steps, self.device)
         self.guard = DivergenceGuard(t.max_bad_steps, self.scaler, self.device)
-        self.runner = ScheduleRunner(
-            cfg, self.grid, self.parallelized, self.scaler, self.accumulation
-        )
+        self.runner = ScheduleRunner(cfg, self.grid, self.parallelized, self.accumulation)
         self.stepper = choose_step(self.runner, self.guard, self.global_batch, self.grad_hooks)
         self.checkpointer.write_run_dir(self.manifest)
 
@@ -189,8 +187,8 @@ class Trainer:
         return self.parallelized.engine
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer of this rank's parameters."""
+    def optimizer(self) -> MixedPrecisionOptimizer:
+        """The optimizer of this rank's parameters (its step unscales, clips and skips)."""
         return self.parallelized.optimizer
 
     @property
@@ -274,8 +272,8 @@ class Trainer:
         if self.grid.world_size == 1:
             return bool(mine)
         with watchdog.waiting("stop-signal agreement", axis="world"):
-            if self.grid.world_comm is not None:
-                return self.grid.world_comm.allreduce(mine) > 0
+            if self.grid.groups.world_comm is not None:
+                return self.grid.groups.world_comm.allreduce(mine) > 0
             flag = torch.tensor([float(mine)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             return bool(flag.item())

@@ -94,6 +94,6 @@ class Validator:
         total = stage_loss_sum(work, model.pp_group, device) / iters
         if self.grid.dp > 1:
             with watchdog.waiting("validation loss all-reduce", axis="dp"):
-                dist.all_reduce(total, group=self.grid.dp_group)
+                dist.all_reduce(total, group=self.grid.groups.dp)
             total /= self.grid.dp
         return total.item()

@@ -26,8 +26,7 @@ from dp_equivalence import MICRO, VOCAB, global_batch, make_optimizer, model_con
 from hpcllm import topology
 from hpcllm.config import load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.engines import build_engine
-from hpcllm.train import grads
+from hpcllm.parallel.data.builder import build_engine
 from hpcllm.train.optim import build_scaler
 
 CLIP = 1.0
@@ -43,54 +42,60 @@ def my_batch(grid, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[mine], labels[mine]
 
 
-def setup(grid, engine_name: str, kind: str, sets: list[str]):
+def setup(grid, engine_name: str, kind: str, sets: list[str], clip: float = CLIP):
     parallel = load_config(None, sets).parallel
     model = GPT(model_config(), VOCAB, seed=7)
     optimizer = make_optimizer(kind, model, "fp32")
     engine = build_engine(engine_name, grid, parallel)
     (module,) = engine.wrap([model])
-    optimizer = engine.attach_optimizer(optimizer, 1)
-    engine.broadcast_state(optimizer)
+    optimizer = engine.build_optimizer(optimizer, build_scaler("fp32", grid.device), clip, 1)
+    engine.broadcast_state()
     return model, module, optimizer, engine
 
 
 def sync_steps(grid, engine_name, kind, sets, steps, clip=CLIP) -> torch.nn.Module:
     """The trainer's step for engines that step one at a time."""
-    model, module, optimizer, engine = setup(grid, engine_name, kind, sets)
-    scaler = build_scaler("fp32", grid.device)
+    model, module, optimizer, engine = setup(grid, engine_name, kind, sets, clip)
     for k in range(steps):
         ids, labels = my_batch(grid, k)
         with engine.forward_context(0):
             loss = module(ids, labels)
         engine.backward(0, [loss], [None], True)
-        engine.finish_gradients(optimizer)
-        grads.step(engine, list(model.parameters()), optimizer, scaler, clip)
+        engine.finalize_grads()
+        optimizer.step()
         optimizer.zero_grad()
     return model
 
 
-def segments(grid, kind, sets, lengths, lr_of_step, poison=None) -> tuple[torch.nn.Module, list]:
-    model, module, optimizer, engine = setup(grid, "ps-async", kind, sets)
-    scaler = build_scaler("fp32", grid.device)
-    count = [0]
+class Worker:
+    """One rank's side of a ps-async segment: known batches, an optional poisoned gradient."""
 
-    def local_gradient():
-        for p in model.parameters():
+    def __init__(self, grid, model, module, lr_of_step, poison) -> None:
+        self.grid, self.model, self.module = grid, model, module
+        self.lr_of_step, self.poison = lr_of_step, poison
+        self.count = 0
+
+    def local_gradient(self):
+        for p in self.model.parameters():
             p.grad = None
-        ids, labels = my_batch(grid, count[0])
-        count[0] += 1
-        loss = module(ids, labels)
+        ids, labels = my_batch(self.grid, self.count)
+        self.count += 1
+        loss = self.module(ids, labels)
         loss.backward()
-        if poison is not None and poison(grid.dp_rank, count[0] - 1):  # not finite
-            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        if self.poison is not None and self.poison(self.grid.dp_rank, self.count - 1):
+            next(self.model.parameters()).grad.view(-1)[0] = float("nan")  # not finite
         return loss.detach(), 0.0, 0.0
 
-    def server_step(masters, opt):
-        return grads.optimizer_step(masters, opt, scaler, CLIP)
+    def lr(self, step: int) -> float:
+        return self.lr_of_step(step)
 
+
+def segments(grid, kind, sets, lengths, lr_of_step, poison=None) -> tuple[torch.nn.Module, list]:
+    model, module, optimizer, engine = setup(grid, "ps-async", kind, sets)
+    worker = Worker(grid, model, module, lr_of_step, poison)
     stats, done = [], 0
     for n in lengths:
-        s = engine.run_segment(done, n, local_gradient, lr_of_step, server_step)
+        s = engine.run_segment(done, n, worker)
         extra = {"skipped_steps": s.skipped_steps, "bad_steps_in_a_row": s.bad_steps_in_a_row}
         stats.append(s.metrics() | {"loss": s.loss} | extra)
         done += n

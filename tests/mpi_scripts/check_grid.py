@@ -4,7 +4,8 @@ Usage: mpirun -np N python check_grid.py T,P,D [T,P,D ...]
 
 For each layout it prints one JSON line per rank: coordinates, the members of the torch
 groups and of the mpi4py communicators, and the result of an all-reduce of (rank + 1) in
-each torch group. The pytest side compares all of it with an independent oracle.
+each torch group (the embedding group where the rank has one). The pytest side compares all
+of it with an independent oracle.
 """
 
 import json
@@ -28,9 +29,12 @@ def report(tp: int, pp: int, dp: int) -> dict:
         "mpi": {},
         "sum": {},
     }
-    for axis in ("tp", "pp", "dp", "mp"):
-        group = getattr(grid, f"{axis}_group")
-        comm = getattr(grid, f"{axis}_comm")
+    for axis in ("tp", "pp", "dp", "mp", "embedding"):
+        group = getattr(grid.groups, axis)
+        comm = getattr(grid.groups, f"{axis}_comm")
+        if group is None:  # a middle stage, or p = 1: no embedding group
+            assert comm is None, axis
+            continue
         out["torch"][axis] = dist.get_process_group_ranks(group)
         # Members in communicator-rank order, to check the Split keys as well as the colours.
         out["mpi"][axis] = comm.allgather(grid.rank)

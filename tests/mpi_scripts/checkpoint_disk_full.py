@@ -35,7 +35,7 @@ def main(run_dir: Path) -> None:
         checkpoint.save(run_dir, 2, grid, shard, {}, "{}\n")
     except UserError as err:
         print(f"agreed: {err}", flush=True)
-    grid.world_comm.Barrier()
+    grid.groups.world_comm.Barrier()
     folder = checkpoint.agreed_resumable(run_dir, grid, lambda m: print(f"warn: {m}"))
     print(f"resume: {folder.name}", flush=True)
 

@@ -34,7 +34,7 @@ def main() -> None:
         p=p.pp,
         rank=grid.pp_rank,
         v=1,
-        tp_group=grid.tp_group if p.tp > 1 else None,
+        tp_group=grid.groups.tp if p.tp > 1 else None,
         seed=cfg.train.seed,
         sequence_parallel=False,
         layers=p.pipeline_layers,

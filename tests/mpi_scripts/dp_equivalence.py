@@ -20,8 +20,7 @@ import torch
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.engines import build_engine
-from hpcllm.train import grads
+from hpcllm.parallel.data.builder import build_engine
 from hpcllm.train.optim import autocast, build_optimizer, build_scaler
 
 STEPS, MICRO, SEQ, VOCAB = 3, 2, 16, 100
@@ -70,7 +69,7 @@ def main() -> None:
             scaler = build_scaler(precision, grid.device)
             engine = build_engine(name, grid, parallel)
             (module,) = engine.wrap([model])
-            optimizer = engine.attach_optimizer(optimizer, accumulation)
+            optimizer = engine.build_optimizer(optimizer, scaler, train.grad_clip, accumulation)
             per_rank = MICRO * accumulation
             for step in range(STEPS):
                 ids, labels = global_batch(step, per_rank * grid.dp)
@@ -82,9 +81,8 @@ def main() -> None:
                         loss = module(ids[part], labels[part])
                     last = micro == accumulation - 1
                     engine.backward(0, [scaler.scale(loss / accumulation)], [None], last)
-                engine.finish_gradients(optimizer)
-                params = list(model.parameters())
-                grads.step(engine, params, optimizer, scaler, train.grad_clip)
+                engine.finalize_grads()
+                optimizer.step()
                 optimizer.zero_grad()
             torch.save(
                 {k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -5,7 +5,8 @@ Usage: fp16_overflow.py MODE DATA RUN_DIR SMALL_OVERRIDES_JSON, MODE one of
 - ``pp``: p = 2, the inf in the last stage's ln_f gradient (not the tied embedding's copy,
   whose gradients were already summed);
 - ``zero``: d = 2 with the distributed optimizer, the inf in dp rank 1's part of the reduced
-  gradient, which no other rank sees.
+  gradient, which no other rank sees (the first of the optimizer's ``main_grads()``: the
+  gradients its step reads, whatever the engine).
 
 Prints one JSON line per rank: how many steps it skipped, whether step 2 left its weights
 unchanged, whether later steps moved them, and its final loss scale.
@@ -25,11 +26,11 @@ LAYOUTS = {
 }
 
 
-def inject(trainer: Trainer, mode: str, model: torch.nn.Module) -> None:
+def inject(trainer: Trainer, mode: str, model: torch.nn.Module, optimizer) -> None:
     if mode == "pp" and trainer.grid.pp_rank == 1:
         list(model.parameters())[-1].grad.view(-1)[0] = float("inf")
     if mode == "zero" and trainer.grid.dp_rank == 1:
-        trainer.engine.zero.parts[0].grad.view(-1)[0] = float("inf")
+        optimizer.main_grads()[0].view(-1)[0] = float("inf")
 
 
 def main() -> None:
@@ -49,10 +50,10 @@ def main() -> None:
     before = {}
     trainer = None
 
-    def hook(step, model):
+    def hook(step, model, optimizer):
         before[step] = [p.detach().clone() for p in model.parameters()]
         if step == 2:
-            inject(trainer, mode, model)
+            inject(trainer, mode, model, optimizer)
 
     trainer = Trainer(cfg, grad_hooks=[hook])
     trainer.run(progress=False)

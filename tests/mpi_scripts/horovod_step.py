@@ -23,7 +23,7 @@ def batch_for(dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     grid = topology.init(tp=int(sys.argv[1]))
-    hvd.init(comm=grid.dp_comm)
+    hvd.init(comm=grid.groups.dp_comm)
     out = {
         "rank": grid.rank,
         "hvd_rank": hvd.rank(),
@@ -37,7 +37,7 @@ def main() -> None:
     out["average"] = hvd.allreduce(value, op=hvd.Average, name="average").item()
     # A gloo all-reduce over the tp group in the same process, after Horovod started.
     tp_value = torch.tensor([float(grid.rank + 1)])
-    dist.all_reduce(tp_value, group=grid.tp_group)
+    dist.all_reduce(tp_value, group=grid.groups.tp)
     out["tp_sum"] = tp_value.item()
 
     # Each rank starts from different weights; broadcast must make them rank 0's.

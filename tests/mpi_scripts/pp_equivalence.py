@@ -21,14 +21,13 @@ from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
 from hpcllm.model.stages import build_chunks
-from hpcllm.parallel.data_parallel import Engine
-from hpcllm.parallel.engines import build_engine
+from hpcllm.parallel.data.builder import build_engine
+from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.finalize import clip_grad_norm
 from hpcllm.parallel.pipeline.runtime import Channel, Runtime
 from hpcllm.parallel.pipeline.schedule import rank_actions
 from hpcllm.parallel.tensor.layers import shard_of
-from hpcllm.train.grads import clip_grad_norm, reduce_sequence_parallel_grads, sync_tied_embedding
-from hpcllm.train.optim import build_optimizer
-from hpcllm.train.parallelize import embedding_group
+from hpcllm.train.optim import build_optimizer, build_scaler
 from hpcllm.train.stage_work import GPTStageWork
 
 VOCAB, SEQ, MICRO = 250, 16, 2
@@ -74,7 +73,6 @@ def main() -> None:
     d = grid.dp
     cfg = ModelConfig(preset=None, n_layer=8, n_head=4, d_model=32, seq_len=SEQ)
     serial = GPT(cfg, VOCAB, seed=11)
-    emb_group = embedding_group(grid)
     parallel_cfg = load_config(None, []).parallel
     train_cfg = load_config(None, []).train
     for schedule in schedules:
@@ -102,7 +100,7 @@ def main() -> None:
                         p=pp,
                         rank=grid.pp_rank,
                         v=v,
-                        tp_group=grid.tp_group if tp > 1 else None,
+                        tp_group=grid.groups.tp if tp > 1 else None,
                         seed=11,
                         sequence_parallel=sp,
                     )
@@ -112,8 +110,11 @@ def main() -> None:
                         else build_engine(engine_name, grid, parallel_cfg)
                     )
                     modules = engine.wrap(chunks)
-                    optimizer = engine.attach_optimizer(
-                        build_optimizer(chunks, train_cfg, torch.device("cpu")), m
+                    optimizer = engine.build_optimizer(
+                        build_optimizer(chunks, train_cfg, torch.device("cpu")),
+                        build_scaler("fp32", torch.device("cpu")),
+                        0.0,
+                        m,
                     )
                     work = GPTStageWork(
                         chunks, engine, batches, modules, split_backward=schedule == "zb-h1"
@@ -126,7 +127,7 @@ def main() -> None:
                             shape=shape,
                             dtype=torch.float32,
                             device=torch.device("cpu"),
-                            tp_group=grid.tp_group if tp > 1 else None,
+                            tp_group=grid.groups.tp if tp > 1 else None,
                             scatter_gather=sg,
                             sequence_parallel=sp,
                         )
@@ -135,18 +136,17 @@ def main() -> None:
                     )
                     actions = rank_actions(schedule, pp, grid.pp_rank, m, v)
                     Runtime(channel).run(actions, work, split_backward=schedule == "zb-h1")
-                    engine.finish_gradients(optimizer)
-                    reduce_sequence_parallel_grads(chunks, grid.tp_group if tp > 1 else None)
-                    sync_tied_embedding(chunks, emb_group)
+                    # The engine's reduction, the tp and tied-embedding sums.
+                    engine.finalize_grads()
                     loss = (
                         torch.stack(list(work.losses.values())).mean()
                         if work.losses
                         else torch.zeros(())
                     )
                     if pp > 1:
-                        dist.all_reduce(loss, group=grid.pp_group)
+                        dist.all_reduce(loss, group=grid.groups.pp)
                     if d > 1:
-                        dist.all_reduce(loss, group=grid.dp_group)
+                        dist.all_reduce(loss, group=grid.groups.dp)
                         loss /= d
                     worst, worst_name = 0.0, ""
                     for chunk in chunks:
@@ -160,8 +160,8 @@ def main() -> None:
                     norm = clip_grad_norm(
                         list(chunks.parameters()),
                         0.0,
-                        grid.tp_group if tp > 1 else None,
-                        grid.pp_group if pp > 1 else None,
+                        grid.groups.tp if tp > 1 else None,
+                        grid.groups.pp if pp > 1 else None,
                     )
                     print(
                         json.dumps(

@@ -11,7 +11,7 @@ def main() -> None:
     grid = topology.init()
     if grid.rank == 1:
         raise UserError("shard data/train-0001.h5 is missing on this node", same_on_all_ranks=False)
-    grid.world_comm.Barrier()
+    grid.groups.world_comm.Barrier()
 
 
 if __name__ == "__main__":

@@ -17,11 +17,10 @@ import torch
 from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.engines import build_engine
+from hpcllm.parallel.data.builder import build_engine
+from hpcllm.parallel.data.finalize import reduce_sequence_parallel_grads
 from hpcllm.parallel.tensor.layers import shard_of
 from hpcllm.parallel.tensor.mappings import count_comm
-from hpcllm.train.grads import reduce_sequence_parallel_grads
-from hpcllm.train.grads import step as engine_step
 from hpcllm.train.optim import build_optimizer, build_scaler
 
 VOCAB = 250
@@ -67,7 +66,7 @@ def main() -> None:
     d = grid.dp
     cfg = ModelConfig(preset=None, n_layer=2, n_head=4, d_model=32, seq_len=16)
     serial = GPT(cfg, VOCAB, seed=11)
-    parallel = GPT(cfg, VOCAB, seed=11, tp_group=grid.tp_group, sequence_parallel=sp)
+    parallel = GPT(cfg, VOCAB, seed=11, tp_group=grid.groups.tp, sequence_parallel=sp)
     parallel_config = load_config(None, []).parallel
     engine = build_engine(engine_name, grid, parallel_config) if engine_name else None
     module = engine.wrap([parallel])[0] if engine else parallel
@@ -82,13 +81,14 @@ def main() -> None:
     def parallel_backward(loss: torch.Tensor, optimizer) -> None:
         loss.backward()
         if engine:
-            engine.finish_gradients(optimizer)
-        reduce_sequence_parallel_grads(parallel, grid.tp_group)
+            engine.finalize_grads()  # the reduction over d, then the tp sums
+        else:
+            reduce_sequence_parallel_grads(parallel.parameters(), grid.groups.tp)
 
     def dp_mean(value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
         if d > 1:
-            torch.distributed.all_reduce(value, group=grid.dp_group)
+            torch.distributed.all_reduce(value, group=grid.groups.dp)
             value /= d
         return value
 
@@ -97,7 +97,7 @@ def main() -> None:
         build_optimizer(parallel, train, torch.device("cpu")),
     ]
     if engine:
-        optimizers[1] = engine.attach_optimizer(optimizers[1], 1)
+        optimizers[1] = engine.build_optimizer(optimizers[1], scaler, 0.0, 1)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (4 * d, 16), generator=gen)
     labels = torch.randint(0, VOCAB, (4 * d, 16), generator=gen)
@@ -144,10 +144,7 @@ def main() -> None:
         serial_losses.append(loss.item())
         loss = module(mine(x), mine(y))
         parallel_backward(loss, optimizers[1])
-        if engine:
-            engine_step(engine, list(parallel.parameters()), optimizers[1], scaler, 0.0)
-        else:
-            optimizers[1].step()
+        optimizers[1].step()
         optimizers[1].zero_grad()
         parallel_losses.append(dp_mean(loss).item())
     out["serial_losses"], out["parallel_losses"] = serial_losses, parallel_losses

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from hpcllm import topology
 from hpcllm.config import ModelConfig
 from hpcllm.model.gpt import GPT, Block
+from hpcllm.parallel.data.finalize import reduce_sequence_parallel_grads
 from hpcllm.parallel.random import seed_streams, tp_rng
 from hpcllm.parallel.tensor.mappings import count_comm
-from hpcllm.train.grads import reduce_sequence_parallel_grads
 
 # TP_SHAPE=b,s,h,heads measures another shape (docs/benchmarks.md uses GPT-2 small's).
 B, S, H, HEADS = (int(v) for v in os.environ.get("TP_SHAPE", "2,32,64,4").split(","))
@@ -54,15 +54,15 @@ def all_different(parts: list[torch.Tensor]) -> bool:
 def rng_checks(grid) -> dict:
     seed_streams(42, grid.tp_rank)
     before = torch.rand(16)
-    with tp_rng(grid.tp_group):
+    with tp_rng(grid.groups.tp):
         inside = torch.rand(16)
     after = torch.rand(16)
     seed_streams(42, grid.tp_rank)
     reference = torch.rand(32)  # the default stream with no tp draw in between
     return {
-        "outside_equal": all_equal(gathered(before, grid.tp_group))
-        and all_equal(gathered(after, grid.tp_group)),
-        "inside_differ": all_different(gathered(inside, grid.tp_group)),
+        "outside_equal": all_equal(gathered(before, grid.groups.tp))
+        and all_equal(gathered(after, grid.groups.tp)),
+        "inside_differ": all_different(gathered(inside, grid.groups.tp)),
         "default_undisturbed": torch.equal(torch.cat([before, after]), reference),
     }
 
@@ -79,13 +79,13 @@ def recompute_checks(grid, cfg: ModelConfig, sp: bool, ids, labels) -> dict:
             replace(cfg, recompute=mode),
             VOCAB,
             seed=3,
-            tp_group=grid.tp_group,
+            tp_group=grid.groups.tp,
             sequence_parallel=sp,
         )
         seed_streams(9, grid.tp_rank)
         loss = model(ids, labels)
         loss.backward()
-        reduce_sequence_parallel_grads(model, grid.tp_group)
+        reduce_sequence_parallel_grads(model.parameters(), grid.groups.tp)
         results[mode] = (loss.detach(), [p.grad for p in model.parameters()])
     loss0, grads0 = results["none"]
     return {
@@ -96,7 +96,7 @@ def recompute_checks(grid, cfg: ModelConfig, sp: bool, ids, labels) -> dict:
 
 
 def block_comm(grid, cfg: ModelConfig, sp: bool) -> dict:
-    block = Block(cfg, grid.tp_group, torch.Generator().manual_seed(1), sp)
+    block = Block(cfg, grid.groups.tp, torch.Generator().manual_seed(1), sp)
     s = S // grid.tp if sp else S
     x = torch.randn(B, s, H, requires_grad=True)
     with count_comm() as log:
@@ -112,7 +112,7 @@ def saved_bytes(grid, cfg: ModelConfig, sp: bool) -> dict:
     """Bytes one block keeps for backward (each storage once): in all, and in the regions
     between tensor-parallel layers (LayerNorms, dropout-residual adds, and the LayerNorm
     outputs the column-parallel layers keep as their inputs)."""
-    block = Block(cfg, grid.tp_group, torch.Generator().manual_seed(1), sp)
+    block = Block(cfg, grid.groups.tp, torch.Generator().manual_seed(1), sp)
     params = {p.data_ptr() for p in block.parameters()}
     s = S // grid.tp if sp else S
     x = torch.randn(B, s, H, requires_grad=True)
@@ -154,24 +154,24 @@ def main() -> None:
     labels = torch.randint(0, VOCAB, (B, S), generator=gen)
 
     # Replicated residual stream: identical on every tp rank, dropout included.
-    model = GPT(cfg, VOCAB, seed=3, tp_group=grid.tp_group)
+    model = GPT(cfg, VOCAB, seed=3, tp_group=grid.groups.tp)
     seed_streams(9, grid.tp_rank)
     hidden = model.run_blocks(model.embed(ids)).detach()
-    out["replicated_equal"] = all_equal(gathered(hidden, grid.tp_group))
+    out["replicated_equal"] = all_equal(gathered(hidden, grid.groups.tp))
     out["replicated_dropped"] = not torch.equal(
         hidden, model.eval().run_blocks(model.embed(ids)).detach()
     )
 
     # Sequence-parallel regions: each rank draws its own masks (p = 0.5 so they show).
     sp_model = GPT(
-        replace(cfg, dropout=0.5), VOCAB, seed=3, tp_group=grid.tp_group, sequence_parallel=True
+        replace(cfg, dropout=0.5), VOCAB, seed=3, tp_group=grid.groups.tp, sequence_parallel=True
     )
     seed_streams(9, grid.tp_rank)
     same_ids = ids[:, :1].expand(B, S).contiguous()  # equal tokens, so only masks differ...
     embedded = sp_model.embed(same_ids)
     clean = sp_model.eval().embed(same_ids)
     # ...but positions differ per rank, so compare where each rank dropped, not the values.
-    out["sp_masks_differ"] = all_different(gathered((embedded == 0) & (clean != 0), grid.tp_group))
+    out["sp_masks_differ"] = all_different(gathered((embedded == 0) & (clean != 0), grid.groups.tp))
 
     out["recompute"] = {
         "tp": recompute_checks(grid, cfg, False, ids, labels),
@@ -180,7 +180,7 @@ def main() -> None:
     out["comm"] = {"tp": block_comm(grid, cfg, False), "tp+sp": block_comm(grid, cfg, True)}
     serial_block = Block(cfg, None, torch.Generator().manual_seed(1))
     out["params"] = {
-        "rank": sum(p.numel() for p in Block(cfg, grid.tp_group, torch.Generator()).parameters()),
+        "rank": sum(p.numel() for p in Block(cfg, grid.groups.tp, torch.Generator()).parameters()),
         "serial": sum(p.numel() for p in serial_block.parameters()),
     }
     out["saved"] = {"tp": saved_bytes(grid, cfg, False), "tp+sp": saved_bytes(grid, cfg, True)}

@@ -18,10 +18,10 @@ from hpcllm import topology
 def main() -> None:
     timeout_s, away_s = float(sys.argv[1]), float(sys.argv[2])
     grid = topology.init(timeout_s=timeout_s)
-    grid.world_comm.Barrier()
+    grid.groups.world_comm.Barrier()
     if grid.rank == 0:
         # The world group, and one made by new_group, which does not inherit its timeout.
-        for name, group in (("world", None), ("dp", grid.dp_group)):
+        for name, group in (("world", None), ("dp", grid.groups.dp)):
             started = time.monotonic()
             try:
                 dist.all_reduce(torch.ones(4), group=group)
@@ -32,7 +32,7 @@ def main() -> None:
             print(json.dumps({"group": name, "waited_s": waited, "error": error}), flush=True)
     else:
         time.sleep(away_s)
-    grid.world_comm.Barrier()
+    grid.groups.world_comm.Barrier()
 
 
 if __name__ == "__main__":

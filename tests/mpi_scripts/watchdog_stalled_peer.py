@@ -26,7 +26,7 @@ def main() -> None:
     mode, timeout_s, report = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
     grid = topology.init(pp=2 if mode == "pipeline" else 1)
     watchdog.start(timeout_s, grid.rank, report)
-    grid.world_comm.Barrier()
+    grid.groups.world_comm.Barrier()
     if grid.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     print(f"entered at {time.time()}", flush=True)

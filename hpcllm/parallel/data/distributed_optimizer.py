@@ -39,6 +39,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpcllm.config import ParallelConfig
+from hpcllm.errors import UserError
+from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.finalize import finalize_model_grads
+from hpcllm.parallel.data.flat import broadcast_parameters
+from hpcllm.parallel.data.horovod import describe_horovod, describe_mpi, horovod_transport, start_horovod
+from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
+from hpcllm.parallel.tensor.layers import is_split
+from hpcllm.topology import Grid
+
 FORMAT = "hpcllm-distributed-optimizer-1"
 
 
@@ -542,3 +552,149 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
         param_groups.append({**settings, "params": list(range(start, start + size))})
         start += size
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+class ShardedOptimizer(MixedPrecisionOptimizer):
+    """The distributed optimizer as the trainer steps it: the global norm from this rank's
+    parts of the reduced gradient (over tp, dp and pp), this rank's part stepped, then every
+    part all-gathered into the parameters (which also zeroes the gradient buckets)."""
+
+    def __init__(
+        self,
+        engine: DistributedOptimizerEngine,
+        inner: DistributedAdamW,
+        scaler: torch.amp.GradScaler,
+        clip: float,
+    ) -> None:
+        assert engine.zero is not None
+        super().__init__(inner, scaler, clip, engine.grid.groups, engine.zero.parts)
+        self.engine = engine
+        self.zero = engine.zero
+
+    def grad_norm(self) -> torch.Tensor:
+        return self.zero.grad_norm(self.groups.tp, self.groups.pp)
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        result = super().step()
+        self.engine.comm_wait_s += self.zero.gather_params()
+        return result
+
+
+class DistributedOptimizerEngine(Engine):
+    """``ddp`` or ``horovod`` with ``parallel.distributed_optimizer``: gradients reduce-
+    scattered in buckets during the backward, each rank stepping its 1/d of the optimizer
+    state, parameters all-gathered after the step (this module).
+    """
+
+    def __init__(
+        self, grid: Grid, parallel: ParallelConfig, name: str, param_dtype: str = "fp32"
+    ) -> None:
+        super().__init__(grid)
+        self.name = name
+        self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype]
+        self.bucket_mb = parallel.ddp_bucket_mb
+        self.zero: ZeroState | None = None
+        if name == "horovod":
+            self.hvd, self.settings = start_horovod(grid, parallel)
+            self.collectives: Collectives = HorovodCollectives(self.hvd)
+        else:
+            self.collectives = TorchCollectives(grid.groups.dp)
+
+    def describe(self) -> str:
+        mpi = describe_mpi(self.grid.device.type == "cuda")
+        how = (
+            f"Horovod reducescatter + allgather ({horovod_transport(self.grid, self.hvd)}, "
+            f"{describe_horovod(self.settings)}{', ' + mpi if mpi else ''})"
+            if self.name == "horovod"
+            else "torch reduce-scatter + all-gather"
+        )
+        buckets = len(self.zero.buckets) if self.zero is not None else 0
+        weights = (
+            "bf16 weights and gradients, fp32 masters and moments"
+            if self.param_dtype == torch.bfloat16
+            else "fp32 weights (a rank's part is its master) and moments"
+        )
+        return (
+            f"distributed optimizer (ZeRO-1): {how} in {buckets} buckets of up to "
+            f"{self.bucket_mb:g} MB; {weights}, 1/{self.grid.dp} of the optimizer per rank"
+        )
+
+    def master_bytes(self) -> int:
+        if self.zero is None:
+            return 0
+        return sum(m.numel() * m.element_size() for m in self.zero.masters.values())
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        # The buckets, padding included: the parameters and their gradients are views.
+        if self.zero is None:
+            return super().buffer_bytes()
+        weights = sum(b.data.numel() * b.data.element_size() for b in self.zero.buckets)
+        return weights, sum(b.grad.numel() * b.grad.element_size() for b in self.zero.buckets)
+
+    def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
+        super().wrap(modules)
+        # Every replica starts from dp rank 0's weights.
+        if self.grid.dp > 1:
+            root = self.grid.layout.dp_group(self.grid.rank)[0]
+            broadcast_parameters(self.parameters, root, self.grid.groups.dp)
+        return list(modules)
+
+    def build_optimizer(
+        self,
+        inner: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        clip: float,
+        accumulation: int,
+    ) -> MixedPrecisionOptimizer:
+        if not isinstance(inner, torch.optim.AdamW):
+            raise UserError("parallel.distributed_optimizer shards AdamW's state only")
+        groups = [group["params"] for group in inner.param_groups]
+        chunk_of = {id(p): i for i, m in enumerate(self.modules) for p in m.parameters()}
+        late = {
+            id(p)
+            for g in groups
+            for p in g
+            if getattr(p, "sequence_parallel", False) or getattr(p, "tied_across_stages", False)
+        }
+        tp_split = is_split if self.grid.tp > 1 else (lambda p: False)
+        self.zero = ZeroState(
+            groups,
+            chunk_of,
+            late,
+            self.grid.dp,
+            self.grid.dp_rank,
+            max(1, int(self.bucket_mb * 1024 * 1024) // 4),
+            self.collectives,
+            self.grid.groups.dp,
+            tp_split,
+            self.param_dtype,
+        )
+        self.optimizer = ShardedOptimizer(self, DistributedAdamW(self.zero, inner), scaler, clip)
+        return self.optimizer
+
+    def backward(
+        self, chunk: int, outs: list[torch.Tensor], grads: list[torch.Tensor | None], last: bool
+    ) -> None:
+        assert self.zero is not None
+        if not last:
+            torch.autograd.backward(outs, grads)
+            return
+        self.zero.arm(chunk)
+        try:
+            torch.autograd.backward(outs, grads)
+        finally:
+            self.zero.disarm(chunk)
+
+    def finalize_grads(self) -> None:
+        # The tp and tied-embedding sums first: the reduce-scatter leaves each rank 1/d of the
+        # gradient (the sequence-parallel and tied parameters wait in late buckets for them).
+        assert self.zero is not None
+        finalize_model_grads(self.parameters, self.grid.groups)
+        self.comm_wait_s += self.zero.finish()
+
+    def broadcast_state(self) -> None:
+        # Every replica loaded the same weights (into the buckets the parameters are views
+        # of) and each its part of the optimizer state; with 16-bit weights the fp32 masters
+        # follow weights that came without them.
+        assert self.zero is not None
+        self.zero.sync_masters()

@@ -1,0 +1,55 @@
+"""Running a benchmark's scratch training runs: each in a fresh folder, on its ranks.
+
+``bench dp`` and ``bench sync`` train the same model under several engines, each run a real
+``hpcllm train`` launched through mpirun (:func:`launch_ranks`) into a folder of its own
+that the next benchmark replaces (:func:`fresh_run_dir`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcllm.errors import UserError
+from hpcllm.launcher import mpirun_command, mpirun_env
+
+
+def launch_ranks(
+    np_: int,
+    args: list[str],
+    timeout: float,
+    force_mpirun: bool = False,
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run ``hpcllm ARGS`` on ``np_`` ranks (through mpirun when more than one, or forced),
+    with ``env`` added to the environment of every rank."""
+    # Horovod's CPU collectives go through MPI under mpirun (its gloo path crashes there).
+    settings = {"HOROVOD_CPU_OPERATIONS": os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI")}
+    settings.update(env or {})
+    if threads is not None:
+        settings["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "hpcllm", *args]
+    if np_ > 1 or force_mpirun:
+        cmd = mpirun_command(np_, cmd, export=settings)
+    subprocess.run(
+        cmd, check=True, env=mpirun_env(settings), timeout=timeout, stdout=subprocess.DEVNULL
+    )
+
+
+MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace
+
+
+def fresh_run_dir(path: Path, verb: str = "bench dp") -> Path:
+    """Return ``path`` empty but for the benchmark's mark, replacing a run an earlier one made
+    there (its scratch runs); refuse a folder no hpcllm benchmark made."""
+    if path.exists():
+        if not (path / MARK).is_file():
+            raise UserError(f"{path} exists and is not a run of hpcllm {verb}; give another --out")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MARK).write_text(f"a scratch run of hpcllm {verb}, replaced by the next one\n")
+    return path
