@@ -1,0 +1,121 @@
+"""The gradient sums that complete a model's gradients, and the global gradient norm.
+
+What every engine's :meth:`~hpcllm.parallel.data.engine.Engine.finalize_grads` runs besides
+its own reduction over d, as Megatron-Core's ``finalize_model_grads`` does:
+
+1. whole parameters used in sequence-parallel regions (LayerNorms, row-parallel biases,
+   positions; marked ``sequence_parallel``) sum their partial gradients over the
+   tensor-parallel group;
+2. the tied embedding's two copies, on the first and the last pipeline stage (marked
+   ``tied_across_stages``), sum theirs over the embedding group.
+
+Both are linear, so they may come before or after the data-parallel average: an engine puts
+them where its reduction needs them. :func:`global_grad_norm` is the norm the optimizer clips
+by and skips on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpcllm.parallel.tensor.layers import is_split
+from hpcllm.parallel.tensor.mappings import group_size
+from hpcllm.topology import ProcessGroups
+
+
+def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Sum over the tp group the gradients of whole parameters used in sequence-parallel regions.
+
+    LayerNorms, row-parallel biases and positions are whole on every tp rank, but under
+    sequence parallelism each rank sees only its part of the sequence, so each holds a partial
+    gradient. One all-reduce of the flattened gradients completes them (Megatron does the same).
+    """
+    if group_size(group) == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for grad, reduced in zip(
+        grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+    ):
+        grad.copy_(reduced)
+
+
+def sum_tied_grads(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Sum over ``group`` (the first and last stage) the gradient of each parameter marked
+    ``tied_across_stages``: the tied embedding's two copies. Nothing when ``group`` is None."""
+    if group is None:
+        return
+    for p in params:
+        if getattr(p, "tied_across_stages", False):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+
+
+def finalize_model_grads(params: Sequence[nn.Parameter], groups: ProcessGroups) -> None:
+    """Run both sums on ``params`` (a rank's parameters, in chunk order): tp, then embedding."""
+    reduce_sequence_parallel_grads(params, groups.tp)
+    sum_tied_grads(params, groups.embedding)
+
+
+def global_grad_norm(
+    parameters: Sequence[torch.Tensor], tp_group: Any = None, pp_group: Any = None
+) -> torch.Tensor:
+    """Return the L2 norm of the whole model's gradient, across tp slices and pp stages.
+
+    Sliced parameters contribute their squares from every tp rank (an all-reduce); whole
+    ones (LayerNorm, row-parallel biases, positions) hold the same gradient on every tp rank
+    and are counted once. Each pipeline stage holds different parameters, so the stages' sums
+    are added; a parameter marked ``pipeline_duplicate`` (the last stage's copy of the tied
+    embedding) is not counted, since the first stage counts it.
+    """
+    counted = [
+        p for p in parameters if p.grad is not None and not getattr(p, "pipeline_duplicate", False)
+    ]
+    if not counted and group_size(tp_group) == 1 and group_size(pp_group) == 1:
+        return torch.zeros(())
+    device = counted[0].grad.device if counted else parameters[0].device
+    # With one tp rank every parameter is whole; otherwise split and whole ones sum apart.
+    tp = group_size(tp_group) > 1
+    split = _squared_norm([p.grad for p in counted if tp and is_split(p)], device)
+    whole = _squared_norm([p.grad for p in counted if not (tp and is_split(p))], device)
+    if tp:
+        dist.all_reduce(split, group=tp_group)
+    total = split + whole
+    if group_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Return the fp32 sum of squares of ``grads``: one foreach kernel, as clip_grad_norm_."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).square()
+
+
+def clip_to_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients of ``parameters`` so that their norm ``norm`` is at most
+    ``max_norm`` (0: no clipping); on the device, nothing read back."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if max_norm > 0 and grads:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+
+
+def clip_grad_norm(
+    parameters: Sequence[torch.Tensor], max_norm: float, tp_group: Any = None, pp_group: Any = None
+) -> torch.Tensor:
+    """Clip gradients to ``max_norm`` (0: no clipping) by the global norm; return that norm."""
+    norm = global_grad_norm(parameters, tp_group, pp_group)
+    clip_to_norm(parameters, max_norm, norm)
+    return norm
