@@ -44,7 +44,12 @@ from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.finalize import finalize_model_grads
 from hpcllm.parallel.data.flat import broadcast_parameters
-from hpcllm.parallel.data.horovod import describe_horovod, describe_mpi, horovod_transport, start_horovod
+from hpcllm.parallel.data.horovod import (
+    describe_horovod,
+    describe_mpi,
+    horovod_transport,
+    start_horovod,
+)
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.parallel.tensor.layers import is_split
 from hpcllm.topology import Grid

@@ -37,7 +37,9 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -
     """
     if group_size(group) == 1:
         return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [
+        p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

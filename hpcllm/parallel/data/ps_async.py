@@ -55,6 +55,7 @@ TAG_GRAD, TAG_REPLY, TAG_WEIGHTS = 7101, 7102, 7103
 TRAILER = 2
 MAX_VERSION = 2**24
 
+
 @dataclass
 class SegmentStats:
     """What one segment did, the same on every rank (the server broadcasts it)."""
@@ -441,5 +442,3 @@ class _Server:
             self._answer(rank, fresh, stop)
             if stop:
                 self.running.discard(rank)
-
-
