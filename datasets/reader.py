@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcllm.config import BatchPlan
 from hpcllm.datasets.shards import Manifest, corrupt, load_manifest, open_shard, token_dtype
 from hpcllm.errors import UserError
 
@@ -158,8 +159,21 @@ def rank_samples(
     order: np.ndarray, step: int, dp_rank: int, dp_size: int, micro_batch_size: int
 ) -> np.ndarray:
     """Return the sample indices of ``dp_rank``'s micro-batch at global micro-step ``step``."""
-    first = step * dp_size * micro_batch_size + dp_rank * micro_batch_size
+    first = step * BatchPlan(micro_batch_size, 1, dp_size).micro_step + dp_rank * micro_batch_size
     return order[first : first + micro_batch_size]
+
+
+def micro_steps_per_epoch(n_samples: int, split: str, seq_len: int, plan: BatchPlan) -> int:
+    """Return how many global micro-batches (``plan.micro_step`` samples) a split of
+    ``n_samples`` samples holds; a UserError when it holds none."""
+    steps = n_samples // plan.micro_step
+    if steps == 0:
+        raise UserError(
+            f"the {split} split has {n_samples} samples of {seq_len} tokens, "
+            f"fewer than one global micro-batch ({plan.dp} ranks x {plan.micro_batch_size}); "
+            "use more data or a shorter sequence"
+        )
+    return steps
 
 
 @dataclass
@@ -204,14 +218,11 @@ class MicroBatchReader:
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.prefetch = max(1, prefetch)
-        per_step = dp_size * micro_batch_size
-        self.steps_per_epoch = self.dataset.n_samples // per_step
-        if self.steps_per_epoch == 0:
-            raise UserError(
-                f"the {split} split has {self.dataset.n_samples} samples of {seq_len} tokens, "
-                f"fewer than one global micro-batch ({dp_size} ranks x {micro_batch_size}); "
-                "use more data or a shorter sequence"
-            )
+        self.plan = BatchPlan(micro_batch_size, 1, dp_size)  # the reader's step: a micro-step
+        per_step = self.plan.micro_step
+        self.steps_per_epoch = micro_steps_per_epoch(
+            self.dataset.n_samples, split, seq_len, self.plan
+        )
         self.samples_per_epoch = self.steps_per_epoch * per_step
         if consumed_samples < 0 or consumed_samples % per_step:
             raise UserError(
@@ -221,7 +232,7 @@ class MicroBatchReader:
         self.consumed_samples = consumed_samples
 
     def _position(self, consumed: int) -> tuple[int, int]:
-        global_step = consumed // (self.dp_size * self.micro_batch_size)
+        global_step = consumed // self.plan.micro_step
         return divmod(global_step, self.steps_per_epoch)
 
     def _batches(self, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
@@ -229,7 +240,7 @@ class MicroBatchReader:
         order = epoch_permutation(self.dataset.n_samples, self.seed, epoch)
         width = self.dataset.seq_len + 1
         dtype = self.dataset.dtype
-        per_step = self.dp_size * self.micro_batch_size
+        per_step = self.plan.micro_step
         while True:
             out = np.empty((self.micro_batch_size, width), dtype=dtype)
             for row, index in enumerate(

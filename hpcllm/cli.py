@@ -146,28 +146,14 @@ def _config_sections() -> str:
 
 
 def _config_keys() -> str:
-    """Return one help line per config key: its type, default and allowed values."""
-    import dataclasses
-    import typing
+    """Return two help lines per config key: its type, default and choices; its description."""
+    from hpcllm.config import fields, show_value
 
-    from hpcllm.config import _CHOICES, Config
-
-    def shown(value: object) -> str:
-        if value is None or isinstance(value, bool):
-            return {None: "null", True: "true", False: "false"}[value]
-        return str(value)
-
-    cfg, rows = Config(), []
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        hints = typing.get_type_hints(type(values))
-        for key in dataclasses.fields(values):
-            hint = hints[key.name]
-            kind = hint.__name__ if isinstance(hint, type) else str(hint)
-            choices = _CHOICES.get((section.name, key.name))
-            allowed = f"  [{' | '.join(choices)}]" if choices else ""
-            name, default = f"{section.name}.{key.name}", shown(getattr(values, key.name))
-            rows.append(f"  {name:<28} {kind:<16} {default}{allowed}")
+    rows = []
+    for f in fields():
+        allowed = f"  [{' | '.join(f.choices)}]" if f.choices else ""
+        rows.append(f"  {f.key:<28} {f.type_text():<16} {show_value(f.default)}{allowed}")
+        rows.append(f"      {f.help}")
     return "\n".join(rows)
 
 
@@ -300,7 +286,7 @@ def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
 
 
 def _add_convert(verbs: argparse._SubParsersAction) -> None:
-    from hpcllm.config import _CHOICES
+    from hpcllm.config import choices
 
     conv = verbs.add_parser(
         "convert",
@@ -340,7 +326,7 @@ def _add_convert(verbs: argparse._SubParsersAction) -> None:
     )
     conv.add_argument(
         "--schedule",
-        choices=_CHOICES[("parallel", "schedule")],
+        choices=choices("parallel", "schedule"),
         help="pipeline schedule [default: interleaved with --vpp > 1; else the checkpoint's, "
         "1f1b in place of interleaved]",
     )
@@ -993,28 +979,17 @@ def _check_for_print(cfg: Config, world_size: int) -> None:
     train split holding at least one global micro-batch (d x micro-batch size).
     """
     from hpcllm.datasets.shards import load_manifest
-    from hpcllm.errors import UserError
     from hpcllm.topology import Layout
-    from hpcllm.train.preflight import preflight
+    from hpcllm.train.preflight import check_against_data, preflight
 
     preflight(cfg, world_size)
-    m, p, t = cfg.model, cfg.parallel, cfg.train
     if not Path(cfg.data.path).exists():
         return
-    manifest = load_manifest(cfg.data.path)
-    if m.vocab_size is not None and m.vocab_size < manifest.vocab_size:
-        raise UserError(
-            f"model.vocab_size {m.vocab_size} is smaller than the data's tokenizer "
-            f"({manifest.vocab_size})"
-        )
-    dp = Layout.for_world(world_size, tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp).dp
-    samples = max(0, (manifest.n_tokens("train") - 1) // m.seq_len)
-    if samples < dp * t.micro_batch_size:
-        raise UserError(
-            f"the train split has {samples} samples of {m.seq_len} tokens, fewer than one "
-            f"global micro-batch ({dp} ranks x {t.micro_batch_size}); use more data or a "
-            "shorter sequence"
-        )
+    parallel = cfg.parallel
+    layout = Layout.for_world(
+        world_size, tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp
+    )
+    check_against_data(cfg, load_manifest(cfg.data.path), layout.dp)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -1030,12 +1005,11 @@ def _run_train(args: argparse.Namespace) -> int:
         overrides.append(f"train.peak_tflops={args.peak_tflops}")
     cfg = load_config(args.config, overrides)
     if args.print_config:
-        import yaml
-
+        from hpcllm.config import render_yaml
         from hpcllm.launcher import detect_launcher
 
         _check_for_print(cfg, args.world_size or detect_launcher().world_size)
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="", flush=True)
+        print(render_yaml(cfg), end="", flush=True)
         return 0
     if args.world_size is not None:
         from hpcllm.errors import UserError

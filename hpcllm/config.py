@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -87,116 +87,239 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+@dataclass(frozen=True, eq=False)
+class Rule:
+    """A bound a key's value must pass (null always passes), and what it says when it does not."""
+
+    passes: Callable[[Any], bool]
+    says: str
+
+
+# The bounds, in the order the check tries them (each key's rules are tried in this order).
+POSITIVE = Rule(lambda v: v >= 1, "must be positive")
+COUNT_OR_NEVER = Rule(lambda v: v >= 0, "must be >= 0 (0: none or never)")
+ABOVE_ZERO = Rule(lambda v: v > 0, "must be above 0")
+OFF_AT_ZERO = Rule(lambda v: v >= 0, "must be >= 0")  # 0 is off (no decay, no clipping)
+FRACTION = Rule(lambda v: 0 <= v < 1, "must be in [0, 1)")  # 1 drops everything
+STRAGGLE = Rule(lambda v: 1 <= v <= 1000, "must be from 1 to 1000")
+RANK = Rule(lambda v: v >= 0, "must be >= 0")
+SEED = Rule(lambda v: 0 <= v < 2**32, "must be from 0 to 2**32 - 1")  # numpy's and torch's
+# Past these no machine has a meaning for the value (and what it feeds overflows).
+LAYERS = Rule(lambda v: v <= 4096, "must be at most 4096")  # bounds the per-stage lists
+MEGABYTES = Rule(lambda v: v <= 1e6, "must be at most 1e6 (a terabyte)")
+WEEK = Rule(lambda v: v <= 7 * 24 * 3600, "must be at most a week (604800)")
+TWO_TOKENS = Rule(lambda v: v >= 2, "must be at least 2")  # a vocabulary of one predicts nothing
+RULES = (
+    POSITIVE,
+    COUNT_OR_NEVER,
+    ABOVE_ZERO,
+    OFF_AT_ZERO,
+    FRACTION,
+    STRAGGLE,
+    RANK,
+    SEED,
+    LAYERS,
+    MEGABYTES,
+    WEEK,
+    TWO_TOKENS,
+)
+
+
+def key(default: Any, help: str, *rules: Rule, form: str | None = None) -> Any:  # noqa: A002
+    """Return a config field: its default, its one-line description and its rule.
+
+    The rule is the field's ``Literal[...]`` type (choices), its bounds (``rules``), or, for a
+    value whose form a check reads (a folder path, ``A:B``), ``form`` says what it must be.
+    :func:`fields` reads all of it back.
+    """
+    if isinstance(default, list):
+        raise TypeError("a list default needs a factory")
+    return field(default=default, metadata={"help": help, "rules": rules, "form": form})
+
+
 @dataclass
 class ModelConfig:
     """The GPT's shape; ``preset`` fills the sizes left unset."""
 
-    preset: str | None = "tiny"
-    n_layer: int | None = None
-    n_head: int | None = None
-    d_model: int | None = None
-    seq_len: int | None = None
-    vocab_size: int | None = None  # None: the prepared data's tokenizer decides
-    dropout: float = 0.0
-    recompute: str = "none"  # none | full | selective
-    fused_kernels: str = "auto"  # auto | on | off
-    compile: str = "auto"  # auto | none | blocks | full (torch.compile; auto: blocks on CUDA)
-    layer_norm_eps: float = 1e-5  # > 0
-    init_std: float = 0.02  # > 0: the weights' normal initialisation
+    preset: str | None = key(
+        "tiny",
+        "size preset filling the sizes left unset; null: give every size",
+        form="tiny, gpt2-124m, gpt2-350m, gpt2-760m, gpt2-1.3b or null",
+    )
+    n_layer: int | None = key(None, "transformer blocks", POSITIVE, LAYERS)
+    n_head: int | None = key(None, "attention heads", POSITIVE)
+    d_model: int | None = key(None, "hidden size", POSITIVE)
+    seq_len: int | None = key(None, "tokens per sample", POSITIVE)
+    vocab_size: int | None = key(
+        None, "vocabulary; null: the prepared data's tokenizer decides", TWO_TOKENS
+    )
+    dropout: float = key(0.0, "dropout probability", FRACTION)
+    recompute: Literal["none", "full", "selective"] = key(
+        "none", "activation recomputation: none, every block (full), or attention only"
+    )
+    fused_kernels: Literal["auto", "on", "off"] = key(
+        "auto", "fused Triton kernels: auto times them against torch per op and shape"
+    )
+    compile: Literal["auto", "none", "blocks", "full"] = key(
+        "auto", "torch.compile: each block, each chunk whole, or none; auto: blocks on CUDA"
+    )
+    layer_norm_eps: float = key(1e-5, "LayerNorm's epsilon", ABOVE_ZERO)
+    init_std: float = key(
+        0.02, "standard deviation of the weights' normal initialisation", ABOVE_ZERO
+    )
 
 
 @dataclass
 class ParallelConfig:
     """Sizes of the grid and how each axis runs."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None  # None: world size / (tp * pp)
-    vpp: int = 1
-    schedule: str = "1f1b"
-    dp_engine: str = "ddp"
-    sequence_parallel: bool = False
-    scatter_gather: bool = True
-    pipeline_layers: list[int] | None = None  # blocks per stage (p x vpp); None: even split
-    ddp_bucket_mb: float = 25.0
-    ddp_bucket_view: bool = True  # gradient_as_bucket_view: grads live in DDP's buckets
-    dp_compression: str = "none"  # none | fp16 | bf16: gradients cast for the all-reduce
-    distributed_optimizer: bool = False  # ZeRO-1: Adam's state sharded over d (ddp, horovod)
-    # ps-async: a worker whose weights are more than K versions old pulls fresh ones; 0 is
-    # the synchronous ps. The order the server takes gradients in: as they arrive, or
-    # round-robin over the dp ranks (deterministic, for tests).
-    max_staleness: int = 4
-    ps_async_order: str = "arrival"
-    # local-sgd: average every H steps, AdamW's moments too or not, by ddp (torch) or horovod.
-    local_sgd_steps: int = 4
-    local_sgd_average_optimizer: bool = False
-    local_sgd_engine: str = "ddp"
-    # Horovod's settings; None: the HOROVOD_* variable if set, else hpcllm's default for the
+    tp: int = key(1, "tensor-parallel size t (ranks of a node)", POSITIVE)
+    pp: int = key(1, "pipeline-parallel size p (stages)", POSITIVE)
+    dp: int | None = key(None, "data-parallel size d; null: world size / (t x p)", POSITIVE)
+    vpp: int = key(1, "virtual pipeline stages per rank v (interleaved schedule)", POSITIVE)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = key(
+        "1f1b", "pipeline schedule (1f1b with one stage)"
+    )
+    dp_engine: Literal["ddp", "horovod", "ps", "ps-async", "local-sgd"] = key(
+        "ddp", "data-parallel engine"
+    )
+    sequence_parallel: bool = key(False, "split LayerNorm and dropout activations over t")
+    scatter_gather: bool = key(True, "send 1/t of each activation between stages, gather after")
+    pipeline_layers: list[int] | None = key(
+        None,
+        "blocks per stage; null: an even split",
+        form="p x vpp positive counts that add up to model.n_layer",
+    )
+    ddp_bucket_mb: float = key(
+        25.0, "DDP's gradient bucket (and the distributed optimizer's)", ABOVE_ZERO, MEGABYTES
+    )
+    ddp_bucket_view: bool = key(True, "gradient_as_bucket_view: gradients live in DDP's buckets")
+    dp_compression: Literal["none", "fp16", "bf16"] = key(
+        "none", "gradients cast for the all-reduce (ddp; horovod fp16 only)"
+    )
+    distributed_optimizer: bool = key(
+        False, "ZeRO-1: AdamW's state sharded over d (ddp and horovod)"
+    )
+    max_staleness: int = key(
+        4,
+        "ps-async: versions a worker may lag before it pulls fresh weights; 0: synchronous",
+        COUNT_OR_NEVER,
+    )
+    ps_async_order: Literal["arrival", "round-robin"] = key(
+        "arrival", "ps-async: the order the server takes gradients in"
+    )
+    local_sgd_steps: int = key(4, "local-sgd: steps between two averages (H)", POSITIVE)
+    local_sgd_average_optimizer: bool = key(False, "local-sgd: average AdamW's moments too")
+    local_sgd_engine: Literal["ddp", "horovod"] = key("ddp", "local-sgd: who averages")
+    # Horovod's settings; null: the HOROVOD_* variable if set, else hpcllm's default for the
     # device (cycle 5 ms on CPU), else Horovod's (128 MiB, 1 ms, cache 1024, autotune off).
-    horovod_fusion_mb: float | None = None  # HOROVOD_FUSION_THRESHOLD
-    horovod_cycle_ms: float | None = None  # HOROVOD_CYCLE_TIME
-    horovod_response_cache: int | None = None  # HOROVOD_CACHE_CAPACITY; 0 turns it off
-    horovod_autotune: bool | None = None  # HOROVOD_AUTOTUNE
-    horovod_autotune_log: str | None = None  # HOROVOD_AUTOTUNE_LOG: a CSV of what it tried
+    horovod_fusion_mb: float | None = key(
+        None,
+        "HOROVOD_FUSION_THRESHOLD in MB; null: variable, hpcllm's or Horovod's default",
+        OFF_AT_ZERO,
+        MEGABYTES,
+    )
+    horovod_cycle_ms: float | None = key(
+        None,
+        "HOROVOD_CYCLE_TIME in ms; null: variable, hpcllm's or Horovod's default",
+        OFF_AT_ZERO,
+    )
+    horovod_response_cache: int | None = key(
+        None, "HOROVOD_CACHE_CAPACITY (0: off); null: variable or Horovod's default", OFF_AT_ZERO
+    )
+    horovod_autotune: bool | None = key(None, "HOROVOD_AUTOTUNE; null: variable or off")
+    horovod_autotune_log: str | None = key(
+        None, "HOROVOD_AUTOTUNE_LOG: a CSV of the settings autotune tried", form="a file path"
+    )
 
 
 @dataclass
 class DataConfig:
     """Where the prepared shards are, and the sampling seed."""
 
-    path: str = "data/stdlib"
-    seed: int = 1234  # 0 to 2**32 - 1
-    prefetch: int = 4  # micro-batches read ahead, >= 1
+    path: str = key(
+        "data/stdlib", "folder of the prepared shards (hpcllm prepare --out)", form="a folder"
+    )
+    seed: int = key(1234, "sampling seed", SEED)
+    prefetch: int = key(4, "micro-batches read ahead", POSITIVE)
 
 
 @dataclass
 class TrainConfig:
     """Optimisation, precision, logging and checkpoint cadence."""
 
-    steps: int = 100
-    micro_batch_size: int = 4
-    global_batch_size: int | None = None  # None: micro_batch_size * dp (no accumulation)
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 10
-    lr_decay_steps: int | None = None  # None: train.steps
-    lr_scaling: str = "none"  # none | linear
-    lr_reference_batch: int = 256  # the global batch that train.lr was tuned for
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    # The model's weights and gradients: fp32 (autocast casts per use), or bf16 with fp32
-    # master weights in the distributed optimizer (2 + 2 + 12/d bytes per parameter).
-    param_dtype: str = "fp32"
-    grad_clip: float = 1.0  # 0: no clipping
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    seed: int = 1234  # 0 to 2**32 - 1
-    log_interval: int = 10
-    eval_interval: int = 50  # 0: never during training
-    eval_iters: int = 10
-    save_interval: int = 0  # 0: only at the end
-    peak_tflops: float | None = None  # per GPU; None: from the device table (null on CPU)
-    profile_steps: str | None = None  # "A:B": cudaProfilerStart/Stop around steps A..B-1
+    steps: int = key(100, "optimizer steps of the run", POSITIVE)
+    micro_batch_size: int = key(4, "samples per micro-batch per rank", POSITIVE)
+    global_batch_size: int | None = key(
+        None,
+        "samples per step over all ranks; null: micro_batch_size x d (no accumulation)",
+        POSITIVE,
+    )
+    lr: float = key(6e-4, "peak learning rate (after warm-up)", ABOVE_ZERO)
+    min_lr: float = key(6e-5, "learning rate at the end of the cosine decay", OFF_AT_ZERO)
+    warmup_steps: int = key(10, "steps of linear warm-up", COUNT_OR_NEVER)
+    lr_decay_steps: int | None = key(None, "steps of cosine decay; null: train.steps", POSITIVE)
+    lr_scaling: Literal["none", "linear"] = key(
+        "none", "linear: lr x global batch / lr_reference_batch (Goyal et al.)"
+    )
+    lr_reference_batch: int = key(256, "the global batch train.lr was tuned for", POSITIVE)
+    precision: Literal["fp32", "bf16", "fp16"] = key(
+        "fp32", "compute precision (autocast; fp16 with a loss scaler)"
+    )
+    param_dtype: Literal["fp32", "bf16"] = key(
+        "fp32", "weights and gradients; bf16 keeps fp32 masters in the distributed optimizer"
+    )
+    grad_clip: float = key(
+        1.0, "clip the global gradient norm to this; 0: no clipping", OFF_AT_ZERO
+    )
+    weight_decay: float = key(0.1, "AdamW's weight decay (matrices only)", OFF_AT_ZERO)
+    beta1: float = key(0.9, "AdamW's beta1", FRACTION)
+    beta2: float = key(0.95, "AdamW's beta2", FRACTION)
+    adam_eps: float = key(1e-8, "AdamW's epsilon", ABOVE_ZERO)
+    seed: int = key(1234, "initialisation and dropout seed", SEED)
+    log_interval: int = key(10, "steps between two logged steps", POSITIVE)
+    eval_interval: int = key(
+        50, "steps between two validations; 0: never during training", COUNT_OR_NEVER
+    )
+    eval_iters: int = key(10, "micro-batches of a validation", POSITIVE)
+    save_interval: int = key(0, "steps between two checkpoints; 0: only at the end", COUNT_OR_NEVER)
+    peak_tflops: float | None = key(
+        None, "the GPU's peak TFLOP/s for MFU; null: from the device table", ABOVE_ZERO
+    )
+    profile_steps: str | None = key(
+        None,
+        "cudaProfilerStart/Stop around steps A to B-1 (nsys --capture-range)",
+        form="A:B with 0 <= A < B",
+    )
     # A straggler you can dial: this rank's compute takes straggler_factor times as long (it
     # sleeps (factor - 1) x its measured forward and backward time each step).
-    straggler_rank: int | None = None
-    straggler_factor: float = 1.0
-    max_bad_steps: int = 10  # consecutive steps with a non-finite loss or grad norm: stop
+    straggler_rank: int | None = key(None, "the rank made slow on purpose; null: none", RANK)
+    straggler_factor: float = key(1.0, "how many times as long its compute takes", STRAGGLE)
+    max_bad_steps: int = key(
+        10, "skipped steps in a row (non-finite loss or gradient) that stop the run", POSITIVE
+    )
 
 
 @dataclass
 class RunConfig:
     """Where the run writes, and whether it resumes."""
 
-    dir: str = "runs/tiny"
-    resume: str = "auto"  # auto: from dir/checkpoints/latest if there; none: start fresh
-    overwrite: bool = False  # resume none on a folder with checkpoints: move the old run aside
-    save_failure: str = "fail"  # fail | warn (and go on) when a checkpoint cannot be written
-    timeout_s: float = 600.0  # seconds a collective may hang before the job aborts
-    tensorboard: bool = True
-    reshard: bool = False  # resume a checkpoint of another layout (t, p, v) by re-cutting it
-    keep_checkpoints: int | None = None  # keep the newest N checkpoints; None: all
+    dir: str = key("runs/tiny", "the run folder", form="a folder that can be made here")
+    resume: Literal["auto", "none"] = key(
+        "auto", "auto: from the run folder's latest checkpoint if any; none: start fresh"
+    )
+    overwrite: bool = key(
+        False, "with resume none on a folder with checkpoints: move the old run aside"
+    )
+    save_failure: Literal["fail", "warn"] = key(
+        "fail", "a checkpoint that cannot be written ends the run, or warns and goes on"
+    )
+    timeout_s: float = key(
+        600.0, "seconds a collective may hang before the job aborts", ABOVE_ZERO, WEEK
+    )
+    tensorboard: bool = key(True, "write TensorBoard events")
+    reshard: bool = key(False, "resume a checkpoint of another layout (t, p, v) by re-cutting it")
+    keep_checkpoints: int | None = key(None, "keep the newest N checkpoints; null: all", POSITIVE)
 
 
 @dataclass
@@ -218,21 +341,138 @@ class Config:
         atomic_write(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-_CHOICES = {
-    ("model", "recompute"): ("none", "full", "selective"),
-    ("model", "fused_kernels"): ("auto", "on", "off"),
-    ("model", "compile"): ("auto", "none", "blocks", "full"),
-    ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved", "zb-h1"),
-    ("parallel", "dp_engine"): ("ddp", "horovod", "ps", "ps-async", "local-sgd"),
-    ("parallel", "ps_async_order"): ("arrival", "round-robin"),
-    ("parallel", "local_sgd_engine"): ("ddp", "horovod"),
-    ("parallel", "dp_compression"): ("none", "fp16", "bf16"),
-    ("train", "lr_scaling"): ("none", "linear"),
-    ("train", "precision"): ("fp32", "bf16", "fp16"),
-    ("train", "param_dtype"): ("fp32", "bf16"),
-    ("run", "resume"): ("auto", "none"),
-    ("run", "save_failure"): ("fail", "warn"),
-}
+@dataclass(frozen=True)
+class Field:
+    """One config key as its field declares it: what :func:`fields` returns."""
+
+    section: str
+    name: str
+    type: Any  # the resolved annotation
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None  # a Literal field's values
+    rules: tuple[Rule, ...]
+    form: str | None  # what a value must look like, where a check reads its form
+
+    def rule_text(self) -> str:
+        """Return what a value must be, as the docs say it."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        if self.rules:
+            return "; ".join(rule.says for rule in self.rules)
+        if self.form is not None:
+            return self.form
+        return "true or false" if "bool" in self.type_text() else self.type_text()
+
+    @property
+    def key(self) -> str:
+        """Return ``section.name``, as ``--set`` and the docs write it."""
+        return f"{self.section}.{self.name}"
+
+    def type_text(self) -> str:
+        """Return the type as the docs and ``--help`` print it: ``int | None``, ``str``."""
+        parts = (
+            typing.get_args(self.type) if isinstance(self.type, types.UnionType) else (self.type,)
+        )
+        names = []
+        for kind in parts:
+            if kind is type(None):
+                names.append("None")
+            elif typing.get_origin(kind) is Literal:
+                names.append("str")
+            elif typing.get_origin(kind) is list:
+                names.append("list[int]")
+            else:
+                names.append(kind.__name__)
+        return " | ".join(names)
+
+
+def _choices_of(annotation: Any) -> tuple[str, ...] | None:
+    parts = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
+    for kind in parts:
+        if typing.get_origin(kind) is Literal:
+            return tuple(typing.get_args(kind))
+    return None
+
+
+def fields() -> list[Field]:
+    """Return every config key, section by section in field order, with its rule and help."""
+    out = []
+    for section in dataclasses.fields(Config):
+        part = section.default_factory()  # type: ignore[misc]
+        hints = typing.get_type_hints(type(part))
+        for f in dataclasses.fields(part):
+            out.append(
+                Field(
+                    section.name,
+                    f.name,
+                    hints[f.name],
+                    getattr(part, f.name),
+                    f.metadata["help"],
+                    _choices_of(hints[f.name]),
+                    tuple(f.metadata["rules"]),
+                    f.metadata["form"],
+                )
+            )
+    return out
+
+
+def show_value(value: Any) -> str:
+    """Return a value as YAML writes it in a line: ``null``, ``true``, ``6e-4``, ``[2, 2]``."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+def choices(section: str, name: str) -> tuple[str, ...] | None:
+    """Return the values ``section.name`` takes, when it is a choice (else None)."""
+    return next((f.choices for f in fields() if (f.section, f.name) == (section, name)), None)
+
+
+def config_reference() -> str:
+    """Return docs/config.md: every key with its type, default, rule and description, written
+    from the fields (``python -m hpcllm.config > docs/config.md``; a test compares the two)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Written by `python -m hpcllm.config > docs/config.md` from the fields of",
+        "hpcllm/config.py; tests/test_config.py fails when this page and the fields differ. -->",
+        "",
+        "A config is a YAML file of five sections; `--set section.key=value` overrides one key",
+        "(the value read as YAML), and `hpcllm train --print-config` prints the resolved config.",
+        "Values are read with YAML 1.2's rules: `on`, `off`, `yes`, `no` are words, not booleans.",
+        "Checks across keys (and against the world size) are in `hpcllm.config.check` and",
+        "`hpcllm.train.preflight`.",
+    ]
+    for section in dataclasses.fields(Config):
+        doc = (section.default_factory.__doc__ or "").strip().replace("``", "`")  # type: ignore[union-attr]
+        lines += ["", f"## `{section.name}`", "", doc, ""]
+        lines += ["| key | type | default | rule | what it is |", "| --- | --- | --- | --- | --- |"]
+        for f in fields():
+            if f.section == section.name:
+                cells = (f.name, f.type_text(), show_value(f.default), f.rule_text(), f.help)
+                lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_yaml(cfg: Config) -> str:
+    """Return ``cfg`` as YAML with each key's description as a comment: what
+    ``hpcllm train --print-config`` prints (``load_config`` reads it back)."""
+    lines = []
+    described = {f.key: f.help for f in fields()}
+    for section, values in cfg.to_dict().items():
+        lines.append(f"{section}:")
+        for name, value in values.items():
+            text = yaml.safe_dump(value, default_flow_style=True, width=10**6)
+            text = text.removesuffix("\n").removesuffix("\n...")
+            lines.append(f"  {name}: {text}  # {described[f'{section}.{name}']}")
+    return "\n".join(lines) + "\n"
 
 
 def _show(value: Any) -> str:
@@ -292,13 +532,16 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
             )
         ):
             return list(value)
-        if kind is str and isinstance(value, str | int | float) and not isinstance(value, bool):
+        is_text = kind is str or typing.get_origin(kind) is Literal  # choices: checked later
+        if is_text and isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
     names = " or ".join(
         "null"
         if k is type(None)
         else "a list of integers"
         if typing.get_origin(k) is list
+        else "str"
+        if typing.get_origin(k) is Literal
         else k.__name__
         for k in allowed
     )
@@ -404,103 +647,23 @@ def _fill_preset(model: ModelConfig) -> None:
         raise UserError(f"model.{missing[0]} is not set (no preset gives it)")
 
 
-# Each rule: the keys it covers, the test a value set there must pass, and what it says.
-_BOUNDS: tuple[tuple[tuple[tuple[str, str], ...], Callable[[Any], bool], str], ...] = (
-    (
-        (
-            ("model", "n_layer"),
-            ("model", "n_head"),
-            ("model", "d_model"),
-            ("model", "seq_len"),
-            ("parallel", "tp"),
-            ("parallel", "pp"),
-            ("parallel", "dp"),  # null: world size / (tp * pp)
-            ("parallel", "vpp"),
-            ("parallel", "local_sgd_steps"),
-            ("data", "prefetch"),
-            ("train", "steps"),
-            ("train", "micro_batch_size"),
-            ("train", "global_batch_size"),
-            ("train", "lr_decay_steps"),
-            ("train", "lr_reference_batch"),
-            ("train", "log_interval"),
-            ("train", "eval_iters"),
-            ("train", "max_bad_steps"),
-            ("run", "keep_checkpoints"),  # null: keep every checkpoint
-        ),
-        lambda v: v >= 1,
-        "must be positive",
-    ),
-    (
-        (
-            ("train", "warmup_steps"),
-            ("train", "eval_interval"),
-            ("train", "save_interval"),
-            ("parallel", "max_staleness"),
-        ),
-        lambda v: v >= 0,
-        "must be >= 0 (0: none or never)",
-    ),
-    (
-        (
-            ("model", "layer_norm_eps"),
-            ("model", "init_std"),
-            ("parallel", "ddp_bucket_mb"),
-            ("train", "lr"),
-            ("train", "adam_eps"),
-            ("train", "peak_tflops"),
-            ("run", "timeout_s"),
-        ),
-        lambda v: v > 0,
-        "must be above 0",
-    ),
-    (  # 0 is off: no decay to speak of, no clipping, Horovod's smallest setting
-        (
-            ("parallel", "horovod_fusion_mb"),
-            ("parallel", "horovod_cycle_ms"),
-            ("parallel", "horovod_response_cache"),
-            ("train", "min_lr"),
-            ("train", "grad_clip"),
-            ("train", "weight_decay"),
-        ),
-        lambda v: v >= 0,
-        "must be >= 0",
-    ),
-    (  # 1 would drop every activation, or never forget a gradient
-        (("model", "dropout"), ("train", "beta1"), ("train", "beta2")),
-        lambda v: 0 <= v < 1,
-        "must be in [0, 1)",
-    ),
-    ((("train", "straggler_factor"),), lambda v: 1 <= v <= 1000, "must be from 1 to 1000"),
-    ((("train", "straggler_rank"),), lambda v: v >= 0, "must be >= 0"),
-    (  # what numpy's and torch's generators take, after the per-rank offsets
-        (("data", "seed"), ("train", "seed")),
-        lambda v: 0 <= v < 2**32,
-        "must be from 0 to 2**32 - 1",
-    ),
-    (  # past these, no machine has a meaning for the value (and what it feeds overflows)
-        (("model", "n_layer"),),
-        lambda v: v <= 4096,  # more blocks than any GPT; bounds the per-stage lists
-        "must be at most 4096",
-    ),
-    (
-        (("parallel", "ddp_bucket_mb"), ("parallel", "horovod_fusion_mb")),
-        lambda v: v <= 1e6,
-        "must be at most 1e6 (a terabyte)",
-    ),
-    ((("run", "timeout_s"),), lambda v: v <= 7 * 24 * 3600, "must be at most a week (604800)"),
-)
-
 # Kernel file systems, where no run folder can be made.
 _PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")
 
 
-def _check_bounds(cfg: Config) -> None:
-    for keys, passes, rule in _BOUNDS:
-        for section, key in keys:
-            value = getattr(getattr(cfg, section), key)
-            if value is not None and not passes(value):
-                raise UserError(f"{section}.{key} {rule}, got {_show(value)}")
+def _check_fields(cfg: Config) -> None:
+    """Raise a UserError for the first key outside its choices, then outside its bounds
+    (rule by rule, in the order of :data:`RULES`)."""
+    every = fields()
+    for f in every:
+        value = getattr(getattr(cfg, f.section), f.name)
+        if f.choices is not None and value not in f.choices and value is not None:
+            raise UserError(f"{f.key} must be one of {', '.join(f.choices)}, got {_show(value)}")
+    for rule in RULES:
+        for f in every:
+            value = getattr(getattr(cfg, f.section), f.name)
+            if any(r is rule for r in f.rules) and value is not None and not rule.passes(value):
+                raise UserError(f"{f.key} {rule.says}, got {_show(value)}")
 
 
 def check_folder(name: str, text: str) -> None:
@@ -539,62 +702,56 @@ def check(cfg: Config) -> None:
 
     Reads the file system (never writes it) only to see that ``run.dir`` can be a folder.
     """
-    for (section, key), choices in _CHOICES.items():
-        value = getattr(getattr(cfg, section), key)
-        if value not in choices:
-            raise UserError(
-                f"{section}.{key} must be one of {', '.join(choices)}, got {_show(value)}"
-            )
-    _check_bounds(cfg)
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    _check_fields(cfg)
+    m, train, parallel = cfg.model, cfg.train, cfg.parallel
     if m.d_model % m.n_head:
         raise UserError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
-    if m.n_head % p.tp:
-        raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {p.tp}")
-    if p.sequence_parallel and p.tp > 1 and m.seq_len % p.tp:
+    if m.n_head % parallel.tp:
+        raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {parallel.tp}")
+    if parallel.sequence_parallel and parallel.tp > 1 and m.seq_len % parallel.tp:
         raise UserError(
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
-            f"parallel.tp {p.tp} ranks; use a seq_len divisible by {p.tp}"
+            f"parallel.tp {parallel.tp} ranks; use a seq_len divisible by {parallel.tp}"
         )
-    if m.vocab_size is not None and m.vocab_size < 2:
-        raise UserError(f"model.vocab_size must be at least 2, got {m.vocab_size}")
-    if t.min_lr > t.lr:
-        raise UserError(f"train.min_lr {t.min_lr} is above train.lr {t.lr}")
-    if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
+    if train.min_lr > train.lr:
+        raise UserError(f"train.min_lr {train.min_lr} is above train.lr {train.lr}")
+    if train.global_batch_size is not None and train.global_batch_size % train.micro_batch_size:
         raise UserError(
-            f"train.global_batch_size {t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size {t.micro_batch_size}"
+            f"train.global_batch_size {train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size {train.micro_batch_size}"
         )
-    if p.distributed_optimizer and p.dp_engine == "ps":
+    if parallel.distributed_optimizer and parallel.dp_engine == "ps":
         raise UserError(
             "parallel.distributed_optimizer applies to the ddp and horovod engines; the ps "
             "baseline keeps the whole optimizer on its server"
         )
-    if p.distributed_optimizer and p.dp_compression != "none":
+    if parallel.distributed_optimizer and parallel.dp_compression != "none":
         raise UserError(
             "parallel.distributed_optimizer reduce-scatters uncompressed gradients; set "
             "parallel.dp_compression: none"
         )
-    if t.param_dtype == "bf16" and t.precision != "bf16":
+    if train.param_dtype == "bf16" and train.precision != "bf16":
         raise UserError(
             f"train.param_dtype: bf16 computes in bf16; set train.precision: bf16 (not "
-            f"{t.precision})"
+            f"{train.precision})"
         )
-    if t.param_dtype == "bf16" and not p.distributed_optimizer:
+    if train.param_dtype == "bf16" and not parallel.distributed_optimizer:
         raise UserError(
             "train.param_dtype: bf16 keeps its fp32 master weights in the distributed "
             "optimizer; set parallel.distributed_optimizer: true (at any d, 1 included)"
         )
-    if p.dp_compression != "none" and p.dp_engine in ("ps", "ps-async", "local-sgd"):
-        raise UserError(f"parallel.dp_compression applies to ddp and horovod, not {p.dp_engine}")
-    if p.dp_engine in ("ps-async", "local-sgd"):
+    if parallel.dp_compression != "none" and parallel.dp_engine in ("ps", "ps-async", "local-sgd"):
+        raise UserError(
+            f"parallel.dp_compression applies to ddp and horovod, not {parallel.dp_engine}"
+        )
+    if parallel.dp_engine in ("ps-async", "local-sgd"):
         _check_async(cfg)
-    if p.dp_compression == "bf16" and p.dp_engine == "horovod":
+    if parallel.dp_compression == "bf16" and parallel.dp_engine == "horovod":
         raise UserError(
             "Horovod compresses to fp16 only; use parallel.dp_compression: fp16 or none"
         )
-    if t.profile_steps is not None:
-        parse_profile_steps(t.profile_steps)
+    if train.profile_steps is not None:
+        parse_profile_steps(train.profile_steps)
     if not cfg.data.path or "\x00" in cfg.data.path:
         raise UserError(f"data.path must be a folder path, got {_show(cfg.data.path)}")
     check_folder("run.dir", cfg.run.dir)
@@ -602,27 +759,27 @@ def check(cfg: Config) -> None:
 
 def _check_async(cfg: Config) -> None:
     """Refuse what ps-async and local-sgd do not do, in one line each."""
-    t, p = cfg.train, cfg.parallel
-    if p.tp > 1 or p.pp > 1:
+    train, parallel = cfg.train, cfg.parallel
+    if parallel.tp > 1 or parallel.pp > 1:
         raise UserError(
-            f"parallel.dp_engine: {p.dp_engine} runs data parallelism alone; set parallel.tp "
-            f"and parallel.pp to 1 (got tp {p.tp}, pp {p.pp})"
+            f"parallel.dp_engine: {parallel.dp_engine} runs data parallelism alone; set "
+            f"parallel.tp and parallel.pp to 1 (got tp {parallel.tp}, pp {parallel.pp})"
         )
-    if p.distributed_optimizer:
+    if parallel.distributed_optimizer:
         raise UserError(
             f"parallel.distributed_optimizer applies to the ddp and horovod engines, not "
-            f"{p.dp_engine}"
+            f"{parallel.dp_engine}"
         )
-    if p.dp_engine == "ps-async" and t.precision == "fp16":
+    if parallel.dp_engine == "ps-async" and train.precision == "fp16":
         raise UserError(
             "parallel.dp_engine: ps-async has no loss scale shared by its workers; use "
             "train.precision bf16 or fp32"
         )
-    if p.dp_engine == "local-sgd" and t.save_interval % p.local_sgd_steps:
+    if parallel.dp_engine == "local-sgd" and train.save_interval % parallel.local_sgd_steps:
         raise UserError(
-            f"train.save_interval {t.save_interval} is not a multiple of "
-            f"parallel.local_sgd_steps {p.local_sgd_steps}: a checkpoint averages the replicas, "
-            "which must fall where the run averages anyway"
+            f"train.save_interval {train.save_interval} is not a multiple of "
+            f"parallel.local_sgd_steps {parallel.local_sgd_steps}: a checkpoint averages the "
+            "replicas, which must fall where the run averages anyway"
         )
 
 
@@ -639,20 +796,70 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     return a, b
 
 
-def accumulation_steps(train: TrainConfig, dp: int) -> int:
-    """Return micro-batches per step per rank: global = micro × accumulation × d."""
-    if train.global_batch_size is None:
-        return 1
-    per_step = train.micro_batch_size * dp
-    if train.global_batch_size % per_step:
-        raise UserError(
-            f"train.global_batch_size {train.global_batch_size} is not a multiple "
-            f"of micro_batch_size x dp = {train.micro_batch_size} x {dp}"
-        )
-    return train.global_batch_size // per_step
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's samples divide over ranks and micro-batches, computed in one place (what
+    Megatron-LM's num-microbatches calculator does): ``global_batch = micro_batch_size x
+    accumulation x dp``."""
+
+    micro_batch_size: int  # samples of one micro-batch on one rank
+    accumulation: int  # micro-batches per step on each rank
+    dp: int  # data-parallel replicas
+
+    @property
+    def micro_step(self) -> int:
+        """Return the samples of one micro-batch on every rank: micro_batch_size x dp."""
+        return self.micro_batch_size * self.dp
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Return the samples one rank trains on per step: micro_batch_size x accumulation."""
+        return self.micro_batch_size * self.accumulation
+
+    @property
+    def global_batch(self) -> int:
+        """Return the samples of one step over every rank."""
+        return self.micro_step * self.accumulation
+
+    @staticmethod
+    def divides(global_batch: int, micro_batch_size: int, dp: int) -> bool:
+        """Return whether micro-batches of ``micro_batch_size`` on ``dp`` ranks make up
+        ``global_batch`` samples (a whole number of them per rank)."""
+        return global_batch % (micro_batch_size * dp) == 0
+
+    @classmethod
+    def of(
+        cls,
+        global_batch: int | None,
+        micro_batch_size: int,
+        dp: int,
+        name: str = "train.global_batch_size",
+        dp_name: str = "dp",
+    ) -> BatchPlan:
+        """Return the plan of ``global_batch`` samples a step (None: one micro-batch per rank,
+        no accumulation); a UserError (naming them ``name`` and ``dp_name``) unless
+        micro_batch_size x dp divides it."""
+        one = cls(micro_batch_size, 1, dp)
+        if global_batch is None:
+            return one
+        if not cls.divides(global_batch, micro_batch_size, dp):
+            raise UserError(
+                f"{name} {global_batch} is not a multiple "
+                f"of micro_batch_size x {dp_name} = {micro_batch_size} x {dp}"
+            )
+        return cls(micro_batch_size, global_batch // one.micro_step, dp)
+
+
+def batch_plan(train: TrainConfig, dp: int) -> BatchPlan:
+    """Return the run's batch plan at data-parallel size ``dp``."""
+    return BatchPlan.of(train.global_batch_size, train.micro_batch_size, dp)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """Return the vocabulary padded to a multiple of 128·t (Megatron's rule)."""
     multiple = 128 * tp
     return -(-vocab_size // multiple) * multiple
+
+
+if __name__ == "__main__":
+    print(config_reference(), end="")

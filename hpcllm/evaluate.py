@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hpcllm.config import BatchPlan
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
@@ -82,5 +83,5 @@ def evaluate(
     finally:
         batches.close()
     loss = (total / iters).item()
-    samples = iters * reader.micro_batch_size
+    samples = BatchPlan(reader.micro_batch_size, iters, 1).samples_per_rank
     return Evaluation(loss, math.exp(min(loss, 700.0)), samples, samples * cfg.seq_len)

@@ -123,3 +123,7 @@ def test_train_help_gives_every_key_its_default():
             pattern = rf"^  {section.name}\.{key.name} +\S.*? {re.escape(shown)}\b"
             assert re.search(pattern, run.stdout, re.M), f"{section.name}.{key.name}"
     assert "[fp32 | bf16 | fp16]" in run.stdout
+    from hpcllm.config import fields
+
+    for f in fields():  # each key's description, on the line under it
+        assert re.search(rf"^  {re.escape(f.key)} .*\n      {re.escape(f.help)}$", run.stdout, re.M)

@@ -13,24 +13,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
 from hpcllm.config import (
-    _CHOICES,
     Config,
     ModelConfig,
     ParallelConfig,
     RunConfig,
     TrainConfig,
+    config_reference,
+    fields,
     load_config,
     load_yaml,
+    render_yaml,
 )
 from hpcllm.errors import UserError
 
-EVERY_CHOICE = [
-    (section, key, value) for (section, key), values in _CHOICES.items() for value in values
-]
+EVERY_CHOICE = [(f.section, f.name, value) for f in fields() if f.choices for value in f.choices]
 
 
 @pytest.mark.parametrize(
@@ -341,3 +342,107 @@ def test_checkpoint_keys_take_their_values_from_the_command_line_and_yaml(tmp_pa
     assert load_config(path).run.keep_checkpoints is None
     with pytest.raises(UserError, match="run.keep_checkpoints must be positive"):
         load_config(None, ["run.keep_checkpoints=0"])
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_key_carries_its_description_and_its_rule():
+    seen = set()
+    for f in fields():
+        assert f.help and "\n" not in f.help and len(f.help) <= 100, f.key
+        assert f.help not in seen, f"{f.key} repeats another key's description"
+        seen.add(f.help)
+        kind = f.type_text()
+        if "int" in kind or "float" in kind:
+            # A number always has bounds (or a form a check reads): none means any value goes.
+            assert f.rules or f.form, f"{f.key} has no bound"
+        elif kind.startswith("str") and f.choices is None:
+            assert f.form, f"{f.key}: a free text key says what form it takes"
+        assert f.rule_text(), f.key
+        # The default passes the key's own rule.
+        assert f.choices is None or f.default in f.choices, f.key
+        for rule in f.rules:
+            assert f.default is None or rule.passes(f.default), (f.key, rule.says)
+
+
+def test_the_config_reference_page_is_written_from_the_fields():
+    # A stale page fails: regenerate it with `python -m hpcllm.config > docs/config.md`.
+    assert (REPO / "docs" / "config.md").read_text() == config_reference()
+
+
+def test_the_printed_config_describes_each_key_and_reads_back(tmp_path):
+    cfg = load_config(None, ["parallel.pipeline_layers=[1, 3]", "parallel.pp=2"])
+    text = render_yaml(cfg)
+    for f in fields():
+        assert f"  {f.name}: " in text and f"# {f.help}" in text, f.key
+    path = tmp_path / "printed.yaml"
+    path.write_text(text)
+    assert load_config(path) == cfg
+
+
+def test_the_batch_product_is_computed_in_one_place():
+    # micro-batch x accumulation x d, and its inverses, only in hpcllm.config.BatchPlan: any
+    # product of a micro-batch size with d or an accumulation count elsewhere, or a division
+    # of a global batch, fails (every spelling the code used before: micro_batch_size * dp,
+    # d * b, global_batch // (d * b), iters * micro_batch_size).
+    import ast
+
+    sizes = {"dp", "dp_size", "d", "accumulation", "iters", "m"}
+    micro = ("micro_batch", "micro_batch_size", "b")
+
+    def names(node: ast.AST) -> set[str]:
+        found = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name):
+                found.add(sub.id)
+            elif isinstance(sub, ast.Attribute):
+                found.add(sub.attr)
+        return found
+
+    bad = []
+    for top in ("hpcllm", "datasets", "kernels"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            if path == REPO / "hpcllm" / "config.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.BinOp):
+                    continue
+                left, right = names(node.left), names(node.right)
+                if isinstance(node.op, ast.Mult) and any(
+                    set(micro) & a and sizes & b for a, b in ((left, right), (right, left))
+                ):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+                if isinstance(node.op, ast.FloorDiv | ast.Mod) and any(
+                    "global_batch" in n for n in left
+                ):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bad, "the batch product outside hpcllm.config.BatchPlan: " + ", ".join(bad)
+
+
+def test_p_and_t_name_the_pipeline_and_tensor_sizes_only():
+    # `p, t = cfg.parallel, cfg.train` once read like the pipeline and tensor sizes: a local
+    # name p or t bound to a config section fails (call them parallel and train).
+    import ast
+
+    bad = []
+    for top in ("hpcllm", "datasets", "kernels"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                    continue
+                target, value = node.targets[0], node.value
+                pairs = (
+                    list(zip(target.elts, value.elts, strict=False))
+                    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
+                    else [(target, value)]
+                )
+                for name, bound in pairs:
+                    if (
+                        isinstance(name, ast.Name)
+                        and name.id in ("p", "t")
+                        and isinstance(bound, ast.Attribute)
+                        and bound.attr in ("parallel", "train", "model", "data", "run")
+                    ):
+                        bad.append(f"{path.relative_to(REPO)}:{node.lineno} {name.id}")
+    assert not bad, "p or t bound to a config section: " + ", ".join(bad)

@@ -22,7 +22,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcllm.config import _CHOICES, Config, load_config
+from hpcllm.config import Config, choices, load_config
 from hpcllm.errors import UserError
 from hpcllm.train.preflight import preflight, startup_warnings
 
@@ -67,8 +67,9 @@ VALUES = st.one_of(
 
 def _plausible(section: str, name: str) -> st.SearchStrategy[str]:
     """Return values that a user might well give ``section.name``: most of them valid."""
-    if (section, name) in _CHOICES:
-        return st.sampled_from(_CHOICES[section, name])
+    values = choices(section, name)
+    if values is not None:
+        return st.sampled_from(values)
     kind = str(FIELD_TYPES[section, name])
     if "list" in kind:
         return st.lists(st.integers(0, 5), max_size=4).map(_yaml_text)

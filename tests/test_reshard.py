@@ -254,7 +254,7 @@ def one_step_run(stdlib, tmp_path_factory):
         (["--tp", "3"], "not divisible by --tp 3"),
         (["--vpp", "2"], "--vpp 2 needs a pipeline"),
         (["--pp", "8"], "fewer than the 8 pipeline stages"),
-        (["--dp", "3"], "not a multiple of micro-batch size 2 x --dp 3"),
+        (["--dp", "3"], "not a multiple of micro_batch_size x --dp = 2 x 3"),
         (["--tp", "2", "--step", "7"], "no checkpoint of step 7"),
         ([], "say what to convert"),
         (["--pp", "2", "--schedule", "interleaved"], "interleaved needs parallel.vpp >= 2"),

@@ -110,23 +110,23 @@ def _plain_step(
 
     Both run the same module and optimizer, so the weights keep training whichever runs.
     """
-    m, t = cfg.model, cfg.train
-    model = PlainGPT(vocab, m.n_layer, m.n_head, m.d_model, m.seq_len, m.dropout, t.seed)
+    m, train = cfg.model, cfg.train
+    model = PlainGPT(vocab, m.n_layer, m.n_head, m.d_model, m.seq_len, m.dropout, train.seed)
     model = model.to(device).train()
-    optimizer = plain_optimizer(model, t.lr, t.weight_decay)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
-    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    optimizer = plain_optimizer(model, train.lr, train.weight_decay)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[train.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
     position = [0]
 
     def step(run: torch.nn.Module) -> None:
         ids, labels = batches[position[0] % len(batches)]
         position[0] += 1
-        with torch.autocast(device.type, dtype=dtype, enabled=t.precision != "fp32"):
+        with torch.autocast(device.type, dtype=dtype, enabled=train.precision != "fp32"):
             loss = run(ids, labels)
         scaler.scale(loss).backward()
-        if t.grad_clip > 0:
+        if train.grad_clip > 0:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)

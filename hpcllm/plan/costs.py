@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpcllm.config import padded_vocab
+from hpcllm.config import BatchPlan, padded_vocab
 from hpcllm.flops import step_flops
 from hpcllm.parallel.pipeline.simulate import theory_bubble
 from hpcllm.plan.hardware import Cluster, gemm_efficiency
@@ -333,7 +333,7 @@ def memory_parts(
 ) -> dict[str, float]:
     """Return the busiest rank's memory in GB by part (weights, gradients, optimizer, ...)."""
     t, p, v = layout.tp, layout.pp, layout.vpp
-    m = global_batch // (layout.dp * layout.micro_batch)
+    m = BatchPlan.of(global_batch, layout.micro_batch, layout.dp, "--global-batch").accumulation
     layers_per_rank = v * math.ceil(model.layers / (p * v))
     h = model.hidden
     params = rank_parameters(model, layout)
@@ -367,7 +367,7 @@ def estimate(
 ) -> Estimate:
     """Return the time and memory of one training step of ``layout``."""
     t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.vpp, layout.micro_batch
-    m = global_batch // (d * b)
+    m = BatchPlan.of(global_batch, b, d, "--global-batch").accumulation
     peak = cluster.gpu.peak(software.precision)
     e = _bytes_per_value(software.precision)
     layer = _layer(model, layout, cluster, software)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcllm.config import BatchPlan
 from hpcllm.plan.costs import RECOMPUTE, Estimate, Layout, Model, Software, estimate
 from hpcllm.plan.hardware import Cluster
 from hpcllm.user_error import UserError
@@ -130,12 +131,10 @@ def layouts(
             if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
                 continue
             d = gpus // (t * p)
-            if global_batch % d:
-                continue
             for b in MICRO_BATCHES if fixed.micro_batch is None else (fixed.micro_batch,):
-                if (global_batch // d) % b:
-                    continue
-                m = global_batch // (d * b)
+                if not BatchPlan.divides(global_batch, b, d):
+                    continue  # micro-batches of b on d replicas do not make the global batch
+                m = BatchPlan.of(global_batch, b, d).accumulation
                 sp = (t > 1) if fixed.sequence_parallel is None else fixed.sequence_parallel
                 for schedule, v in _schedules(p, m, model.layers, fixed, software):
                     for recompute in RECOMPUTE if fixed.recompute is None else (fixed.recompute,):
@@ -338,10 +337,16 @@ def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | N
     cfg.model.seq_len = m.seq
     cfg.model.vocab_size = vocab_size
     cfg.model.recompute = lay.recompute
-    p = cfg.parallel
-    p.tp, p.pp, p.dp, p.vpp, p.schedule = lay.tp, lay.pp, lay.dp, lay.vpp, lay.schedule
-    p.sequence_parallel = lay.sequence_parallel
-    p.scatter_gather = lay.scatter_gather
+    parallel = cfg.parallel
+    parallel.tp, parallel.pp, parallel.dp, parallel.vpp, parallel.schedule = (
+        lay.tp,
+        lay.pp,
+        lay.dp,
+        lay.vpp,
+        lay.schedule,
+    )
+    parallel.sequence_parallel = lay.sequence_parallel
+    parallel.scatter_gather = lay.scatter_gather
     cfg.train.micro_batch_size = lay.micro_batch
     cfg.train.global_batch_size = plan.global_batch
     cfg.train.precision = plan.software.precision

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from hpcllm import observe, watchdog
-from hpcllm.config import Config
+from hpcllm.config import Config, batch_plan
 from hpcllm.files import atomic_write
 from hpcllm.flops import step_flops
 from hpcllm.parallel.pipeline.schedule import Interval
@@ -291,7 +291,7 @@ class Metrics:
             "schedule": self.cfg.parallel.schedule,
             "pp": g.pp,
             "vpp": g.vpp,
-            "microbatches": self.global_batch // (self.cfg.train.micro_batch_size * g.dp),
+            "microbatches": batch_plan(self.cfg.train, g.dp).accumulation,
             "intervals": [[i.kind.value, i.microbatch, i.chunk, i.start, i.end] for i in timeline],
         }
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -73,23 +73,24 @@ def check_pipeline(cfg: Config, accumulation: int | None) -> None:
 
     ``accumulation`` (micro-batches per step) None checks all but the micro-batch count.
     """
-    p = cfg.parallel
-    if p.pp == 1:
-        if p.vpp > 1:
+    parallel = cfg.parallel
+    if parallel.pp == 1:
+        if parallel.vpp > 1:
             raise UserError("parallel.vpp > 1 needs a pipeline (parallel.pp > 1)")
         return
-    if p.schedule == "interleaved" and p.vpp < 2:
+    if parallel.schedule == "interleaved" and parallel.vpp < 2:
         raise UserError(
             "parallel.schedule: interleaved needs parallel.vpp >= 2 virtual stages per rank"
         )
-    if p.schedule != "interleaved" and p.vpp > 1:
+    if parallel.schedule != "interleaved" and parallel.vpp > 1:
         raise UserError(
-            f"parallel.vpp {p.vpp} needs parallel.schedule: interleaved (not {p.schedule})"
+            f"parallel.vpp {parallel.vpp} needs parallel.schedule: interleaved "
+            f"(not {parallel.schedule})"
         )
     try:
         if accumulation is not None:
-            check_sizes(p.schedule, p.pp, accumulation, p.vpp)
-        split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
+            check_sizes(parallel.schedule, parallel.pp, accumulation, parallel.vpp)
+        split_layers(cfg.model.n_layer, parallel.pp * parallel.vpp, parallel.pipeline_layers)
     except ValueError as err:
         raise UserError(
             f"{err} (the micro-batches per step are train.global_batch_size / "
@@ -148,46 +149,46 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     the schedule is 1f1b, which is then plain gradient accumulation whatever
     ``parallel.schedule`` says.
     """
-    p, t, device = cfg.parallel, cfg.train, grid.device
+    parallel, train, device = cfg.parallel, cfg.train, grid.device
     check_pipeline(cfg, accumulation)
-    tp_group = grid.groups.tp if p.tp > 1 else None
+    tp_group = grid.groups.tp if parallel.tp > 1 else None
 
-    seed_streams(t.seed, grid.tp_rank, grid.pp_rank, device)
+    seed_streams(train.seed, grid.tp_rank, grid.pp_rank, device)
 
     chunks = build_chunks(
         cfg.model,
         vocab_size,
-        p=p.pp,
+        p=parallel.pp,
         rank=grid.pp_rank,
-        v=p.vpp,
+        v=parallel.vpp,
         tp_group=tp_group,
-        seed=t.seed,
-        sequence_parallel=p.sequence_parallel,
-        layers=p.pipeline_layers,
+        seed=train.seed,
+        sequence_parallel=parallel.sequence_parallel,
+        layers=parallel.pipeline_layers,
     ).to(device)
 
-    schedule = p.schedule if p.pp > 1 else "1f1b"
-    actions = rank_actions(schedule, p.pp, grid.pp_rank, accumulation, p.vpp)
+    schedule = parallel.schedule if parallel.pp > 1 else "1f1b"
+    actions = rank_actions(schedule, parallel.pp, grid.pp_rank, accumulation, parallel.vpp)
     channel = None
-    if p.pp > 1:
+    if parallel.pp > 1:
         channel = Channel(
             prev=grid.pp_prev,
             next=grid.pp_next,
-            shape=chunks[0].boundary_shape(t.micro_batch_size),
+            shape=chunks[0].boundary_shape(train.micro_batch_size),
             dtype=torch.float32,
             device=device,
             tp_group=tp_group,
-            scatter_gather=p.scatter_gather,
+            scatter_gather=parallel.scatter_gather,
             sequence_parallel=chunks[0].sequence_parallel,
         )
     compile_chunks(chunks, resolve_compile(cfg.model.compile, device, schedule))
-    engine = build_engine(p.dp_engine, grid, p, t.param_dtype)
+    engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
 
     optimizer = engine.build_optimizer(
-        build_optimizer(chunks, t, device),
-        build_scaler(t.precision, device),
-        t.grad_clip,
+        build_optimizer(chunks, train, device),
+        build_scaler(train.precision, device),
+        train.grad_clip,
         accumulation,
     )
     return ParallelModel(

@@ -5,7 +5,8 @@ read, no device, no process group, no file written. So a job that cannot run fai
 line at once, on every rank alike, and a job that can run leaves no half-made run folder
 behind when something else refuses it. :func:`startup_warnings` names settings that run but
 waste the machine (a precision the CPU emulates, a pipeline that idles, data read many times
-over); the trainer prints them once, on rank 0.
+over); the trainer prints them once, on rank 0. :func:`check_against_data` adds what needs
+the prepared data's manifest (the trainer and ``--print-config`` both call it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from hpcllm.config import Config, accumulation_steps, check
+from hpcllm.config import Config, batch_plan, check
+from hpcllm.datasets.reader import micro_steps_per_epoch
+from hpcllm.datasets.shards import Manifest
 from hpcllm.errors import UserError
 from hpcllm.model.stages import split_layers
 from hpcllm.topology import Layout
@@ -45,8 +48,10 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 
 def _layout(cfg: Config, world_size: int) -> Layout:
-    p = cfg.parallel
-    return Layout.for_world(world_size, tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
+    parallel = cfg.parallel
+    return Layout.for_world(
+        world_size, tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp
+    )
 
 
 def preflight(cfg: Config, world_size: int) -> None:
@@ -58,18 +63,31 @@ def preflight(cfg: Config, world_size: int) -> None:
     them, in that order.
     """
     check(cfg)
-    p = cfg.parallel
+    parallel = cfg.parallel
     layout = _layout(cfg, world_size)
-    accumulation = accumulation_steps(cfg.train, layout.dp)
-    check_pipeline(cfg, accumulation)
-    if p.pp == 1 and p.pipeline_layers is not None:
+    check_pipeline(cfg, batch_plan(cfg.train, layout.dp).accumulation)
+    if parallel.pp == 1 and parallel.pipeline_layers is not None:
         # check_pipeline looks at the split only with a pipeline; one stage still cuts by it.
         try:
-            split_layers(cfg.model.n_layer, p.pp * p.vpp, p.pipeline_layers)
+            split_layers(cfg.model.n_layer, parallel.pp * parallel.vpp, parallel.pipeline_layers)
         except ValueError as err:
             raise UserError(str(err)) from None
-    schedule = p.schedule if p.pp > 1 else "1f1b"
+    schedule = parallel.schedule if parallel.pp > 1 else "1f1b"
     resolve_compile(cfg.model.compile, torch.device("cpu"), schedule)
+
+
+def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> int:
+    """Raise a UserError for what the prepared data cannot give this run: a vocabulary smaller
+    than its tokenizer's, or a train split without one global micro-batch. Return the
+    vocabulary the model is built with."""
+    vocab = cfg.model.vocab_size or manifest.vocab_size
+    if vocab < manifest.vocab_size:
+        raise UserError(
+            f"model.vocab_size {vocab} is smaller than the data's tokenizer ({manifest.vocab_size})"
+        )
+    samples = _samples(manifest.n_tokens("train"), cfg.model.seq_len)
+    micro_steps_per_epoch(samples, "train", cfg.model.seq_len, batch_plan(cfg.train, dp))
+    return vocab
 
 
 def startup_warnings(
@@ -89,18 +107,17 @@ def startup_warnings(
     elsewhere: a split smaller than one global micro-batch is refused by the data reader,
     and a missing validation split is reported by the trainer.
     """
-    m, t = cfg.model, cfg.train
+    m, train = cfg.model, cfg.train
     layout = _layout(cfg, world_size)
-    accumulation = accumulation_steps(t, layout.dp)
-    micro_step = t.micro_batch_size * layout.dp  # samples of one micro-batch on every rank
-    global_batch = micro_step * accumulation
+    plan = batch_plan(train, layout.dp)
+    accumulation, micro_step, global_batch = plan.accumulation, plan.micro_step, plan.global_batch
     warnings = []
-    if device_type == "cpu" and t.precision == "fp16":
+    if device_type == "cpu" and train.precision == "fp16":
         warnings.append(
             "train.precision fp16 on a CPU: torch emulates fp16 arithmetic there, far slower "
             "than fp32; use fp32 (or bf16 on a CPU with AVX512-BF16 or AMX)"
         )
-    if device_type == "cpu" and t.precision == "bf16" and not cpu_has_bf16:
+    if device_type == "cpu" and train.precision == "bf16" and not cpu_has_bf16:
         warnings.append(
             "train.precision bf16 on a CPU without native bf16 arithmetic (no avx512_bf16 or "
             "amx_bf16 in /proc/cpuinfo): emulated, up to 20x slower than fp32; use fp32"
@@ -113,19 +130,19 @@ def startup_warnings(
         )
     if train_tokens is not None:
         samples = _samples(train_tokens, m.seq_len)
-        wanted = t.steps * global_batch
+        wanted = train.steps * global_batch
         if samples >= micro_step and samples < wanted:
             warnings.append(
                 f"the train split holds {samples} samples of {m.seq_len} tokens; "
-                f"train.steps {t.steps} x global batch {global_batch} reads {wanted}, "
+                f"train.steps {train.steps} x global batch {global_batch} reads {wanted}, "
                 f"{wanted / samples:.1f} times over"
             )
     if val_tokens:
         batches = _samples(val_tokens, m.seq_len) // micro_step
-        if 0 < batches < t.eval_iters:
+        if 0 < batches < train.eval_iters:
             warnings.append(
                 f"the validation split holds {batches} global micro-batch(es) of "
-                f"{micro_step} samples, fewer than train.eval_iters {t.eval_iters}; "
+                f"{micro_step} samples, fewer than train.eval_iters {train.eval_iters}; "
                 f"each evaluation reads those {batches}"
             )
     return warnings

@@ -39,7 +39,14 @@ from typing import Any
 import torch
 import yaml
 
-from hpcllm.config import Config, ModelConfig, config_from_dict, load_yaml, padded_vocab
+from hpcllm.config import (
+    BatchPlan,
+    Config,
+    ModelConfig,
+    config_from_dict,
+    load_yaml,
+    padded_vocab,
+)
 from hpcllm.errors import UserError
 from hpcllm.files import new_folder
 from hpcllm.model.gpt import GPT
@@ -61,9 +68,14 @@ class Cut:
     @classmethod
     def of(cls, cfg: Config) -> Cut:
         """Return the layout a config asks for."""
-        p = cfg.parallel
-        layers = tuple(p.pipeline_layers) if p.pipeline_layers else None
-        return cls(p.tp, p.pp, p.vpp if p.pp > 1 else 1, layers if p.pp > 1 else None)
+        parallel = cfg.parallel
+        layers = tuple(parallel.pipeline_layers) if parallel.pipeline_layers else None
+        return cls(
+            parallel.tp,
+            parallel.pp,
+            parallel.vpp if parallel.pp > 1 else 1,
+            layers if parallel.pp > 1 else None,
+        )
 
     def stages(self, n_layer: int) -> list[range]:
         """Return each stage's block indices (stage c·p + r is chunk c of pipeline rank r)."""
@@ -377,38 +389,35 @@ def _target_config(
     schedule: str | None,
 ) -> Config:
     """Return the saved config with the new layout, the rest (batch, data) kept."""
-    p = cfg.parallel
-    old_stages = p.pp * p.vpp
-    p.tp = tp or p.tp
-    new_pp = pp or p.pp
+    parallel = cfg.parallel
+    old_stages = parallel.pp * parallel.vpp
+    parallel.tp = tp or parallel.tp
+    new_pp = pp or parallel.pp
     if vpp is None:
-        vpp = p.vpp if new_pp > 1 else 1
+        vpp = parallel.vpp if new_pp > 1 else 1
     if new_pp == 1 and vpp > 1:
         raise UserError(f"--vpp {vpp} needs a pipeline (--pp > 1)")
-    p.pp, p.vpp = new_pp, vpp
+    parallel.pp, parallel.vpp = new_pp, vpp
     if schedule is not None:
-        p.schedule = schedule
+        parallel.schedule = schedule
     elif vpp > 1:
-        p.schedule = "interleaved"
-    elif p.schedule == "interleaved":
-        p.schedule = "1f1b"
-    if p.pp * p.vpp != old_stages:
-        p.pipeline_layers = None  # a cut for another number of stages: split evenly again
-    if cfg.model.n_head % p.tp:
-        raise UserError(f"model.n_head {cfg.model.n_head} is not divisible by --tp {p.tp}")
+        parallel.schedule = "interleaved"
+    elif parallel.schedule == "interleaved":
+        parallel.schedule = "1f1b"
+    if parallel.pp * parallel.vpp != old_stages:
+        parallel.pipeline_layers = None  # a cut for another number of stages: split evenly again
+    if cfg.model.n_head % parallel.tp:
+        raise UserError(f"model.n_head {cfg.model.n_head} is not divisible by --tp {parallel.tp}")
     batch = meta.get("global_batch") or cfg.train.global_batch_size
     accumulation = None
-    if dp is not None:
-        step = cfg.train.micro_batch_size * dp
-        if batch and batch % step:
-            raise UserError(
-                f"the run's global batch {batch} is not a multiple of micro-batch size "
-                f"{cfg.train.micro_batch_size} x --dp {dp}"
-            )
-        accumulation = batch // step if batch else None
+    if dp is not None and batch:
+        plan = BatchPlan.of(
+            batch, cfg.train.micro_batch_size, dp, "the run's global batch", dp_name="--dp"
+        )
+        accumulation = plan.accumulation
     # The run keeps its global batch whatever d becomes, or its data position would slip.
     cfg.train.global_batch_size = batch
-    p.dp = dp
+    parallel.dp = dp
     check_pipeline(cfg, accumulation)  # the schedule, v and the stage cut; m once d is known
     return cfg
 

@@ -91,7 +91,7 @@ class ScheduleRunner:
         The losses are summed on every stage. On a GPU, ``timed`` steps wait for each action's
         kernels, so their intervals time the device.
         """
-        t, model, device = self.cfg.train, self.model, self.grid.device
+        train, model, device = self.cfg.train, self.model, self.grid.device
         micro = MicroBatches(batches, self.accumulation, device)
         # Only the last stage scales a loss; every stage's scaler must hold the scale, since
         # each unscales its own gradients and all of them update it together.
@@ -101,7 +101,7 @@ class ScheduleRunner:
             model.engine,
             micro,
             modules=model.forward_modules,
-            autocast=lambda: autocast(t.precision, device),
+            autocast=lambda: autocast(train.precision, device),
             scale=self.scaler.scale,
             split_backward=model.split_backward,
         )
@@ -112,7 +112,7 @@ class ScheduleRunner:
                 dist.barrier(group=model.pp_group)
         with (
             observe.nvtx_range(f"pipeline {model.schedule}"),
-            step_autocast_cache(t.precision, device),
+            step_autocast_cache(train.precision, device),
         ):
             sync = torch.cuda.synchronize if timed and device.type == "cuda" else None
             self.timeline = Runtime(model.channel).run(
@@ -127,11 +127,11 @@ class ScheduleRunner:
         """Return this rank's compute time, made ``train.straggler_factor`` times as long on
         ``train.straggler_rank``: as if its forward and backward took that long, before its
         gradients leave it (its peers wait for them, or for it)."""
-        t = self.cfg.train
-        if self.grid.rank == t.straggler_rank and t.straggler_factor > 1:
+        train = self.cfg.train
+        if self.grid.rank == train.straggler_rank and train.straggler_factor > 1:
             with observe.nvtx_range("straggler sleep"):
-                time.sleep((t.straggler_factor - 1) * compute_time)
-            compute_time *= t.straggler_factor
+                time.sleep((train.straggler_factor - 1) * compute_time)
+            compute_time *= train.straggler_factor
         return compute_time
 
 
@@ -168,10 +168,10 @@ class SynchronousStep:
         so on a GPU the next step's kernels queue behind this one's. The loop waits on logged
         steps only; its mean step time over a logging interval is then still the device's.
         """
-        t, model, engine = self.cfg.train, self.model, self.model.engine
+        train, model, engine = self.cfg.train, self.model, self.model.engine
         optimizer, device = self.model.optimizer, self.grid.device
         started = time.perf_counter()
-        lr = lr_at(state.step, t, self.global_batch)
+        lr = lr_at(state.step, train, self.global_batch)
         for group in optimizer.param_groups:
             group["lr"] = lr
         model.chunks.train()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm import kernels, observe, topology, watchdog
-from hpcllm.config import Config, accumulation_steps, padded_vocab
+from hpcllm.config import Config, batch_plan, padded_vocab
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
@@ -36,7 +36,12 @@ from hpcllm.train.checkpointer import Checkpointer
 from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.metrics import Metrics
 from hpcllm.train.parallelize import parallelize
-from hpcllm.train.preflight import cpu_has_native_bf16, preflight, startup_warnings
+from hpcllm.train.preflight import (
+    check_against_data,
+    cpu_has_native_bf16,
+    preflight,
+    startup_warnings,
+)
 from hpcllm.train.process import ProcessSettings
 from hpcllm.train.profiler import ProfilerWindow
 from hpcllm.train.step import GradHook, ScheduleRunner, choose_step
@@ -70,30 +75,30 @@ class Trainer:
             raise
 
     def _set_up(self) -> None:
-        cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
+        cfg, parallel, train = self.cfg, self.cfg.parallel, self.cfg.train
         # A stop signal during set-up (minutes on a big model) is honoured at the first step.
         self._stop_signal: int | None = None
         self.process.handle_signals(self._on_signal, signal.SIGTERM, signal.SIGUSR1)
         self.grid = topology.init(
-            tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, timeout_s=watchdog.backstop_s(cfg.run.timeout_s)
+            tp=parallel.tp,
+            pp=parallel.pp,
+            dp=parallel.dp,
+            vpp=parallel.vpp,
+            timeout_s=watchdog.backstop_s(cfg.run.timeout_s),
         )
         self.device = self.grid.device
-        if t.straggler_rank is not None and t.straggler_rank >= self.grid.world_size:
+        if train.straggler_rank is not None and train.straggler_rank >= self.grid.world_size:
             raise UserError(
-                f"train.straggler_rank {t.straggler_rank} is not a rank of this job "
+                f"train.straggler_rank {train.straggler_rank} is not a rank of this job "
                 f"(world size {self.grid.world_size})"
             )
         self.manifest = load_manifest(cfg.data.path)
-        vocab = self.vocab_size = cfg.model.vocab_size or self.manifest.vocab_size
-        if vocab < self.manifest.vocab_size:
-            raise UserError(
-                f"model.vocab_size {vocab} is smaller than the data's tokenizer "
-                f"({self.manifest.vocab_size})"
-            )
+        vocab = self.vocab_size = check_against_data(cfg, self.manifest, self.grid.dp)
         self._set_process()
         # Every check of the config against the job before the run folder is touched.
         preflight(cfg, self.grid.world_size)
-        self.accumulation = accumulation_steps(t, self.grid.dp)
+        self.batch = batch_plan(train, self.grid.dp)
+        self.accumulation = self.batch.accumulation
         if self.grid.rank == 0:
             for line in startup_warnings(
                 cfg,
@@ -107,10 +112,10 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.checkpointer = Checkpointer(cfg, self.grid, vocab, self._warn)
 
-        self.global_batch = t.micro_batch_size * self.accumulation * self.grid.dp
+        self.global_batch = self.batch.global_batch
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
         self.parallelized = parallelize(cfg, self.grid, vocab, self.accumulation)
-        self.padded_vocab = padded_vocab(vocab, p.tp)
+        self.padded_vocab = padded_vocab(vocab, parallel.tp)
         self.scaler = self.optimizer.scaler
         self.checkpointer.track(self.model, self.optimizer, self.scaler, self.engine)
         self.state = self.checkpointer.load(self.global_batch)
@@ -119,7 +124,7 @@ class Trainer:
         self.reader = MicroBatchReader(
             self.manifest,
             seq_len=cfg.model.seq_len,
-            micro_batch_size=t.micro_batch_size,
+            micro_batch_size=train.micro_batch_size,
             dp_rank=self.grid.dp_rank,
             dp_size=self.grid.dp,
             seed=cfg.data.seed,
@@ -130,8 +135,8 @@ class Trainer:
         self.metrics = Metrics(
             cfg, self.grid, self.parallelized, self.scaler, self.global_batch, self.padded_vocab
         )
-        self.profiler = ProfilerWindow(t.profile_steps, self.device)
-        self.guard = DivergenceGuard(t.max_bad_steps, self.scaler, self.device)
+        self.profiler = ProfilerWindow(train.profile_steps, self.device)
+        self.guard = DivergenceGuard(train.max_bad_steps, self.scaler, self.device)
         self.runner = ScheduleRunner(cfg, self.grid, self.parallelized, self.accumulation)
         self.stepper = choose_step(self.runner, self.guard, self.global_batch, self.grad_hooks)
         self.checkpointer.write_run_dir(self.manifest)

@@ -69,19 +69,19 @@ class Validator:
         """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
         if self.reader is None:
             raise RuntimeError("the data has no validation split")
-        t, device = self.cfg.train, self.grid.device
+        train, device = self.cfg.train, self.grid.device
         model.chunks.eval()
         reader = self.reader
         reader.consumed_samples = 0  # the same validation batches every time
         batches = iter(reader)
-        iters = min(t.eval_iters, reader.steps_per_epoch)
+        iters = min(train.eval_iters, reader.steps_per_epoch)
         micro = MicroBatches(batches, iters, device)
         work = GPTStageWork(
             model.chunks,
             model.engine,
             micro,
             modules=model.forward_modules,
-            autocast=lambda: autocast(t.precision, device),
+            autocast=lambda: autocast(train.precision, device),
         )
         actions = forward_only(
             self.cfg.parallel.pp, self.grid.pp_rank, iters, self.cfg.parallel.vpp

@@ -32,9 +32,7 @@ def build_engine(
         )
     if name == "horovod":
         return HorovodEngine(grid, parallel, parallel.dp_compression)
-    if name == "ps":
-        if parallel.dp_compression != "none":
-            raise UserError("parallel.dp_compression applies to ddp and horovod, not ps")
+    if name == "ps":  # config.check refused compression with it
         return ParameterServerEngine(grid)
     if name == "ps-async":
         return AsyncParameterServerEngine(grid, parallel.max_staleness, parallel.ps_async_order)
