@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -1299,7 +1300,11 @@ def _run_bench_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``hpcllm`` command line and return its exit code."""
+    """Run the ``hpcllm`` command line and return its exit code.
+
+    With ``argv`` None (the ``hpcllm`` command itself) a command that started
+    torch.distributed ends the process here, through :func:`_exit_process`.
+    """
 
     words = sys.argv[1:] if argv is None else argv
 
@@ -1319,19 +1324,51 @@ def main(argv: list[str] | None = None) -> int:
         _end_torch_distributed()
         return code
 
-    return run_reporting_errors(parse_and_run)
+    code = run_reporting_errors(parse_and_run)
+    if argv is None and "torch.distributed" in sys.modules:
+        _exit_process(code)
+    return code
 
 
 def _end_torch_distributed() -> None:
-    """Destroy torch.distributed's process groups, if a command started them, before exit.
+    """Destroy torch.distributed's process groups, if a command started them.
 
-    A Gloo group left to the interpreter's exit keeps its worker threads: one that is still
-    releasing a finished operation's tensors when Python finalises is killed inside C++ and
-    the rank aborts (SIGABRT, "terminate called without an active exception") after a run
-    that succeeded. Destroying the group joins those threads first.
+    destroy_process_group frees the groups torch's registry held last; the command's own
+    objects are unreachable now but for reference cycles, and collecting them destroys the
+    groups they held, which joins those groups' worker threads.
     """
     if "torch.distributed" not in sys.modules:  # a command that never imported torch
         return
+    import gc
+
     from hpcllm import topology
 
     topology.shutdown()
+    gc.collect()
+
+
+def _exit_process(code: int) -> None:
+    """End the process with ``code`` without the interpreter's finalisation.
+
+    A Gloo process group can outlive destroy_process_group (torch keeps a reference of its
+    own once an optimizer has been built), and with it its worker threads. One that is still
+    releasing a finished operation's tensors when Python finalises needs the GIL, which a
+    finalising interpreter refuses by ending the thread inside C++: the rank aborts (SIGABRT,
+    "terminate called without an active exception") after a run that succeeded. So the
+    process ends the way finalisation would have, minus that: Python's exit handlers (the
+    watchdog's stop, Horovod's shutdown), MPI_Finalize where MPI was started, flushed output,
+    then ``os._exit``.
+    """
+    import atexit
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)

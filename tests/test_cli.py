@@ -91,3 +91,34 @@ def test_a_broken_pipe_elsewhere_is_still_a_traceback(capfd):
     assert run_reporting_errors(writes_to_a_dead_child) == 1
     # stdout (a file here) is still writable: not the reader going away.
     assert "BrokenPipeError" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "code"), [(["topo", "--json"], 0), (["bench", "allreduce"], 2)])
+def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_path, args, code):
+    # The hpcllm command ends such a process with os._exit after its exit handlers (so a
+    # Gloo worker thread never meets a finalising interpreter): the handlers still run, the
+    # output is all there, the exit code is the command's, and Python's finalisation (which
+    # runs the objects' __del__) does not.
+    mark = tmp_path / "atexit"
+    script = (
+        "import atexit, sys\n"
+        "from hpcllm import cli\n"
+        f"atexit.register(lambda: open({str(mark)!r}, 'w').write('ran'))\n"
+        "class Finalised:\n"
+        f"    def __del__(self, open=open): open({str(mark)!r} + '.del', 'w').write('del')\n"
+        "keep = Finalised()\n"
+        f"sys.argv = ['hpcllm', *{args!r}]\n"
+        "cli.main()\n"
+        "print('not reached')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert run.returncode == code, run.stderr
+    assert mark.read_text() == "ran"
+    assert not (tmp_path / "atexit.del").exists()
+    assert "not reached" not in run.stdout
+    if code == 0:
+        assert json.loads(run.stdout)["world_size"] == 1
+    else:  # a user error met after torch.distributed started
+        assert run.stderr.startswith("hpcllm: error: hpcllm bench allreduce runs under mpirun")
