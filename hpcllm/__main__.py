@@ -1,8 +1,6 @@
 """``python -m hpcllm`` is the ``hpcllm`` command."""
 
-import sys
-
-from hpcllm.cli import main
+from hpcllm.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1300,11 +1300,7 @@ def _run_bench_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``hpcllm`` command line and return its exit code.
-
-    With ``argv`` None (the ``hpcllm`` command itself) a command that started
-    torch.distributed ends the process here, through :func:`_exit_process`.
-    """
+    """Run the ``hpcllm`` command line and return its exit code (the command is :func:`run`)."""
 
     words = sys.argv[1:] if argv is None else argv
 
@@ -1324,10 +1320,20 @@ def main(argv: list[str] | None = None) -> int:
         _end_torch_distributed()
         return code
 
-    code = run_reporting_errors(parse_and_run)
-    if argv is None and "torch.distributed" in sys.modules:
-        _exit_process(code)
-    return code
+    return run_reporting_errors(parse_and_run)
+
+
+def run() -> None:
+    """The ``hpcllm`` command (and ``python -m hpcllm``): :func:`main`, then the process ends.
+
+    A process in which the command started torch.distributed ends through
+    :func:`exit_process`; any other exits as usual.
+    """
+    code = main()
+    topology = sys.modules.get("hpcllm.topology")
+    if topology is not None and topology.was_started():
+        exit_process(code)
+    sys.exit(code)
 
 
 def _end_torch_distributed() -> None:
@@ -1347,7 +1353,7 @@ def _end_torch_distributed() -> None:
     gc.collect()
 
 
-def _exit_process(code: int) -> None:
+def exit_process(code: int) -> None:
     """End the process with ``code`` without the interpreter's finalisation.
 
     A Gloo process group can outlive destroy_process_group (torch keeps a reference of its
@@ -1356,19 +1362,24 @@ def _exit_process(code: int) -> None:
     finalising interpreter refuses by ending the thread inside C++: the rank aborts (SIGABRT,
     "terminate called without an active exception") after a run that succeeded. So the
     process ends the way finalisation would have, minus that: Python's exit handlers (the
-    watchdog's stop, Horovod's shutdown), MPI_Finalize where MPI was started, flushed output,
-    then ``os._exit``.
+    watchdog's stop, Horovod's shutdown), MPI_Finalize where MPI was started, Python's and C's
+    buffered output flushed, then ``os._exit``, whatever a step of that raises.
     """
     import atexit
+    import ctypes
 
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    atexit._run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        atexit._run_exitfuncs()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)  # what C extensions printed (NCCL_DEBUG, ...)
+        os._exit(code)

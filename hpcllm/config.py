@@ -144,7 +144,7 @@ class ModelConfig:
     preset: str | None = key(
         "tiny",
         "size preset filling the sizes left unset; null: give every size",
-        form="tiny, gpt2-124m, gpt2-350m, gpt2-760m, gpt2-1.3b or null",
+        form=", ".join(PRESETS) + " or null",
     )
     n_layer: int | None = key(None, "transformer blocks", POSITIVE, LAYERS)
     n_head: int | None = key(None, "attention heads", POSITIVE)
@@ -362,7 +362,10 @@ class Field:
             return "; ".join(rule.says for rule in self.rules)
         if self.form is not None:
             return self.form
-        return "true or false" if "bool" in self.type_text() else self.type_text()
+        kind = self.type_text()
+        if "bool" in kind:
+            return "true, false or null" if "None" in kind else "true or false"
+        return kind
 
     @property
     def key(self) -> str:

@@ -137,8 +137,7 @@ class Layout:
 # The running grid
 
 
-# The axes whose groups every rank holds today, and the slots later axes fill.
-AXES = ("tp", "pp", "dp", "mp", "embedding")
+# The slots later axes fill.
 LATER_AXES = ("cp", "ep", "expert_dp")
 
 
@@ -170,10 +169,6 @@ class ProcessGroups:
     cp: Any = None
     ep: Any = None
     expert_dp: Any = None
-
-    def axes(self) -> dict[str, bool]:
-        """Return every axis, present ones and later slots, and whether this rank has it."""
-        return {axis: getattr(self, axis) is not None for axis in (*AXES, *LATER_AXES)}
 
 
 @dataclass
@@ -373,6 +368,13 @@ def mpi_settings(gpu: bool, environ: Mapping[str, str]) -> dict[str, tuple[str, 
 
 # What init gave MPI (and where each value came from), once it has started MPI.
 _APPLIED_MPI: dict[str, tuple[str, str]] = {}
+# Whether init has started torch.distributed in this process (it stays True after shutdown).
+_STARTED: list[bool] = []
+
+
+def was_started() -> bool:
+    """Return whether :func:`init` started torch.distributed in this process, at any time."""
+    return bool(_STARTED)
 
 
 def applied_mpi_settings(gpu: bool) -> dict[str, tuple[str, str]]:
@@ -435,6 +437,7 @@ def init(
             store = dist.HashStore()
         else:
             _, _, store = _rendezvous(world_comm, launch, timeout or timedelta(seconds=600))
+        _STARTED.append(True)
         dist.init_process_group(
             backend,
             store=store,
@@ -562,7 +565,8 @@ def _members(ranks: list[int]) -> str:
 
 
 def shutdown() -> None:
-    """Tear down torch.distributed if it was started (MPI finalises itself at exit)."""
+    """Tear down torch.distributed if it was started (MPI is finalised at exit: by mpi4py, or
+    by the ``hpcllm`` command's own exit, ``hpcllm.cli.exit_process``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

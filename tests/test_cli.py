@@ -95,7 +95,7 @@ def test_a_broken_pipe_elsewhere_is_still_a_traceback(capfd):
 
 @pytest.mark.parametrize(("args", "code"), [(["topo", "--json"], 0), (["bench", "allreduce"], 2)])
 def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_path, args, code):
-    # The hpcllm command ends such a process with os._exit after its exit handlers (so a
+    # The hpcllm command (cli.run) ends such a process with os._exit after its exit handlers (so a
     # Gloo worker thread never meets a finalising interpreter): the handlers still run, the
     # output is all there, the exit code is the command's, and Python's finalisation (which
     # runs the objects' __del__) does not.
@@ -108,7 +108,7 @@ def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_pa
         f"    def __del__(self, open=open): open({str(mark)!r} + '.del', 'w').write('del')\n"
         "keep = Finalised()\n"
         f"sys.argv = ['hpcllm', *{args!r}]\n"
-        "cli.main()\n"
+        "cli.run()\n"
         "print('not reached')\n"
     )
     run = subprocess.run(

@@ -56,9 +56,7 @@ class Checkpointer:
         self.enabled = True
         self._lock: run_folder.RunLock | None = None
         self._pruning: threading.Thread | None = None
-        self._tracked: tuple[nn.ModuleList, MixedPrecisionOptimizer, GradScaler, Engine] | None = (
-            None
-        )
+        self._tracked: Tracked | None = None
         # The newest checkpoint that verifies (a damaged newer one is named and passed over),
         # and the saved layout when it differs from this run's (run.reshard re-cuts it).
         self.resume_from: Path | None = None

@@ -76,18 +76,24 @@ def preflight(cfg: Config, world_size: int) -> None:
     resolve_compile(cfg.model.compile, torch.device("cpu"), schedule)
 
 
-def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> int:
-    """Raise a UserError for what the prepared data cannot give this run: a vocabulary smaller
-    than its tokenizer's, or a train split without one global micro-batch. Return the
-    vocabulary the model is built with."""
+def check_vocab(cfg: Config, manifest: Manifest) -> int:
+    """Return the vocabulary the model is built with; a UserError when it is smaller than the
+    prepared data's tokenizer's."""
     vocab = cfg.model.vocab_size or manifest.vocab_size
     if vocab < manifest.vocab_size:
         raise UserError(
             f"model.vocab_size {vocab} is smaller than the data's tokenizer ({manifest.vocab_size})"
         )
+    return vocab
+
+
+def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> None:
+    """Raise a UserError for what the prepared data cannot give this run: the vocabulary
+    (:func:`check_vocab`), or a train split without one global micro-batch (as the reader
+    refuses it)."""
+    check_vocab(cfg, manifest)
     samples = _samples(manifest.n_tokens("train"), cfg.model.seq_len)
     micro_steps_per_epoch(samples, "train", cfg.model.seq_len, batch_plan(cfg.train, dp))
-    return vocab
 
 
 def startup_warnings(

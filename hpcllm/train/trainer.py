@@ -37,7 +37,7 @@ from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.metrics import Metrics
 from hpcllm.train.parallelize import parallelize
 from hpcllm.train.preflight import (
-    check_against_data,
+    check_vocab,
     cpu_has_native_bf16,
     preflight,
     startup_warnings,
@@ -93,9 +93,10 @@ class Trainer:
                 f"(world size {self.grid.world_size})"
             )
         self.manifest = load_manifest(cfg.data.path)
-        vocab = self.vocab_size = check_against_data(cfg, self.manifest, self.grid.dp)
+        vocab = self.vocab_size = check_vocab(cfg, self.manifest)
         self._set_process()
-        # Every check of the config against the job before the run folder is touched.
+        # Every check of the config against the job before the run folder is touched (the
+        # reader refuses a train split without one global micro-batch).
         preflight(cfg, self.grid.world_size)
         self.batch = batch_plan(train, self.grid.dp)
         self.accumulation = self.batch.accumulation
