@@ -43,7 +43,6 @@ from hpcllm.config import ParallelConfig
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.finalize import finalize_model_grads
-from hpcllm.parallel.data.flat import broadcast_parameters
 from hpcllm.parallel.data.horovod import (
     describe_horovod,
     describe_mpi,
@@ -638,10 +637,7 @@ class DistributedOptimizerEngine(Engine):
 
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         super().wrap(modules)
-        # Every replica starts from dp rank 0's weights.
-        if self.grid.dp > 1:
-            root = self.grid.layout.dp_group(self.grid.rank)[0]
-            broadcast_parameters(self.parameters, root, self.grid.groups.dp)
+        self.from_first_replica(self.parameters)  # every replica starts from dp rank 0's
         return list(modules)
 
     def build_optimizer(

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from hpcllm.parallel.data.finalize import finalize_model_grads
+from hpcllm.parallel.data.flat import broadcast_parameters
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 
@@ -81,6 +82,14 @@ class Engine:
         """Take this rank's stage modules; return the modules that run their forwards."""
         self.modules = list(modules)
         return list(modules)
+
+    def from_first_replica(self, params: Sequence[torch.Tensor]) -> None:
+        """Give every replica dp rank 0's values of ``params`` (nothing with one replica):
+        where every engine but DDP and Horovod starts its replicas, and where ps-async's
+        workers take the server's weights."""
+        if self.grid.dp > 1:
+            root = self.grid.layout.dp_group(self.grid.rank)[0]
+            broadcast_parameters(params, root, self.grid.groups.dp)
 
     def build_optimizer(
         self,

@@ -19,7 +19,7 @@ from torch import nn
 
 from hpcllm.config import ParallelConfig
 from hpcllm.parallel.data.engine import Engine
-from hpcllm.parallel.data.flat import broadcast_parameters, flatten, unflatten_into
+from hpcllm.parallel.data.flat import flatten, unflatten_into
 from hpcllm.parallel.data.horovod import start_horovod
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
@@ -60,7 +60,6 @@ class LocalSGDEngine(Engine):
         self.how = parallel.local_sgd_engine
         self.done = 0  # steps completed (set by resume_at on a resumed run)
         self.averaged_at = 0
-        self.root = grid.layout.dp_group(grid.rank)[0]
         if self.how == "horovod":
             self.hvd, self.settings = start_horovod(grid, parallel)
 
@@ -77,8 +76,7 @@ class LocalSGDEngine(Engine):
 
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         super().wrap(modules)
-        if self.grid.dp > 1:
-            broadcast_parameters(self.parameters, self.root, self.grid.groups.dp)
+        self.from_first_replica(self.parameters)
         return list(modules)
 
     def build_optimizer(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcllm.parallel.data.engine import Engine
-from hpcllm.parallel.data.flat import broadcast_parameters, flatten, unflatten_into
+from hpcllm.parallel.data.flat import flatten, unflatten_into
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 
@@ -86,9 +86,7 @@ class ParameterServerEngine(Engine):
     def wrap(self, modules: Sequence[nn.Module]) -> list[nn.Module]:
         super().wrap(modules)
         self.params = self.parameters
-        # Every replica starts from the server's weights.
-        if self.grid.dp > 1:
-            broadcast_parameters(self.params, self.root, self.grid.groups.dp)
+        self.from_first_replica(self.params)  # every replica starts from the server's weights
         return list(modules)
 
     def build_optimizer(

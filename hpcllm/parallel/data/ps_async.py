@@ -44,7 +44,7 @@ from torch import nn
 from hpcllm import watchdog
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine, SegmentWorker
-from hpcllm.parallel.data.flat import broadcast_parameters, flatten, unflatten_into
+from hpcllm.parallel.data.flat import flatten, unflatten_into
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 
@@ -131,8 +131,7 @@ class AsyncParameterServerEngine(Engine):
         self.params = self.parameters
         if any(p.dtype != torch.float32 for p in self.params):
             raise UserError("parallel.dp_engine: ps-async keeps fp32 weights")
-        if self.grid.dp > 1:
-            broadcast_parameters(self.params, self.root, self.grid.groups.dp)
+        self.from_first_replica(self.params)
         return list(modules)
 
     def build_optimizer(
@@ -184,8 +183,7 @@ class AsyncParameterServerEngine(Engine):
         # and every worker starts from them.
         if self.is_root:
             self._load_masters()
-        if self.grid.dp > 1:
-            broadcast_parameters(self.params, self.root, self.grid.groups.dp)
+        self.from_first_replica(self.params)
 
     # -- one segment -----------------------------------------------------------------------
 
@@ -236,8 +234,7 @@ class AsyncParameterServerEngine(Engine):
             if server is not None:
                 with torch.no_grad():
                     unflatten_into(self.flat_master, [p.data for p in self.params])
-            if self.grid.dp > 1:
-                broadcast_parameters(self.params, self.root, self.grid.groups.dp)
+            self.from_first_replica(self.params)
         self.version = (first_step + steps) * u
         for p in self.params:
             p.grad = None
