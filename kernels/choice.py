@@ -81,6 +81,8 @@ class Chooser:
     def __init__(self, timer: Timer = wall_clock_ms) -> None:
         self.timer = timer
         self.choices: dict[tuple[Hashable, ...], str] = {}
+        # (op, *signature) -> (Triton ms, torch ms) as timed, for reports
+        self.timings: dict[tuple[Hashable, ...], tuple[float, float]] = {}
         self._torch: dict[tuple[str, str], Callable[..., Any]] = {}
 
     def torch_impl(self, op: str, device: torch.device) -> Callable[..., Any]:
@@ -100,10 +102,14 @@ class Chooser:
         """Return "triton" or "torch" for ``op`` on ``args``, timing both at a new signature."""
         key = (op, *signature(args))
         if key not in self.choices:
-            self.choices[key] = self._measure(op, triton_op, args)
+            self.timings[key] = self._measure(op, triton_op, args)
+            triton_ms, torch_ms = self.timings[key]
+            self.choices[key] = "triton" if triton_ms <= torch_ms else "torch"
         return self.choices[key]
 
-    def _measure(self, op: str, triton_op: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    def _measure(
+        self, op: str, triton_op: Callable[..., Any], args: tuple[Any, ...]
+    ) -> tuple[float, float]:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         # The timing runs leave the caller's random streams and autograd state as they were:
         # no draw shifts a later dropout mask, and an enclosing activation checkpoint's
@@ -121,4 +127,4 @@ class Chooser:
                 self._torch[(op, device.type)] = getattr(reference, op)
                 torch_run = _forward_backward(op, self._torch[(op, device.type)], args)
             torch_ms = self.timer(op, "torch", torch_run)
-        return "triton" if triton_ms <= torch_ms else "torch"
+        return triton_ms, torch_ms

@@ -549,12 +549,14 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
         "kernels auto",
         "torch.compile",
         "torch.compile + kernels",
+        "torch.compile + auto",
     ]
     assert max(losses) - min(losses) < 0.05
     triton_ops = {r["variant"]: r["triton_ops"] for r in result["training"]}
     every = ["bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm"]
     assert triton_ops["kernels on"] == every == triton_ops["torch.compile + kernels"]
     assert triton_ops["kernels off"] == [] == triton_ops["torch.compile"]
+    assert triton_ops["torch.compile + auto"] == []  # the whole model compiled: inductor's
     assert "| cross_entropy | fwd+bwd |" in run.stdout and "| kernels on |" in run.stdout
 
 
@@ -616,12 +618,22 @@ def _block_step(block, x):
     return out, grads
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["references", "custom-ops"])
+@pytest.mark.parametrize("fused", ["off", "on", "auto"], ids=["references", "custom-ops", "auto"])
 def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
-    """torch.compile(fullgraph=True) of one GPT block: references, or the ``hpcllm`` ops."""
+    """torch.compile(fullgraph=True) of one GPT block: references, or the ``hpcllm`` ops.
+
+    Under auto the compiled block traces the references for inductor to fuse, even where the
+    timer would pick Triton for the op called eagerly.
+    """
     from hpcllm.model.gpt import Block
 
-    kernels.set_enabled(fused)
+    auto = fused == "auto"
+    kernels.set_enabled(
+        fused != "off",
+        choose=auto,
+        timer=lambda op, impl, run: 1.0 if impl == "triton" else 2.0,
+        compiled_reference=auto,
+    )
     try:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -632,7 +644,7 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
         out, grads_compiled = _block_step(torch.compile(block, fullgraph=True), x)
         # Triton kernels are noted where they run, so inside compiled graphs too; compiled
         # references are the compiler's code and not noted.
-        ran = ("layer_norm", "bias_dropout_add", "bias_gelu") if fused else ()
+        ran = ("layer_norm", "bias_dropout_add", "bias_gelu") if fused == "on" else ()
         assert kernels.implementations_used() == dict.fromkeys(ran, "triton")
         # One block graph: no guard on the dispatch's bookkeeping recompiles a second block.
         second = Block(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)

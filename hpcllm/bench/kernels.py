@@ -262,7 +262,7 @@ def bench_ops(
 
     ``progress`` reports each op at each size as a case.
     """
-    was = kernels.enabled(), kernels.choosing()
+    was = kernels.enabled(), kernels.choosing(), kernels.compiled_reference()
     kernels.set_enabled(True)  # the dispatch's fused path: the hpcllm custom ops
     ops = []
     try:
@@ -282,17 +282,19 @@ def bench_ops(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        kernels.set_enabled(was[0], choose=was[1])
+        kernels.set_enabled(was[0], choose=was[1], compiled_reference=was[2])
     return ops
 
 
-# (name, model.fused_kernels, whether the model runs under torch.compile)
+# (name, model.fused_kernels, whether the model runs under torch.compile); under compile, auto
+# leaves the traced ops to inductor and times only those outside the graph (none here)
 TRAINING_VARIANTS = [
     ("kernels off", "off", False),
     ("kernels on", "on", False),
     ("kernels auto", "auto", False),
     ("torch.compile", "off", True),
     ("torch.compile + kernels", "on", True),
+    ("torch.compile + auto", "auto", True),
 ]
 
 
@@ -323,11 +325,16 @@ def bench_training(
     labels = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq_len), generator=gen)
     labels = labels.to(device)
     peak = peak_tflops(device, "bf16", None)
-    was = kernels.enabled(), kernels.choosing()
+    was = kernels.enabled(), kernels.choosing(), kernels.compiled_reference()
     results = []
     for variant, setting, compiled in TRAINING_VARIANTS:
         progress.start(f"{sizes.name} training step, {variant}")
-        kernels.set_enabled(setting != "off", choose=setting == "auto", timer=timer)
+        kernels.set_enabled(
+            setting != "off",
+            choose=setting == "auto",
+            timer=timer,
+            compiled_reference=setting == "auto",
+        )
         kernels.reset_implementations_used()
         model = GPT(cfg.model, sizes.vocab, seed=0).to(device).train()
         optimizer = build_optimizer(model, cfg.train, device)
@@ -365,7 +372,7 @@ def bench_training(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         progress.done(f"{ms:.4g} ms/step")
-    kernels.set_enabled(was[0], choose=was[1])
+    kernels.set_enabled(was[0], choose=was[1], compiled_reference=was[2])
     return results
 
 

@@ -283,6 +283,10 @@ def bench_shape(
             kernels.reset_implementations_used()
             sides["hpcllm"]()
             triton = {"hpcllm": _triton_ops(), "hpcllm_kernels_off": []}
+            auto = [
+                {"op": key[0], "triton_ms": t, "torch_ms": c}
+                for key, (t, c) in kernels.choice_timings().items()
+            ]
             times, cpu_times = _time_blocks(sides, device, steps, rounds, warmup)
             reader.close()
             _say(f"{name}: the trainer loop, {loop_steps} steps")
@@ -327,6 +331,7 @@ def bench_shape(
         "peak_tflops": peak,
         "fused_kernels": fused,
         "kernels_off_same_as_configured": not fused,
+        "auto_timings": auto,
         "loop_steps": loop_steps,
         "loop_interval_ms": loop["interval_ms"],
         "loop_metrics_tokens_per_s": loop["metrics_tokens_per_s"],
@@ -425,6 +430,12 @@ def render(result: dict[str, Any]) -> str:
                 f"| {_fmt(r['tflops'], '.3g')} | {_fmt(mfu, '.1f')}{'%' if mfu else ''} "
                 f"| {_fmt(r['vs_plain_eager'], '.3f')} | {_fmt(r['vs_plain_compile'], '.3f')} "
                 f"| {ops} |"
+            )
+        for a in s.get("auto_timings", []):
+            pick = "Triton" if a["triton_ms"] <= a["torch_ms"] else "compiled torch"
+            lines.append(
+                f"auto timed {a['op']} (forward + backward, outside compiled graphs): Triton "
+                f"{a['triton_ms']:.3g} ms, compiled torch {a['torch_ms']:.3g} ms: {pick}"
             )
         off = next(r for r in s["rows"] if r["key"] == "hpcllm_kernels_off")
         intervals = s["loop_interval_ms"]

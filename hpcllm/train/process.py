@@ -52,15 +52,25 @@ class ProcessSettings:
         torch.set_num_threads(count)
         self._undo.append(("threads", lambda: torch.set_num_threads(previous)))
 
-    def fused_kernels(self, enabled: bool, choose: bool = False) -> None:
+    def fused_kernels(
+        self, enabled: bool, choose: bool = False, compiled_reference: bool = False
+    ) -> None:
         """Switch the fused kernels on or off (:func:`hpcllm.kernels.set_enabled`).
 
         With ``choose`` each op runs whichever of its Triton kernel and compiled torch
-        reference is faster at each shape (timed at its first call).
+        reference is faster at each shape (timed at its first call); with
+        ``compiled_reference`` an op inside a compiled graph is left to inductor.
         """
-        previous = kernels.enabled(), kernels.choosing()
-        kernels.set_enabled(enabled, choose=choose)
-        self._undo.append(("kernels", lambda: kernels.set_enabled(*previous)))
+        previous = kernels.enabled(), kernels.choosing(), kernels.compiled_reference()
+        kernels.set_enabled(enabled, choose=choose, compiled_reference=compiled_reference)
+        self._undo.append(
+            (
+                "kernels",
+                lambda: kernels.set_enabled(
+                    previous[0], choose=previous[1], compiled_reference=previous[2]
+                ),
+            )
+        )
 
     def float32_matmul_precision(self, precision: str) -> None:
         """Set torch's float32 matmul precision (``high`` lets fp32 GEMMs use TF32)."""

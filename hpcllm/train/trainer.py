@@ -152,10 +152,12 @@ class Trainer:
             self.process.torch_threads(max(1, cores // self.grid.launch.local_size))
         # auto times Triton against compiled torch per op and shape, on each rank alone; at
         # t > 1 replicated activations must be computed alike on every tp rank, so there
-        # every op runs its Triton kernel, as with "on".
+        # every op runs its Triton kernel, as with "on". Inside compiled graphs auto leaves
+        # every op to inductor, alike on every rank.
         fused = kernels.resolve_fused(cfg.model.fused_kernels, self.device)
-        choose = cfg.model.fused_kernels == "auto" and cfg.parallel.tp == 1
-        self.process.fused_kernels(fused, choose=choose)
+        auto = cfg.model.fused_kernels == "auto"
+        choose = auto and cfg.parallel.tp == 1
+        self.process.fused_kernels(fused, choose=choose, compiled_reference=auto)
         if self.device.type == "cuda":
             # fp32 matmuls on TF32 tensor cores, as Megatron-LM runs them; MFU's fp32 peak
             # assumes it.
