@@ -9,9 +9,10 @@ torch reference (:mod:`~hpcllm.kernels.reference`, plain torch that inductor fus
 the kernels' test oracle). Enabled with ``choose`` (``model.fused_kernels: auto``), the first
 call of an op at each signature times the Triton op against the compiled reference and runs
 the faster from then on (:mod:`~hpcllm.kernels.choice`). Inside a torch.compile trace, ``auto``
-(``compiled_reference``) gives inductor the reference to fuse with its neighbours, where ``on``
-traces the Triton op. :func:`implementations_used` says what ran. Triton is imported only when
-a kernel first runs, so this package imports without it.
+(``compiled_reference``) gives inductor the reference to fuse with its neighbours (the
+cross-entropy ops excepted: :data:`TRITON_IN_COMPILED_GRAPHS`), where ``on`` traces the Triton
+op. :func:`implementations_used` says what ran. Triton is imported only when a kernel first
+runs, so this package imports without it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ LAYER_NORM_MAX_COLS = 16384
 _enabled = False
 _chooser: Chooser | None = None  # set where auto times the implementations
 _compiled_reference = False  # inside a compiled graph, the reference for inductor to fuse
+# Ops whose Triton kernel auto keeps inside compiled graphs: a reduction over the vocabulary
+# that inductor has no neighbour to fuse with, where the kernel beat inductor's code 1.7x
+# forward + backward on an H200 (docs/kernels.md).
+TRITON_IN_COMPILED_GRAPHS = frozenset({"cross_entropy", "vocab_ce_partials", "vocab_ce_backward"})
 _used: dict[str, str] = {}
 
 
@@ -89,7 +94,8 @@ def set_enabled(
     With ``choose`` (``model.fused_kernels: auto``) each op runs whichever of its Triton op and
     its compiled reference ``timer`` finds faster, per signature (:mod:`~hpcllm.kernels.choice`);
     every call forgets earlier choices. With ``compiled_reference`` (``auto`` too) an op traced
-    by torch.compile is the reference, which inductor fuses into the ops around it: measured on
+    by torch.compile is the reference, which inductor fuses into the ops around it (except
+    those of :data:`TRITON_IN_COMPILED_GRAPHS`): measured on
     an H200, gpt2-124m's compiled blocks ran 1.9 times slower with the Triton ops traced in
     (docs/kernels.md).
     """
@@ -165,7 +171,12 @@ def fused(x: torch.Tensor) -> bool:
 
 def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = True) -> Callable:
     """Return the implementation of ``op`` to run on ``args``, and note which it is."""
-    if not (supported and fused(x)) or (_compiled_reference and torch.compiler.is_compiling()):
+    left_to_inductor = (
+        _compiled_reference
+        and op not in TRITON_IN_COMPILED_GRAPHS
+        and torch.compiler.is_compiling()
+    )
+    if not (supported and fused(x)) or left_to_inductor:
         impl, fn = "torch", getattr(reference, op)
     elif _chooser is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         impl, fn = "triton", getattr(custom_ops, op)
