@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcllm.parallel.pipeline.schedule import Action, Interval, Kind, build, peak_in_flight
@@ -92,9 +92,28 @@ def simulate(
     start until its data is at the receiver; ``rendezvous`` and ``wait`` as in the module
     docstring.
     """
+    m, v, split = _sizes(actions, wait)
+    p = len(actions)
+    cost = {Kind.F: cost_f, Kind.B: cost_b, Kind.W: cost_w}
+    channels: dict[tuple[int, int], tuple[list[list], list[list]]] = {}
+    steps = [
+        _steps(rank, rank_actions, p, v, cost, channels)
+        for rank, rank_actions in enumerate(actions)
+    ]
+    run = _Replay(steps, rendezvous, latency, lazy=wait == "use")
+    work = list(range(p))
+    while work:
+        _advance(run, work.pop(), work)
+    _raise_if_stuck(run)
+    _check_complete(run.state, m, v, split)
+    _check_channels(channels)
+    return _result(actions, run)
+
+
+def _sizes(actions: Sequence[Sequence[Action]], wait: str) -> tuple[int, int, bool]:
+    """Check ``wait`` and the actions; return (micro-batches, chunks, whether any W is split)."""
     if wait not in WAITS:
         raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
-    p = len(actions)
     flat = [a for rank_actions in actions for a in rank_actions]
     if not flat:
         raise ScheduleError("no actions to simulate")
@@ -102,119 +121,164 @@ def simulate(
         raise ScheduleError("actions must name micro-batches and chunks ≥ 0")
     m = 1 + max(a.microbatch for a in flat)
     v = 1 + max(a.chunk for a in flat)
-    split = any(a.kind is Kind.W for a in flat)
-    cost = {Kind.F: cost_f, Kind.B: cost_b, Kind.W: cost_w}
-    channels: dict[tuple[int, int], tuple[list[list], list[list]]] = {}
-    steps = [
-        _steps(rank, rank_actions, p, v, cost, channels)
-        for rank, rank_actions in enumerate(actions)
-    ]
-    lazy = wait == "use"
+    return m, v, any(a.kind is Kind.W for a in flat)
 
-    def done_at(op: list) -> float | None:
-        """Return when a posted operation completes, or None while its partner is unposted."""
-        partner = op[_PARTNER]
-        is_send = op[_SPEC][1]
-        if partner is None:
-            return op[_POSTED] if is_send and not rendezvous else None
-        if rendezvous:
-            return max(op[_POSTED], partner[_POSTED]) + latency
-        return op[_POSTED] if is_send else max(op[_POSTED], partner[_POSTED] + latency)
 
-    pos = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    state: list[dict[tuple[int, int], int]] = [{} for _ in range(p)]
-    batch: list[list[list] | None] = [None] * p  # the posted batch a rank waits on (wait="batch")
-    received: list[dict[tuple[int, int, int], list]] = [{} for _ in range(p)]
-    sent: list[list[list]] = [[] for _ in range(p)]
-    records: list[list[Interval | list]] = [[] for _ in range(p)]  # intervals and posted ops
-    finished = [False] * p
-    work = list(range(p))
-    while work:
-        rank = work.pop()
-        rank_steps, flags, out = steps[rank], state[rank], records[rank]
-        i, t = pos[rank], clock[rank]
-        while i < len(rank_steps):
-            step = rank_steps[i]
-            if step[0] is not None:  # compute: (action, key, done flag, needed flags, cost)
-                a, key, flag, needs, duration = step
-                have = flags.get(key, 0)
-                if have & flag:
-                    raise _fail(rank, a, "runs twice")
-                if have & needs != needs:
-                    raise _fail(rank, a, _missing(needs & ~have))
-                if lazy and needs & (_GOT_F | _GOT_B):
-                    op = received[rank][(needs & (_GOT_F | _GOT_B), *key)]
-                    ready = done_at(op)
-                    if ready is None:
-                        break
-                    if ready > t:
-                        t = ready
-                flags[key] = have | flag
-                out.append(Interval(a.kind, a.microbatch, a.chunk, t, t + duration))
-                t += duration
-                busy[rank] += duration
-                i += 1
-                continue
-            ops = batch[rank]
-            if ops is None:
-                ops = [_post(rank, spec, t, flags, work) for spec in step[1]]
-                out += ops
-                if lazy:
-                    for op in ops:
-                        if op[_SPEC][1]:
-                            sent[rank].append(op)
-                        else:
-                            _mark_received(rank, op[_SPEC], flags)
-                            received[rank][(op[_SPEC][4], *op[_SPEC][7])] = op
-                    i += 1
-                    continue
-                batch[rank] = ops
-            end = t
-            for op in ops:  # done_at(op), inlined: this loop is the replay's hot path
-                partner = op[_PARTNER]
-                if partner is None:
-                    if rendezvous or not op[_SPEC][1]:
-                        break
-                    continue
-                if rendezvous:
-                    ready = op[_POSTED] if op[_POSTED] > partner[_POSTED] else partner[_POSTED]
-                    ready += latency
-                elif op[_SPEC][1]:
-                    continue
-                else:
-                    ready = partner[_POSTED] + latency
-                if ready > end:
-                    end = ready
-            else:
-                for op in ops:
-                    if not op[_SPEC][1]:
-                        _mark_received(rank, op[_SPEC], flags)
-                batch[rank] = None
-                t = end
-                i += 1
-                continue
+@dataclass(slots=True)
+class _Replay:
+    """Every rank's replay state: where it is in its steps, its clock, flags and posted ops."""
+
+    steps: list[list[tuple]]
+    rendezvous: bool
+    latency: float
+    lazy: bool  # wait="use"
+    pos: list[int] = field(init=False)
+    clock: list[float] = field(init=False)
+    busy: list[float] = field(init=False)
+    state: list[dict[tuple[int, int], int]] = field(init=False)
+    # The posted batch a rank waits on (wait="batch").
+    batch: list[list[list] | None] = field(init=False)
+    received: list[dict[tuple[int, int, int], list]] = field(init=False)
+    sent: list[list[list]] = field(init=False)
+    # Intervals and posted ops, in the order the rank ran or posted them.
+    records: list[list[Interval | list]] = field(init=False)
+    finished: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        """Start every rank at its first step, at time 0, with nothing run or posted."""
+        p = len(self.steps)
+        self.pos = [0] * p
+        self.clock = [0.0] * p
+        self.busy = [0.0] * p
+        self.state = [{} for _ in range(p)]
+        self.batch = [None] * p
+        self.received = [{} for _ in range(p)]
+        self.sent = [[] for _ in range(p)]
+        self.records = [[] for _ in range(p)]
+        self.finished = [False] * p
+
+
+def _done_at(op: list, rendezvous: bool, latency: float) -> float | None:
+    """Return when a posted operation completes, or None while its partner is unposted."""
+    partner = op[_PARTNER]
+    is_send = op[_SPEC][1]
+    if partner is None:
+        return op[_POSTED] if is_send and not rendezvous else None
+    if rendezvous:
+        return max(op[_POSTED], partner[_POSTED]) + latency
+    return op[_POSTED] if is_send else max(op[_POSTED], partner[_POSTED] + latency)
+
+
+def _advance(run: _Replay, rank: int, work: list[int]) -> None:
+    """Run ``rank``'s steps until it waits or ends; ``work`` gets the ranks its posts wake."""
+    rank_steps = run.steps[rank]
+    i, t = run.pos[rank], run.clock[rank]
+    while i < len(rank_steps):
+        step = rank_steps[i]
+        if step[0] is not None:
+            after = _compute(run, rank, step, t)
+        else:
+            after = _communicate(run, rank, step, t, work)
+        if after is None:
             break
-        pos[rank], clock[rank] = i, t
-        if i == len(rank_steps) and not finished[rank]:
-            ends = [done_at(op) for op in sent[rank]]
-            if None not in ends:
-                clock[rank] = max([t, *ends])
-                finished[rank] = True
+        i, t = i + 1, after
+    run.pos[rank], run.clock[rank] = i, t
+    if i == len(rank_steps) and not run.finished[rank]:
+        ends = [_done_at(op, run.rendezvous, run.latency) for op in run.sent[rank]]
+        if None not in ends:
+            run.clock[rank] = max([t, *ends])
+            run.finished[rank] = True
 
-    stuck = [r for r in range(p) if not finished[r]]
+
+def _compute(run: _Replay, rank: int, step: tuple, t: float) -> float | None:
+    """Run a compute step from ``t``; return when it ends, or None while its input is unsent."""
+    a, key, flag, needs, duration = step
+    flags = run.state[rank]
+    have = flags.get(key, 0)
+    if have & flag:
+        raise _fail(rank, a, "runs twice")
+    if have & needs != needs:
+        raise _fail(rank, a, _missing(needs & ~have))
+    if run.lazy and needs & (_GOT_F | _GOT_B):
+        op = run.received[rank][(needs & (_GOT_F | _GOT_B), *key)]
+        ready = _done_at(op, run.rendezvous, run.latency)
+        if ready is None:
+            return None
+        if ready > t:
+            t = ready
+    flags[key] = have | flag
+    run.records[rank].append(Interval(a.kind, a.microbatch, a.chunk, t, t + duration))
+    run.busy[rank] += duration
+    return t + duration
+
+
+def _communicate(run: _Replay, rank: int, step: tuple, t: float, work: list[int]) -> float | None:
+    """Post a batch at ``t`` if not yet posted; return when the rank goes on, or None to wait."""
+    flags = run.state[rank]
+    ops = run.batch[rank]
+    if ops is None:
+        ops = [_post(rank, spec, t, flags, work) for spec in step[1]]
+        run.records[rank] += ops
+        if run.lazy:
+            for op in ops:
+                if op[_SPEC][1]:
+                    run.sent[rank].append(op)
+                else:
+                    _mark_received(rank, op[_SPEC], flags)
+                    run.received[rank][(op[_SPEC][4], *op[_SPEC][7])] = op
+            return t
+        run.batch[rank] = ops
+    end = _batch_end(ops, t, run.rendezvous, run.latency)
+    if end is None:
+        return None
+    for op in ops:
+        if not op[_SPEC][1]:
+            _mark_received(rank, op[_SPEC], flags)
+    run.batch[rank] = None
+    return end
+
+
+def _batch_end(ops: list[list], t: float, rendezvous: bool, latency: float) -> float | None:
+    """Return when every operation of a batch waited on from ``t`` is done, or None if one isn't."""
+    end = t
+    for op in ops:  # _done_at(op), inlined: this loop is the replay's hot path
+        partner = op[_PARTNER]
+        if partner is None:
+            if rendezvous or not op[_SPEC][1]:
+                return None
+            continue
+        if rendezvous:
+            ready = op[_POSTED] if op[_POSTED] > partner[_POSTED] else partner[_POSTED]
+            ready += latency
+        elif op[_SPEC][1]:
+            continue
+        else:
+            ready = partner[_POSTED] + latency
+        if ready > end:
+            end = ready
+    return end
+
+
+def _raise_if_stuck(run: _Replay) -> None:
+    """Raise DeadlockError, saying what each rank waits for, if any rank did not finish."""
+    stuck = [r for r in range(len(run.steps)) if not run.finished[r]]
     if stuck:
         raise DeadlockError(
             "deadlock: "
             + "; ".join(
                 _describe_wait(
-                    r, steps[r][pos[r]] if pos[r] < len(steps[r]) else None, batch[r], received[r]
+                    r,
+                    run.steps[r][run.pos[r]] if run.pos[r] < len(run.steps[r]) else None,
+                    run.batch[r],
+                    run.received[r],
                 )
                 for r in stuck
             )
         )
-    _check_complete(state, m, v, split)
+
+
+def _check_channels(channels: dict[tuple[int, int], tuple[list[list], list[list]]]) -> None:
+    """Raise ScheduleError if a channel has more sends than receives or the other way round."""
     for (src, dst), (sends, recvs) in channels.items():
         if len(sends) != len(recvs):
             extra = (sends if len(sends) > len(recvs) else recvs)[min(len(sends), len(recvs))]
@@ -223,24 +287,33 @@ def simulate(
                 f"(first unmatched: {extra[_SPEC][0]})"
             )
 
+
+def _result(actions: Sequence[Sequence[Action]], run: _Replay) -> SimResult:
+    """Return a finished replay's intervals, makespan and bubble measures."""
     intervals = [
         [
             r
             if isinstance(r, Interval)
-            else Interval(r[0][0].kind, r[0][0].microbatch, r[0][0].chunk, r[1], done_at(r))
+            else Interval(
+                r[0][0].kind,
+                r[0][0].microbatch,
+                r[0][0].chunk,
+                r[1],
+                _done_at(r, run.rendezvous, run.latency),
+            )
             for r in rank_records
         ]
-        for rank_records in records
+        for rank_records in run.records
     ]
-    makespan = max(clock)
-    top = max(busy)
-    idle = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in busy]
+    makespan = max(run.clock)
+    top = max(run.busy)
+    idle = [(makespan - b) / makespan if makespan > 0 else 0.0 for b in run.busy]
     return SimResult(
         intervals=intervals,
         makespan=makespan,
-        busy=busy,
+        busy=run.busy,
         idle_fraction_per_rank=idle,
-        idle_fraction=sum(idle) / p,
+        idle_fraction=sum(idle) / len(actions),
         bubble_over_ideal=(makespan - top) / top if top > 0 else 0.0,
         peak_in_flight=[peak_in_flight(rank_actions) for rank_actions in actions],
     )
