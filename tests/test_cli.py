@@ -122,3 +122,43 @@ def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_pa
         assert json.loads(run.stdout)["world_size"] == 1
     else:  # a user error met after torch.distributed started
         assert run.stderr.startswith("hpcllm: error: hpcllm bench allreduce runs under mpirun")
+
+
+def test_every_command_keeps_the_options_it_had():
+    """The option sets of every command and bench target against tests/recorded/cli_options.json
+    (recorded before the commands became modules; `python tests/cli_options.py` re-records)."""
+    import cli_options
+
+    recorded = json.loads(cli_options.RECORDED.read_text())
+    now = cli_options.current()
+    assert sorted(now) == sorted(recorded)
+    for command, options in recorded.items():
+        assert now[command] == options, command
+
+
+@pytest.mark.parametrize("words", [["--help"], ["plan", "--help"], ["bench", "step", "--help"]])
+def test_help_imports_no_torch(words):
+    code = (
+        "import sys\nfrom hpcllm.cli import main\n"
+        f"try:\n    main({words!r})\nexcept SystemExit as stop:\n    assert stop.code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "usage: hpcllm" in run.stdout
+
+
+def test_the_command_line_module_and_every_function_stay_short():
+    import ast
+
+    assert len((REPO / "hpcllm" / "cli.py").read_text().splitlines()) <= 400
+    long = []
+    for root in ("hpcllm", "kernels", "datasets"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 120:
+                        long.append(f"{path.relative_to(REPO)}: {node.name} ({lines} lines)")
+    assert not long, "functions over 120 lines:\n" + "\n".join(long)

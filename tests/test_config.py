@@ -319,9 +319,9 @@ def test_new_keys_have_their_defaults_and_take_their_values() -> None:
 
 
 def test_every_key_is_listed_in_train_help() -> None:
-    from hpcllm.cli import _build_parser
+    from hpcllm.cli import build_parser
 
-    parser = _build_parser()
+    parser = build_parser()
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(verbs.choices["train"].description.split())
     for section in dataclasses.fields(Config):

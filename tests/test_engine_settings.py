@@ -227,10 +227,10 @@ def test_bench_dp_replaces_its_own_scratch_runs_and_nothing_else(tmp_path):
 def test_bench_dp_on_too_few_gpus_says_why_instead_of_failing(monkeypatch, gpus, dps, message):
     from argparse import Namespace
 
-    from hpcllm import cli
+    from hpcllm.commands.bench import dp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     args = Namespace(dp=dps, config=None, overrides=[], engines=["ddp"], precisions=None)
     with pytest.raises(UserError, match=message):
-        cli._run_bench_dp(args)
+        dp.run(args)

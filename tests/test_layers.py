@@ -35,7 +35,7 @@ LAYERS = [
         "tools",
         ["hpcllm.bench", "hpcllm.convert", "hpcllm.evaluate", "hpcllm.generate", "hpcllm.plan"],
     ),
-    ("cli", ["hpcllm.cli", "hpcllm.__main__"]),
+    ("cli", ["hpcllm.cli", "hpcllm.commands", "hpcllm.__main__"]),
 ]
 
 # The data-parallel engines wrap any model and optimizer; they know nothing of the model, the

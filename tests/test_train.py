@@ -9,7 +9,7 @@ import pytest
 import torch
 from mpirun import REPO, python, run_mpi
 
-from hpcllm.cli import STOPPED_EXIT
+from hpcllm.commands.train import STOPPED_EXIT
 from hpcllm.config import load_config
 from hpcllm.datasets.prepare import PrepareOptions, prepare
 from hpcllm.generate import load_run_model

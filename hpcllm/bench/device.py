@@ -228,8 +228,8 @@ def render_table(measured: dict[str, Any], spec: dict[str, Any], peak: float) ->
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Measure this device, print the table, write the ``gpu_spec`` fragment."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the benchmark's command line (``hpcllm bench device``)."""
     parser = argparse.ArgumentParser(
         prog="hpcllm bench device",
         description=__doc__,
@@ -250,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="tiny sizes on the CPU (numbers mean nothing)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure this device, print the table, write the ``gpu_spec`` fragment."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
     for name in ("size", "iters", "peak_tflops", "peak_fp32_tflops", "hbm_gbps"):

@@ -454,8 +454,8 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark from command-line arguments; print the tables."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the benchmark's command line (``hpcllm bench kernels``)."""
     parser = argparse.ArgumentParser(
         prog="hpcllm bench kernels",
         description=__doc__,
@@ -480,6 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny sizes on the CPU under Triton's interpreter (checks the "
         "script; times mean nothing)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from command-line arguments; print the tables."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
     result = run(

@@ -6,13 +6,15 @@ line at once, on every rank alike, and a job that can run leaves no half-made ru
 behind when something else refuses it. :func:`startup_warnings` names settings that run but
 waste the machine (a precision the CPU emulates, a pipeline that idles, data read many times
 over); the trainer prints them once, on rank 0. :func:`check_against_data` adds what needs
-the prepared data's manifest (the trainer and ``--print-config`` both call it).
+the prepared data's manifest; :func:`check_job` runs both, for the trainer and
+``--print-config`` alike.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import overload
 
 import torch
 
@@ -87,13 +89,32 @@ def check_vocab(cfg: Config, manifest: Manifest) -> int:
     return vocab
 
 
-def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> None:
-    """Raise a UserError for what the prepared data cannot give this run: the vocabulary
-    (:func:`check_vocab`), or a train split without one global micro-batch (as the reader
-    refuses it)."""
-    check_vocab(cfg, manifest)
+def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> int:
+    """Return the model's vocabulary; a UserError for what the prepared data cannot give this
+    run: the vocabulary (:func:`check_vocab`), or a train split without one global micro-batch
+    (as the reader refuses it)."""
+    vocab = check_vocab(cfg, manifest)
     samples = _samples(manifest.n_tokens("train"), cfg.model.seq_len)
     micro_steps_per_epoch(samples, "train", cfg.model.seq_len, batch_plan(cfg.train, dp))
+    return vocab
+
+
+@overload
+def check_job(cfg: Config, world_size: int, manifest: Manifest) -> int: ...
+@overload
+def check_job(cfg: Config, world_size: int, manifest: None) -> None: ...
+def check_job(cfg: Config, world_size: int, manifest: Manifest | None) -> int | None:
+    """Raise a UserError (one line) for the first thing that keeps ``cfg`` from training on
+    ``world_size`` ranks, touching nothing: :func:`preflight`, then, given the prepared data's
+    manifest, :func:`check_against_data`. Return the model's vocabulary (None without data).
+
+    The trainer and ``hpcllm train --print-config`` both call it, so the printed config has
+    passed the checks the run would make before it starts.
+    """
+    preflight(cfg, world_size)
+    if manifest is None:
+        return None
+    return check_against_data(cfg, manifest, _layout(cfg, world_size).dp)
 
 
 def startup_warnings(

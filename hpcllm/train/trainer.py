@@ -36,12 +36,7 @@ from hpcllm.train.checkpointer import Checkpointer
 from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.metrics import Metrics
 from hpcllm.train.parallelize import parallelize
-from hpcllm.train.preflight import (
-    check_vocab,
-    cpu_has_native_bf16,
-    preflight,
-    startup_warnings,
-)
+from hpcllm.train.preflight import check_job, cpu_has_native_bf16, startup_warnings
 from hpcllm.train.process import ProcessSettings
 from hpcllm.train.profiler import ProfilerWindow
 from hpcllm.train.step import GradHook, ScheduleRunner, choose_step
@@ -93,11 +88,10 @@ class Trainer:
                 f"(world size {self.grid.world_size})"
             )
         self.manifest = load_manifest(cfg.data.path)
-        vocab = self.vocab_size = check_vocab(cfg, self.manifest)
+        # Every check of the config against the job and its data before the run folder is
+        # touched: the checks `hpcllm train --print-config` makes.
+        vocab = self.vocab_size = check_job(cfg, self.grid.world_size, self.manifest)
         self._set_process()
-        # Every check of the config against the job before the run folder is touched (the
-        # reader refuses a train split without one global micro-batch).
-        preflight(cfg, self.grid.world_size)
         self.batch = batch_plan(train, self.grid.dp)
         self.accumulation = self.batch.accumulation
         if self.grid.rank == 0:

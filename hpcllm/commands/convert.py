@@ -1,0 +1,101 @@
+"""``hpcllm convert``: re-cut a checkpoint for another layout; Hugging Face GPT-2 in and out."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hpcllm.commands.args import positive, step_arg
+
+
+def add_parser(verbs: argparse._SubParsersAction) -> None:
+    """Add the command's parser to ``verbs``."""
+    from hpcllm.config import choices
+
+    conv = verbs.add_parser(
+        "convert",
+        help="re-cut a checkpoint for another layout; Hugging Face GPT-2 in and out",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Re-cut: --checkpoint RUN_DIR --out NEW_RUN with any of --tp, --pp, --vpp, "
+        "--dp, --schedule writes the checkpoint (weights, optimizer state, data position, "
+        "random states) for that layout; `hpcllm train --config NEW_RUN/config.yaml` resumes "
+        "it. "
+        "Axes not given keep the checkpoint's.\n"
+        "--to-hf DIR --checkpoint RUN_DIR writes a checkpoint of any layout as a "
+        "GPT2LMHeadModel folder (config.json + model.safetensors).\n"
+        "--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint holds a "
+        "Hugging Face GPT-2; train from it with --set run.dir=RUN_DIR.\n\n"
+        "examples:\n"
+        "  hpcllm convert --checkpoint runs/pp2 --out runs/t2 --tp 2 --pp 1\n"
+        "  hpcllm convert --checkpoint runs/pp2 --out runs/v2 --pp 2 --vpp 2\n"
+        "  hpcllm convert --checkpoint runs/pp2 --to-hf hf/pp2 --step 200",
+    )
+    way = conv.add_mutually_exclusive_group()
+    way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
+    way.add_argument("--to-hf", type=Path, metavar="DIR", help="Hugging Face folder to write")
+    conv.add_argument("--tp", type=positive, metavar="T", help="new tensor-parallel size")
+    conv.add_argument("--pp", type=positive, metavar="P", help="new number of pipeline ranks")
+    conv.add_argument(
+        "--vpp",
+        type=positive,
+        metavar="V",
+        help="new chunks per pipeline rank (interleaved schedule) [default: the checkpoint's "
+        "with p > 1, else 1]",
+    )
+    conv.add_argument(
+        "--dp",
+        type=positive,
+        metavar="D",
+        help="new data-parallel size (the global batch is kept) [default: world / (t*p)]",
+    )
+    conv.add_argument(
+        "--schedule",
+        choices=choices("parallel", "schedule"),
+        help="pipeline schedule [default: interleaved with --vpp > 1; else the checkpoint's, "
+        "1f1b in place of interleaved]",
+    )
+    conv.add_argument(
+        "--out", type=Path, metavar="RUN_DIR", help="new run folder (re-cut or --from-hf)"
+    )
+    conv.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run folder to read (re-cut or --to-hf)",
+    )
+    step_arg(conv, "read")
+    conv.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Re-cut, import or export, as the options say; refuse a mix in one line."""
+    from hpcllm import convert
+    from hpcllm.errors import UserError
+
+    axes = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "dp", "schedule")}
+    recut = any(v is not None for v in axes.values())
+    if args.from_hf is not None:
+        if recut or args.step is not None or args.checkpoint is not None:
+            raise UserError("--from-hf takes --out RUN_DIR only")
+        if args.out is None:
+            raise UserError("--from-hf needs --out RUN_DIR")
+        print(f"wrote {convert.from_hf(args.from_hf, args.out)}")
+    elif args.to_hf is not None:
+        if recut or args.out is not None:
+            raise UserError("--to-hf takes --checkpoint RUN_DIR [--step N], not a layout")
+        if args.checkpoint is None:
+            raise UserError("--to-hf needs --checkpoint RUN_DIR")
+        print(f"wrote {convert.to_hf(args.checkpoint, args.to_hf, step=args.step)}")
+    else:
+        if not recut:
+            raise UserError(
+                "say what to convert: --tp/--pp/--vpp/--dp/--schedule (re-cut), --to-hf DIR "
+                "or --from-hf DIR"
+            )
+        if args.checkpoint is None or args.out is None:
+            raise UserError("re-cutting needs --checkpoint RUN_DIR and --out NEW_RUN")
+        from hpcllm.train.reshard import convert as recut_checkpoint
+
+        out = recut_checkpoint(args.checkpoint, args.out, step=args.step, **axes)
+        print(f"wrote {out}")
+    return 0

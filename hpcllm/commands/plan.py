@@ -1,0 +1,129 @@
+"""``hpcllm plan``: choose t, p, d, micro-batch, schedule and recomputation for a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hpcllm.commands.args import positive
+
+
+def add_parser(verbs: argparse._SubParsersAction) -> None:
+    """Add the command's parser to ``verbs``."""
+    plan = verbs.add_parser(
+        "plan",
+        help="choose t, p, d, micro-batch, schedule and recomputation for a cluster",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Estimate every layout of a GPT on N GPUs of a cluster (memory per GPU, "
+        "step time by part) and print the fastest that fit, with why the others lost. "
+        "Choices given (--tp, --pp, ...) are held; the rest are searched. The model and its "
+        "validation against the SC21 paper: docs/plan.md.\n\n"
+        "examples:\n"
+        "  hpcllm plan --model gpt2-1.3b --gpus 64 --cluster jobs/clusters/dgx-a100.yaml "
+        "--global-batch 512\n"
+        "  hpcllm plan --layers 96 --hidden 12288 --heads 96 --seq 2048 --gpus 1536 "
+        "--global-batch 2304 --cluster jobs/clusters/dgx-a100.yaml --recompute full --json",
+    )
+    plan.add_argument("--model", metavar="PRESET", help="a model preset (model.preset's values)")
+    plan.add_argument("--layers", type=positive, metavar="L", help="transformer layers")
+    plan.add_argument("--hidden", type=positive, metavar="H", help="hidden size")
+    plan.add_argument("--heads", type=positive, metavar="A", help="attention heads")
+    plan.add_argument("--seq", type=positive, metavar="S", help="sequence length")
+    plan.add_argument(
+        "--vocab",
+        type=positive,
+        metavar="V",
+        help="vocabulary [default: 51200; --write-config writes it only when given]",
+    )
+    plan.add_argument("--global-batch", type=positive, required=True, metavar="B")
+    plan.add_argument("--gpus", type=positive, required=True, metavar="N")
+    plan.add_argument("--cluster", type=Path, required=True, metavar="FILE", help="cluster YAML")
+    plan.add_argument(
+        "--cluster-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a cluster field (gpu_spec.FIELD too); repeatable",
+    )
+    plan.add_argument("--tp", type=positive, metavar="T")
+    plan.add_argument("--pp", type=positive, metavar="P")
+    plan.add_argument("--vpp", type=positive, metavar="V")
+    plan.add_argument("--micro-batch", type=positive, metavar="B")
+    plan.add_argument("--recompute", choices=("none", "selective", "full"))
+    plan.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    plan.add_argument(
+        "--software",
+        choices=("hpcllm", "megatron-2021"),
+        default="hpcllm",
+        help="how the step runs: hpcllm (fp32 weights under autocast, flash attention, DDP "
+        "overlapping the backward) or megatron-2021 (the SC21 paper's: fp16 weights, unfused "
+        "attention, no overlap) [default: hpcllm]",
+    )
+    plan.add_argument(
+        "--precision", choices=("bf16", "fp16", "fp32"), help="[default: the software's]"
+    )
+    plan.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="optimizer state sharded over the data-parallel group",
+    )
+    plan.add_argument("--top", type=positive, default=5, metavar="K", help="[default: 5]")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument(
+        "--write-config", type=Path, metavar="F", help="write a train config of the best layout"
+    )
+    plan.add_argument(
+        "--png", type=Path, metavar="F", help="draw where the time of the top layouts goes"
+    )
+    plan.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search the layouts and print (or write) the best."""
+    import dataclasses
+
+    from hpcllm.config import PRESETS
+    from hpcllm.errors import UserError
+    from hpcllm.plan import search
+    from hpcllm.plan.costs import Model, Software
+    from hpcllm.plan.hardware import load_cluster
+
+    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
+    if args.model is not None:
+        if args.model not in PRESETS:
+            raise UserError(f"unknown --model {args.model}; presets: {', '.join(PRESETS)}")
+        preset = PRESETS[args.model]
+        given = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
+        shape = {k: v if v is not None else preset[given[k]] for k, v in shape.items()}
+    missing = [k for k, v in shape.items() if v is None]
+    if missing:
+        raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
+    model = Model(vocab=args.vocab or 51200, **shape)
+    cluster = load_cluster(args.cluster, args.cluster_set)
+    software = Software.megatron_2021() if args.software == "megatron-2021" else Software()
+    if args.precision:
+        software = dataclasses.replace(software, precision=args.precision)
+    if args.distributed_optimizer:
+        software = dataclasses.replace(software, distributed_optimizer=True)
+    fixed = search.Fixed(
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        micro_batch=args.micro_batch,
+        schedule=args.schedule,
+        recompute=args.recompute,
+    )
+    plan = search.search(model, args.gpus, args.global_batch, cluster, software, fixed)
+    if args.json:
+        print(json.dumps(search.to_json(plan, args.top)))
+    else:
+        print(search.render(plan, args.top))
+    if args.write_config:
+        path = search.write_config(plan, args.write_config, args.model, args.vocab)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    if args.png:
+        path = search.draw(plan, args.png, args.top)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
