@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mpirun import REPO, mpi_env
 
-from hpcllm.cli import STOPPED_EXIT
+from hpcllm.commands.train import STOPPED_EXIT
 from hpcllm.launcher import mpirun_command
 from hpcllm.observe import read_metrics
 from hpcllm.train import checkpoint
