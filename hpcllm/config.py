@@ -22,7 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
+from hpcllm import families
 from hpcllm.errors import UserError
+from hpcllm.families.gpt2 import PRESETS as GPT2_PRESETS
 from hpcllm.files import atomic_write
 
 
@@ -76,15 +78,11 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-# Model sizes. gpt2-124m/350m are GPT-2 small/medium (Radford et al., 2019); 760m and 1.3b are
-# the GPT-3 paper's sizes with Megatron-LM's head counts (head dim 96 and 128).
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 128},
-    "gpt2-124m": {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024},
-    "gpt2-350m": {"n_layer": 24, "n_head": 16, "d_model": 1024, "seq_len": 1024},
-    "gpt2-760m": {"n_layer": 24, "n_head": 16, "d_model": 1536, "seq_len": 1024},
-    "gpt2-1.3b": {"n_layer": 24, "n_head": 16, "d_model": 2048, "seq_len": 2048},
-}
+# Model sizes, the built-in family's (hpcllm/families/gpt2.py): gpt2-124m/350m are GPT-2
+# small/medium (Radford et al., 2019); 760m and 1.3b are the GPT-3 paper's sizes with
+# Megatron-LM's head counts (head dim 96 and 128). A family registered later adds its own
+# (families.presets()).
+PRESETS: dict[str, dict[str, int]] = dict(GPT2_PRESETS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +107,10 @@ LAYERS = Rule(lambda v: v <= 4096, "must be at most 4096")  # bounds the per-sta
 MEGABYTES = Rule(lambda v: v <= 1e6, "must be at most 1e6 (a terabyte)")
 WEEK = Rule(lambda v: v <= 7 * 24 * 3600, "must be at most a week (604800)")
 TWO_TOKENS = Rule(lambda v: v >= 2, "must be at least 2")  # a vocabulary of one predicts nothing
+FAMILY = Rule(
+    lambda v: v in families.names(),
+    "must be a model family: gpt2, or one registered by a module HPCLLM_FAMILIES names",
+)
 RULES = (
     POSITIVE,
     COUNT_OR_NEVER,
@@ -122,6 +124,7 @@ RULES = (
     MEGABYTES,
     WEEK,
     TWO_TOKENS,
+    FAMILY,
 )
 
 
@@ -139,8 +142,9 @@ def key(default: Any, help: str, *rules: Rule, form: str | None = None) -> Any: 
 
 @dataclass
 class ModelConfig:
-    """The GPT's shape; ``preset`` fills the sizes left unset."""
+    """The model: its family (``arch``) and shape; ``preset`` fills the sizes left unset."""
 
+    arch: str = key("gpt2", "model family (hpcllm.families)", FAMILY, form="gpt2")
     preset: str | None = key(
         "tiny",
         "size preset filling the sizes left unset; null: give every size",
@@ -637,12 +641,13 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 def _fill_preset(model: ModelConfig) -> None:
     if model.preset is not None:
-        if model.preset not in PRESETS:
+        known = families.presets()
+        if model.preset not in known:
             raise UserError(
                 f"unknown model.preset {_show(model.preset)}; presets: "
-                f"{', '.join(PRESETS)} (or null with every size given)"
+                f"{', '.join(known)} (or null with every size given)"
             )
-        for key, value in PRESETS[model.preset].items():
+        for key, value in known[model.preset].items():
             if getattr(model, key) is None:
                 setattr(model, key, value)
     missing = [k for k in ("n_layer", "n_head", "d_model", "seq_len") if getattr(model, k) is None]

@@ -1,4 +1,5 @@
-"""``hpcllm convert``: Hugging Face GPT-2 checkpoints in and out (config.json + safetensors).
+"""``hpcllm convert``: Hugging Face checkpoints in and out (config.json + safetensors), for
+every family whose spec maps its tensors (:attr:`hpcllm.families.Family.hf_tensors`).
 
 Hugging Face's GPT-2 stores linear layers as ``Conv1D`` (weight shape in × out, the transpose
 of ``nn.Linear``), keeps q|k|v fused in ``c_attn`` in the same order as ours, uses the tanh
@@ -13,82 +14,58 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from hpcllm import families
 from hpcllm.config import Config, ModelConfig
 from hpcllm.errors import UserError
 from hpcllm.files import honour_umask, new_folder
-from hpcllm.model.gpt import GPT
-
-_LAYER = {  # ours -> theirs, inside block i; "T" marks a Conv1D weight (transposed)
-    "ln1.weight": ("ln_1.weight", False),
-    "ln1.bias": ("ln_1.bias", False),
-    "attn.qkv.weight": ("attn.c_attn.weight", True),
-    "attn.qkv.bias": ("attn.c_attn.bias", False),
-    "attn.proj.weight": ("attn.c_proj.weight", True),
-    "attn.proj.bias": ("attn.c_proj.bias", False),
-    "ln2.weight": ("ln_2.weight", False),
-    "ln2.bias": ("ln_2.bias", False),
-    "mlp.fc.weight": ("mlp.c_fc.weight", True),
-    "mlp.fc.bias": ("mlp.c_fc.bias", False),
-    "mlp.proj.weight": ("mlp.c_proj.weight", True),
-    "mlp.proj.bias": ("mlp.c_proj.bias", False),
-}
+from hpcllm.model import build
 
 
-def hf_config(model: ModelConfig, vocab_size: int, eos_id: int | None) -> dict:
-    """Return the config.json of a Hugging Face GPT2LMHeadModel with our model's shape."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "n_positions": model.seq_len,
-        "n_ctx": model.seq_len,
-        "n_embd": model.d_model,
-        "n_layer": model.n_layer,
-        "n_head": model.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "resid_pdrop": model.dropout,
-        "embd_pdrop": model.dropout,
-        "attn_pdrop": model.dropout,
-        "layer_norm_epsilon": model.layer_norm_eps,
-        "initializer_range": model.init_std,
-        "tie_word_embeddings": True,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-    }
+def _hf_family(cfg: ModelConfig) -> families.Family:
+    """Return ``cfg``'s family; a UserError where it has no Hugging Face mapping."""
+    family = families.get(cfg.arch)
+    if not family.hf_tensors or family.hf_config is None:
+        raise UserError(f"model.arch {cfg.arch} has no Hugging Face mapping")
+    return family
 
 
-def to_hf_state(model: GPT) -> dict[str, torch.Tensor]:
-    """Return the Hugging Face state dict of a (tp = 1) model."""
+def _names(family: families.Family, n_layer: int) -> list[tuple[str, str, bool]]:
+    """Return (ours, theirs, transpose) for every tensor of an ``n_layer`` model."""
+    found = []
+    for tensor in family.hf_tensors:
+        indices = range(n_layer) if "{i}" in tensor.ours else [None]
+        for i in indices:
+            found.append((tensor.ours.format(i=i), tensor.theirs.format(i=i), tensor.transpose))
+    return found
+
+
+def to_hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Return the Hugging Face state dict of a (tp = 1) model, its vocabulary padding dropped."""
+    family = _hf_family(model.cfg)
     ours = model.state_dict()
-    out = {
-        "transformer.wte.weight": ours["wte.weight"][: model.vocab_size],
-        "transformer.wpe.weight": ours["wpe.weight"],
-        "transformer.ln_f.weight": ours["ln_f.weight"],
-        "transformer.ln_f.bias": ours["ln_f.bias"],
-    }
-    for i in range(model.cfg.n_layer):
-        for name, (theirs, transpose) in _LAYER.items():
-            value = ours[f"blocks.{i}.{name}"]
-            out[f"transformer.h.{i}.{theirs}"] = value.t() if transpose else value
+    out = {}
+    for name, theirs, transpose in _names(family, model.cfg.n_layer):
+        value = ours[name]
+        if family.rule(name).padded:
+            value = value[: model.vocab_size]
+        out[theirs] = value.t() if transpose else value
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def from_hf_state(state: dict[str, torch.Tensor], model: GPT) -> None:
-    """Load a Hugging Face GPT-2 state dict into ``model`` (padding rows set to zero)."""
-    state = {k.removeprefix("transformer."): v for k, v in state.items()}
+def from_hf_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Load a Hugging Face state dict into ``model`` (vocabulary padding rows set to zero)."""
+    family = _hf_family(model.cfg)
     ours: dict[str, torch.Tensor] = {}
-    wte = state["wte.weight"]
-    padded = torch.zeros(model.padded_vocab, wte.shape[1], dtype=wte.dtype)
-    padded[: wte.shape[0]] = wte
-    ours["wte.weight"] = padded
-    ours["wpe.weight"] = state["wpe.weight"]
-    ours["ln_f.weight"], ours["ln_f.bias"] = state["ln_f.weight"], state["ln_f.bias"]
-    for i in range(model.cfg.n_layer):
-        for name, (theirs, transpose) in _LAYER.items():
-            value = state[f"h.{i}.{theirs}"]
-            ours[f"blocks.{i}.{name}"] = value.t() if transpose else value
+    for name, theirs, transpose in _names(family, model.cfg.n_layer):
+        value = state[theirs]
+        value = value.t() if transpose else value
+        if family.rule(name).padded:
+            padded = torch.zeros(model.padded_vocab, *value.shape[1:], dtype=value.dtype)
+            padded[: value.shape[0]] = value
+            value = padded
+        ours[name] = value
     model.load_state_dict({k: v.float().contiguous() for k, v in ours.items()})
 
 
@@ -109,7 +86,7 @@ def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
             weights = partial / "model.safetensors"
             save_file(to_hf_state(model), str(weights), metadata={"format": "pt"})
             honour_umask(weights)
-            config = hf_config(model.cfg, model.vocab_size, tokenizer.eos_id)
+            config = _hf_family(model.cfg).hf_config(model.cfg, model.vocab_size, tokenizer.eos_id)
             (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             if tokenizer.kind == "hf":
                 shutil.copyfile(Path(run_dir) / "tokenizer.json", partial / "tokenizer.json")
@@ -119,7 +96,7 @@ def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
 
 
 def from_hf(hf_dir: Path, run_dir: Path) -> Path:
-    """Make a run folder whose step-0 checkpoint holds a Hugging Face GPT-2; return it.
+    """Make a run folder whose step-0 checkpoint holds a Hugging Face model; return it.
 
     Train from it with ``hpcllm train --set run.dir=RUN_DIR`` (it resumes from that step).
     """
@@ -133,23 +110,19 @@ def from_hf(hf_dir: Path, run_dir: Path) -> Path:
             "GPT-2 saved with save_pretrained)"
         )
     hf = json.loads(config_path.read_text())
-    if hf.get("model_type") != "gpt2":
-        raise UserError(f"{config_path}: model_type {hf.get('model_type')!r} is not gpt2")
-    if hf.get("activation_function", "gelu_new") != "gelu_new" or hf.get("n_inner"):
-        raise UserError(f"{config_path}: only gelu_new and n_inner = 4*n_embd are supported")
+    readable = families.by_hf_model_type()
+    family = readable.get(hf.get("model_type"))
+    if family is None or family.model_keys_of_hf is None:
+        raise UserError(
+            f"{config_path}: model_type {hf.get('model_type')!r} is not "
+            + " or ".join(sorted(readable))
+        )
     cfg = Config()
     cfg.model = ModelConfig(
-        preset=None,
-        n_layer=hf["n_layer"],
-        n_head=hf["n_head"],
-        d_model=hf["n_embd"],
-        seq_len=hf["n_positions"],
-        vocab_size=hf["vocab_size"],
-        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        init_std=hf.get("initializer_range", 0.02),
+        arch=family.name, preset=None, **family.model_keys_of_hf(hf, str(config_path))
     )
     cfg.run.dir = str(run_dir)
-    model = GPT(cfg.model, hf["vocab_size"])
+    model = build(cfg.model, hf["vocab_size"])
     from_hf_state(load_file(str(weights)), model)
     _write_step0(cfg, model, run_dir)
     if (hf_dir / "tokenizer.json").is_file():
@@ -157,7 +130,7 @@ def from_hf(hf_dir: Path, run_dir: Path) -> Path:
     return run_dir
 
 
-def _write_step0(cfg: Config, model: GPT, run_dir: Path) -> None:
+def _write_step0(cfg: Config, model: nn.Module, run_dir: Path) -> None:
     from hpcllm import topology
     from hpcllm.train import checkpoint
 

@@ -19,7 +19,7 @@ from hpcllm.config import BatchPlan
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
-from hpcllm.generate import load_model
+from hpcllm.generate import merged_model
 from hpcllm.train.reshard import select
 
 
@@ -56,7 +56,7 @@ def evaluate(
     ``micro_batch_size`` and ``seed`` default to the run's; ``iters`` (micro-batches) to one
     pass over the split.
     """
-    model, run_cfg = load_model(select(run_dir, step), verified=True)
+    model, run_cfg = merged_model(select(run_dir, step), verified=True)
     cfg = model.cfg
     manifest = load_manifest(data)
     if manifest.vocab_size > model.vocab_size:

@@ -1,4 +1,5 @@
-"""``hpcllm generate``: load a run's checkpoint (any layout) and sample text from a prompt."""
+"""A trained run as one model: :func:`load_model` (``hpcllm.load_model``), and ``hpcllm generate``,
+which samples text from a prompt with it."""
 
 from __future__ import annotations
 
@@ -6,30 +7,44 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hpcllm.config import Config
 from hpcllm.datasets.tokenizer import load_tokenizer
 from hpcllm.errors import UserError
-from hpcllm.model.gpt import GPT
+from hpcllm.model import build
 from hpcllm.train import reshard
 
 
-def load_model(folder: Path, *, verified: bool = False) -> tuple[GPT, Config]:
-    """Return (the whole GPT in eval mode, on the CPU; its run's config) from a checkpoint.
+def load_model(run_dir: str | Path, step: int | None = None) -> nn.Module:
+    """Return a trained run's model, whole, in eval mode on the CPU: ``model(ids)`` gives the
+    logits (batch, tokens, vocabulary) of token ids (batch, tokens).
+
+    From the newest checkpoint of ``run_dir`` that verifies, or the one of ``step``; of any
+    layout (tensor-parallel slices and pipeline stages are merged in memory) and any model
+    family. Also ``hpcllm.load_model``.
+    """
+    model, _ = merged_model(reshard.select(Path(run_dir), step), verified=True)
+    return model
+
+
+def merged_model(folder: Path, *, verified: bool = False) -> tuple[nn.Module, Config]:
+    """Return (the whole model in eval mode, on the CPU; its run's config) from a checkpoint
+    folder.
 
     Any layout: tensor-parallel slices and pipeline stages are merged in memory.
     ``verified``: :func:`hpcllm.train.reshard.select` checked the folder already.
     """
     cfg, vocab, weights = reshard.whole_model_state(folder, verified=verified)
     with torch.device("meta"):
-        model = GPT(cfg.model, vocab)
+        model = build(cfg.model, vocab)
     model.load_state_dict(weights, assign=True)
     return model.eval(), cfg
 
 
 def load_run_model(
     run_dir: Path, device: torch.device | None = None, step: int | None = None
-) -> tuple[GPT, Any]:
+) -> tuple[nn.Module, Any]:
     """Return (model in eval mode, tokenizer) from a run's checkpoint of any layout.
 
     The newest checkpoint that verifies, or the one of ``step``.
@@ -38,7 +53,7 @@ def load_run_model(
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path} is missing; it is copied there when training starts")
-    model, _ = load_model(reshard.select(run_dir, step), verified=True)
+    model, _ = merged_model(reshard.select(run_dir, step), verified=True)
     return model.to(device or torch.device("cpu")), load_tokenizer(tokenizer_path)
 
 

@@ -20,12 +20,13 @@ ROOTS = {"hpcllm": "hpcllm", "hpcllm.kernels": "kernels", "hpcllm.datasets": "da
 # A module may import from its own layer and the layers below; a module that no layer matches
 # fails the test, so that a new top-level module is placed on purpose.
 LAYERS = [
-    ("package", ["hpcllm"]),  # __init__: __version__ only
+    # __init__: __version__, and load_model resolved on first use (LAZY_EXPORTS)
+    ("package", ["hpcllm"]),
     ("user error", ["hpcllm.user_error"]),
     ("launcher", ["hpcllm.launcher", "hpcllm.files"]),
     ("errors", ["hpcllm.errors", "hpcllm.watchdog"]),
     ("topology", ["hpcllm.topology"]),
-    ("config", ["hpcllm.config", "hpcllm.flops"]),
+    ("config", ["hpcllm.config", "hpcllm.flops", "hpcllm.families"]),
     ("observe", ["hpcllm.observe"]),
     ("data+kernels", ["hpcllm.datasets", "hpcllm.kernels"]),
     ("parallel", ["hpcllm.parallel"]),
@@ -41,6 +42,21 @@ LAYERS = [
 # The data-parallel engines wrap any model and optimizer; they know nothing of the model, the
 # trainer or pipelines.
 ENGINES = ["hpcllm.parallel.data"]
+
+# The package's __init__ imports these inside its PEP 562 __getattr__ only, on first use of
+# the name they export (hpcllm.load_model): the one import from the bottom layer upward.
+LAZY_EXPORTS = {("hpcllm", "hpcllm.generate")}
+
+# Where no module may name a model family's own modules (its spec under hpcllm.families, its
+# torch half): they reach a family through the registry (hpcllm.families, hpcllm.model.build).
+FAMILY_BLIND = [
+    "hpcllm.train",
+    "hpcllm.plan",
+    "hpcllm.convert",
+    "hpcllm.flops",
+    "hpcllm.generate",
+    "hpcllm.evaluate",
+]
 
 # Private names another module may import: none.
 PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
@@ -285,6 +301,7 @@ def test_no_import_cycles():
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():
     _, edges = _real_graph()
+    edges = [e for e in edges if (e.importer, e.imported) not in LAZY_EXPORTS]
     report = upward_imports(edges, LAYERS, REPO)
     order = "\n".join(
         f"  {_layer_name(i, LAYERS)}: {', '.join(p)}" for i, (_, p) in enumerate(LAYERS)
@@ -293,6 +310,39 @@ def test_no_import_from_a_lower_layer_to_a_higher_one():
         f"{len(report)} imports from a lower layer to a higher one (function-level imports "
         f"included):\n" + "\n".join(report) + f"\nlayers, bottom to top:\n{order}"
     )
+
+
+def test_the_package_init_imports_hpcllm_modules_only_in_its_getattr():
+    tree = ast.parse((REPO / "hpcllm" / "__init__.py").read_text())
+    lazy = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__")
+    inside = {id(n) for n in ast.walk(lazy)}
+
+    def names_hpcllm(node: ast.Import | ast.ImportFrom) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return under(node.module or "", TOP)
+        return any(under(alias.name, TOP) for alias in node.names)
+
+    eager = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in inside and names_hpcllm(n)
+    ]
+    assert not eager, f"hpcllm/__init__.py imports hpcllm modules at lines {eager}"
+
+
+def test_no_module_names_a_model_familys_own_modules():
+    from hpcllm import families
+
+    modules, edges = _real_graph()
+    own = {m for m in modules if under(m, "hpcllm.families") and m != "hpcllm.families"}
+    own |= {families.get(n).module.partition(":")[0] for n in families.names()}
+    assert "hpcllm.families.gpt2" in own and "hpcllm.model.gpt" in own
+    bad = [
+        f"{_where(e, REPO)}  {e.importer} -> {e.imported}"
+        for e in edges
+        if any(under(e.importer, p) for p in FAMILY_BLIND) and e.imported in own
+    ]
+    assert not bad, "modules that must reach a family through the registry:\n" + "\n".join(bad)
 
 
 def test_data_parallel_engines_know_no_model_trainer_or_pipeline():

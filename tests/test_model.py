@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from hpcllm.config import ModelConfig, load_config, padded_vocab
-from hpcllm.convert import from_hf_state, hf_config, to_hf_state
+from hpcllm.convert import from_hf_state, to_hf_state
 from hpcllm.errors import UserError
+from hpcllm.families.gpt2 import hf_config
 from hpcllm.flops import step_flops
 from hpcllm.model.gpt import GPT
 from hpcllm.train.optim import lr_at

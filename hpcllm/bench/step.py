@@ -222,6 +222,13 @@ def _row(
     }
 
 
+def _model_flops(cfg: Config, padded_vocab: int) -> float:
+    """Return the FLOPs of one step of one micro-batch of ``cfg``'s model (both sides')."""
+    m = cfg.model
+    shape = (cfg.train.micro_batch_size, m.seq_len, m.n_layer, m.d_model, padded_vocab)
+    return step_flops(*shape, arch=m.arch, n_head=m.n_head)
+
+
 def bench_shape(
     name: str,
     config: Path | None,
@@ -299,9 +306,7 @@ def bench_shape(
                 "padded": trainer.padded_vocab,
                 "data": trainer.manifest.vocab_size,
             }
-        flops = step_flops(
-            cfg.train.micro_batch_size, m.seq_len, m.n_layer, m.d_model, vocab["padded"]
-        )
+        flops = _model_flops(cfg, vocab["padded"])
         peak = peak_tflops(device, precision, cfg.train.peak_tflops)
         times["hpcllm_loop"], cpu_times["hpcllm_loop"] = [loop["step_s"]], [loop["cpu_s"]]
         if not fused:  # the configured step already ran with kernels off

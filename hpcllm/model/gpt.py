@@ -183,6 +183,10 @@ class Block(nn.Module):
     stream, since each rank holds different positions.
     """
 
+    # A family built on GPT-2 swaps its MLP here: the class is called as MLP is, and returns
+    # (output, bias or None) with its output projection's bias as ``proj.bias``.
+    mlp_class: type[nn.Module] = MLP
+
     def __init__(
         self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
     ) -> None:
@@ -191,7 +195,7 @@ class Block(nn.Module):
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
         self.attn = Attention(cfg, group, gen, sp)
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
-        self.mlp = MLP(cfg, group, gen, sp)
+        self.mlp = self.mlp_class(cfg, group, gen, sp)
         self.dropout = cfg.dropout
         self.rng_group = group if sp else None
         if sp:
@@ -221,6 +225,8 @@ class GPT(nn.Module):
     still drawn from the generator, and dropped, so every weight it holds equals the whole
     model's; its state-dict keys are the whole model's too (``blocks.7.…``).
     """
+
+    block_class: type[Block] = Block  # a family built on GPT-2 swaps its block here
 
     def __init__(
         self,
@@ -264,7 +270,7 @@ class GPT(nn.Module):
                 mark_sequence_parallel(self.wpe.weight)
         blocks = {}
         for index in range(cfg.n_layer):
-            block = Block(cfg, tp_group, gen, self.sequence_parallel)
+            block = self.block_class(cfg, tp_group, gen, self.sequence_parallel)
             if index in layers:
                 blocks[str(index)] = block
         self.blocks = nn.ModuleDict(blocks)

@@ -1,4 +1,4 @@
-"""The GPT cut into pipeline stages: which blocks each stage holds, and the tied embedding.
+"""A model cut into pipeline stages: which blocks each stage holds, and the tied embedding.
 
 Stage k of S = p·v holds a contiguous run of blocks; the first also holds the embedding, the
 last the final LayerNorm and the output layer, which is tied to the embedding. When those
@@ -15,8 +15,9 @@ from typing import Any
 
 from torch import nn
 
+from hpcllm import families
 from hpcllm.config import ModelConfig
-from hpcllm.model.gpt import GPT
+from hpcllm.model import build
 
 
 def split_layers(n_layer: int, stages: int, given: Sequence[int] | None = None) -> list[range]:
@@ -63,10 +64,11 @@ def build_chunks(
     """Return this pipeline rank's v model chunks (chunk c is stage c·p + rank)."""
     stages = p * v
     split = split_layers(cfg.n_layer, stages, layers)
+    family = families.get(cfg.arch)
     chunks = []
     for chunk in range(v):
         stage = chunk * p + rank
-        part = GPT(
+        part = build(
             cfg,
             vocab_size,
             tp_group=tp_group,
@@ -77,13 +79,21 @@ def build_chunks(
             post=stage == stages - 1,
         )
         part.stage = stage
-        if part.post and not part.pre and p > 1:
-            part.wte.weight.pipeline_duplicate = True
         if (part.pre or part.post) and p > 1:
-            # Its gradient is complete only once the first and last stage have summed theirs.
-            part.wte.weight.tied_across_stages = True
+            _mark_tied(part, family)
         chunks.append(part)
     return nn.ModuleList(chunks)
+
+
+def _mark_tied(part: nn.Module, family: families.Family) -> None:
+    """Mark the tensors the family ties across the first and last stage (its rules' stage
+    ``first+last``): their gradient is complete only once both stages have summed theirs,
+    and the last stage's copy is counted once in the gradient norm."""
+    for name, param in part.named_parameters():
+        if family.rule(name).stage == "first+last":
+            param.tied_across_stages = True
+            if part.post and not part.pre:
+                param.pipeline_duplicate = True
 
 
 def chunks_state_dict(chunks: nn.ModuleList, pp: int) -> dict[str, Any]:

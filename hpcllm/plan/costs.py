@@ -49,8 +49,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hpcllm import families
 from hpcllm.config import BatchPlan, padded_vocab
-from hpcllm.flops import step_flops
 from hpcllm.parallel.pipeline.simulate import theory_bubble
 from hpcllm.plan.hardware import Cluster, gemm_efficiency
 
@@ -60,18 +60,29 @@ RECOMPUTE = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Model:
-    """A GPT's shape."""
+    """A model's shape and family (``model.arch``), whose spec gives its FLOPs, parameters,
+    GEMMs and activations (:mod:`hpcllm.families`)."""
 
     layers: int
     hidden: int
     heads: int
     seq: int
     vocab: int
+    arch: str = "gpt2"
+
+    @property
+    def family(self) -> families.Family:
+        """Return the family's spec."""
+        return families.get(self.arch)
+
+    @property
+    def shape(self) -> families.Shape:
+        """Return the sizes the family's formulas take."""
+        return families.Shape(self.layers, self.hidden, self.heads, self.seq, self.vocab)
 
     def parameters(self) -> int:
-        """Return the parameter count: 12·h² + 13·h per layer, embeddings, final LayerNorm."""
-        h = self.hidden
-        return self.layers * (12 * h * h + 13 * h) + (self.vocab + self.seq) * h + 2 * h
+        """Return the parameter count (the family's)."""
+        return self.family.parameters(self.shape)
 
 
 @dataclass(frozen=True)
@@ -179,18 +190,13 @@ class Estimate:
 
 
 def rank_parameters(model: Model, layout: Layout) -> float:
-    """Return the parameters the first pipeline rank holds (its layers, both embeddings).
-
-    Per layer, the column- and row-parallel weights and the column-parallel biases are split
-    over t (12·h² + 7·h), the row-parallel biases and LayerNorms are whole (6·h); the token
-    embedding is padded to a multiple of 128·t rows and split.
-    """
-    h, t = model.hidden, layout.tp
+    """Return the parameters the first pipeline rank holds: its layers (each split over t as
+    the family says), the embeddings, and the final layers when it is also the last."""
+    t, family, shape = layout.tp, model.family, model.shape
     layers = layout.vpp * math.ceil(model.layers / (layout.pp * layout.vpp))
-    per_layer = (12 * h * h + 7 * h) / t + 6 * h
-    embedding = padded_vocab(model.vocab, t) * h / t + model.seq * h
-    final_norm = 2 * h if layout.pp == 1 else 0
-    return layers * per_layer + embedding + final_norm
+    split, whole = family.layer_parameters(shape)
+    final = family.last_parameters(shape) if layout.pp == 1 else 0
+    return layers * (split / t + whole) + family.first_parameters(shape, t) + final
 
 
 def _bytes_per_value(precision: str) -> int:
@@ -253,11 +259,9 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     peak = cluster.gpu.peak(software.precision)
     e = _bytes_per_value(software.precision)
     rows = b * s
-    gemm = (
-        _gemm_s(cluster, peak, rows, 3 * h // t, h, e)  # q|k|v
-        + _gemm_s(cluster, peak, rows, h, h // t, e)  # attention output
-        + _gemm_s(cluster, peak, rows, 4 * h // t, h, e)  # MLP up
-        + _gemm_s(cluster, peak, rows, h, 4 * h // t, e)  # MLP down
+    gemm = sum(
+        _gemm_s(cluster, peak, m, n, k, e)
+        for m, n, k in model.family.layer_gemms(rows, model.shape, t)
     )
     if software.attention == "flash":
         # Causal: half of the 4·b·s²·h/t score and context FLOPs are computed.
@@ -316,16 +320,11 @@ def _in_flight(layout: Layout, m: int) -> float:
 
 
 def _activation_bytes_per_layer(model: Model, layout: Layout, software: Software) -> float:
-    s, b, h, a, t = model.seq, layout.micro_batch, model.hidden, model.heads, layout.tp
+    s, b, h, t = model.seq, layout.micro_batch, model.hidden, layout.tp
     sbh = s * b * h * _bytes_per_value(software.precision) / 2
-    scores = 0.0 if software.attention == "flash" else 5 * a * s / (h * t)
-    if layout.sequence_parallel and t > 1:
-        stored = 34 / t
-    else:
-        stored = 10 + 24 / t
-    if layout.recompute == "selective":
-        scores = 0.0
-    return sbh * (stored + scores)
+    # Selective recomputation keeps no attention scores, as flash attention stores none.
+    flash = software.attention == "flash" or layout.recompute == "selective"
+    return sbh * model.family.activation_factor(model.shape, t, layout.sequence_parallel, flash)
 
 
 def memory_parts(
@@ -436,8 +435,8 @@ def estimate(
     tp_total = m * layers_per_rank * layer.tp_f * (2 + (layout.recompute == "full"))
     step_time = compute + bubble + pp_exposed + dp_exposed + optimizer
     gpus = t * p * d
-    done = step_flops(global_batch, s, model.layers, h, model.vocab, layout.recompute)
-    useful = step_flops(global_batch, s, model.layers, h, model.vocab, "none")
+    done = model.family.step_flops(global_batch, model.shape, layout.recompute)
+    useful = model.family.step_flops(global_batch, model.shape, "none")
     parts = memory_parts(model, layout, cluster, software, global_batch)
     usable = cluster.gpu.memory_gb * cluster.usable_memory_fraction
     return Estimate(

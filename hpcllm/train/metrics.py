@@ -75,8 +75,9 @@ class Metrics:
         m = cfg.model
         self.tokens_per_step = global_batch * m.seq_len
         shape = (global_batch, m.seq_len, m.n_layer, m.d_model, padded_vocab)
-        self.flops_per_step = step_flops(*shape, m.recompute)
-        self.model_flops_per_step = step_flops(*shape, "none")
+        family = {"arch": m.arch, "n_head": m.n_head}
+        self.flops_per_step = step_flops(*shape, m.recompute, **family)
+        self.model_flops_per_step = step_flops(*shape, "none", **family)
         self.peak = observe.peak_tflops(grid.device, cfg.train.precision, cfg.train.peak_tflops)
         self._log: observe.MetricsLog | None = None
         self._bar: Any = None

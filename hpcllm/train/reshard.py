@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import yaml
 
+from hpcllm import families
 from hpcllm.config import (
     BatchPlan,
     Config,
@@ -49,7 +50,7 @@ from hpcllm.config import (
 )
 from hpcllm.errors import UserError
 from hpcllm.files import new_folder
-from hpcllm.model.gpt import GPT
+from hpcllm.model import build
 from hpcllm.model.stages import split_layers
 from hpcllm.parallel.tensor.layers import merge_shards, shard_of
 from hpcllm.train import checkpoint
@@ -106,15 +107,17 @@ class Param:
     name: str
     dim: int
     partition: tuple[int, int] | None  # (dim, stride) of the tp slices; None: whole on every rank
+    padded: bool = False  # vocabulary rows, padded to a multiple of 128·t
 
 
 def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param]:
     # The model's own constructor on the meta device: names, order and partitions without
     # a byte of weights, and no second copy of the rules that place them.
     with torch.device("meta"):
-        stage = GPT(cfg, 1, layers=layers, pre=pre, post=post)
+        stage = build(cfg, 1, layers=layers, pre=pre, post=post)
+    family = families.get(cfg.arch)
     return [
-        Param(name, param.dim(), getattr(param, "partition", None))
+        Param(name, param.dim(), getattr(param, "partition", None), family.rule(name).padded)
         for name, param in stage.named_parameters()
     ]
 
@@ -234,7 +237,7 @@ class SavedState:
     def _merge(self, name: str, slices: list[torch.Tensor]) -> torch.Tensor:
         partition = self.params[name].partition
         whole = merge_shards(slices, *partition) if partition else slices[0]
-        return whole[: self.vocab] if name == "wte.weight" else whole
+        return whole[: self.vocab] if self.params[name].padded else whole
 
     def weight(self, name: str) -> torch.Tensor:
         """Return a parameter whole, without the embedding's padding rows."""
@@ -267,7 +270,7 @@ class SavedState:
 
 
 def _cut(param: Param, whole: torch.Tensor, vocab: int, tp_rank: int, tp: int) -> torch.Tensor:
-    if param.name == "wte.weight":
+    if param.padded:
         rows = padded_vocab(vocab, tp)
         whole = torch.cat([whole, whole.new_zeros(rows - vocab, *whole.shape[1:])])
     part = shard_of(whole, *param.partition, tp_rank, tp) if param.partition else whole

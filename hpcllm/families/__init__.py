@@ -1,0 +1,185 @@
+"""Model families: the one seam through which the trainer, re-cut, convert, FLOPs, the planner
+and generation reach a model, selected by ``model.arch``.
+
+A family is two halves. Its **spec** (a :class:`Family`, in a module of this package) is
+torch-free, so the config layer and the planner import it without torch: the config keys it
+reads and its presets, FLOPs per step (forward, backward, recomputation), parameter count,
+activation memory per layer, the GEMMs of one layer, the partition rule of every tensor
+(:class:`TensorRule`: the dimension split over t or replicated, how its gradient is reduced,
+which pipeline stage holds it) and its Hugging Face names. Its **torch half** is a module
+class named by :attr:`Family.module` (``"package.module:Class"``), imported on first use
+(:func:`model_class`); it builds one pipeline stage (``layers``, ``pre``, ``post``) and
+generates. Nothing outside ``hpcllm.model`` and this package names a family's modules.
+
+Built in: ``gpt2`` (:mod:`hpcllm.families.gpt2`). A family defined elsewhere registers
+itself with :func:`register` when its module is imported; the modules named in the
+``HPCLLM_FAMILIES`` environment variable (comma-separated) and the ``hpcllm.families``
+entry points are imported on the first lookup, in every rank alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcllm.user_error import UserError
+
+# The split of a tensor over the tensor-parallel ranks: (dimension, stride); None: replicated.
+Split = tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """Where the tensors whose whole-model names match ``pattern`` live, and how.
+
+    ``split``: the dimension cut over t and its stride (3 for a fused q|k|v), or None for a
+    tensor every tp rank holds whole. ``grad``: how its gradient becomes whole across the tp
+    group: ``"local"`` (each rank's slice is its own), ``"tp-sum-if-sequence-parallel"`` (a
+    replicated tensor that sees 1/t of the tokens under sequence parallelism). ``stage``:
+    ``"first"``, ``"last"``, ``"first+last"`` (tied: a copy on each, gradients summed) or
+    ``"block"`` (the stage holding the block of the name's index). ``padded``: its rows are
+    the vocabulary, padded with zero rows to a multiple of 128·t (dropped when merged whole).
+    """
+
+    pattern: str
+    split: Split
+    grad: str
+    stage: str
+    padded: bool = False
+
+    def matches(self, name: str) -> bool:
+        """Return whether ``name`` (a whole-model parameter name) is one of these tensors."""
+        return re.fullmatch(self.pattern, name) is not None
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor's Hugging Face name: ``ours`` and ``theirs`` with ``{i}`` for the block index;
+    ``transpose`` where they store the transpose of ours (GPT-2's Conv1D)."""
+
+    ours: str
+    theirs: str
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the torch-free formulas need of a model: its sizes."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's torch-free spec (see the module docstring)."""
+
+    name: str
+    module: str  # "package.module:Class", the torch half
+    config_keys: tuple[str, ...]  # the model.* keys it reads
+    presets: Mapping[str, Mapping[str, int]]
+    # FLOPs of one step on ``batch`` sequences: (batch, shape, recompute) -> FLOPs.
+    step_flops: Callable[[int, Shape, str], float]
+    parameters: Callable[[Shape], int]
+    # One layer's parameters: (split over t, whole on every tp rank).
+    layer_parameters: Callable[[Shape], tuple[int, int]]
+    # The first stage's parameters outside the layers at t (embeddings), and the last's
+    # (what follows the layers; a tied output layer is the embedding, counted once).
+    first_parameters: Callable[[Shape, int], float]
+    last_parameters: Callable[[Shape], int]
+    # Bytes of activations one layer keeps per token and per (2-byte) hidden value, as
+    # Korthikanti et al. count them: (shape, t, sequence_parallel, flash) -> factor of s·b·h.
+    activation_factor: Callable[[Shape, int, bool, bool], float]
+    # One layer's GEMMs for ``rows`` tokens at t: (rows, shape, t) -> [(M, N, K), ...].
+    layer_gemms: Callable[[int, Shape, int], list[tuple[int, int, int]]]
+    tensors: tuple[TensorRule, ...]
+    hf_tensors: tuple[HFTensor, ...] = ()
+    hf_model_type: str | None = None  # config.json's model_type
+    # Hugging Face config.json out: (model config, vocabulary, EOS id) -> dict; and in:
+    # (config.json as a dict, its path for messages) -> model.* keys (a UserError where the
+    # family cannot hold that model).
+    hf_config: Callable[[Any, int, int | None], dict] | None = None
+    model_keys_of_hf: Callable[[dict, str], dict[str, Any]] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def rule(self, name: str) -> TensorRule:
+        """Return the rule of a whole-model parameter name; a ValueError where none matches."""
+        for rule in self.tensors:
+            if rule.matches(name):
+                return rule
+        raise ValueError(f"family {self.name}: no tensor rule matches {name}")
+
+
+_REGISTRY: dict[str, Family] = {}
+_PLUGINS_LOADED = False
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to the registry under its name (again: replaced) and return it."""
+    _REGISTRY[family.name] = family
+    return family
+
+
+def _load_plugins() -> None:
+    """Import the built-in families, then those of HPCLLM_FAMILIES and the entry points."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return
+    _PLUGINS_LOADED = True
+    importlib.import_module("hpcllm.families.gpt2")
+    names = [n.strip() for n in os.environ.get("HPCLLM_FAMILIES", "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise UserError(f"HPCLLM_FAMILIES names {name}, which does not import: {err}") from None
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group="hpcllm.families"):
+        point.load()
+
+
+def names() -> list[str]:
+    """Return the registered families' names."""
+    _load_plugins()
+    return sorted(_REGISTRY)
+
+
+def get(arch: str) -> Family:
+    """Return the family ``model.arch`` names; a UserError naming the known ones otherwise."""
+    _load_plugins()
+    if arch not in _REGISTRY:
+        raise UserError(
+            f"model.arch {arch!r} is not a model family; known: {', '.join(sorted(_REGISTRY))} "
+            "(a family defined elsewhere is registered by naming its module in HPCLLM_FAMILIES)"
+        )
+    return _REGISTRY[arch]
+
+
+def presets() -> dict[str, dict[str, int]]:
+    """Return every family's presets, by name (a name is one family's)."""
+    _load_plugins()
+    found: dict[str, dict[str, int]] = {}
+    for family in _REGISTRY.values():
+        for name, sizes in family.presets.items():
+            found[name] = dict(sizes)
+    return found
+
+
+def by_hf_model_type() -> dict[str, Family]:
+    """Return the families that read Hugging Face checkpoints, by config.json's model_type."""
+    _load_plugins()
+    return {f.hf_model_type: f for f in _REGISTRY.values() if f.hf_model_type}
+
+
+def model_class(arch: str) -> type:
+    """Return the torch half of family ``arch``: its module class, imported now."""
+    module, _, name = get(arch).module.partition(":")
+    return getattr(importlib.import_module(module), name)
