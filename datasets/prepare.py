@@ -10,8 +10,10 @@ read, tokenize and write disjoint parts with no communication until the manifest
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +35,7 @@ from hpcllm.datasets.shards import (
 )
 from hpcllm.datasets.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
 from hpcllm.errors import UserError
+from hpcllm.files import durable_replace, partial_path, sweep_partials
 
 _ENCODE_BATCH = 64
 
@@ -129,12 +132,23 @@ def split_of(doc_id: int, val_fraction: float) -> tuple[str, int]:
     return "train", doc_id - val_before
 
 
-def _clear_previous(out: Path) -> None:
-    """Remove what an earlier prepare left in ``out``: manifest first, then shards."""
+def _swap_in(stage: Path, out: Path) -> None:
+    """Replace the dataset in ``out`` by the complete one in ``stage``, and remove ``stage``.
+
+    The old manifest goes first (from then on no reader takes the old dataset), then its shards,
+    then the new shards and tokenizer move in and the new manifest comes last: a reader sees
+    the old dataset, no dataset, or the new one. Files of ``out`` that are not a dataset's stay.
+    """
+    out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    for pattern in ("train-*.h5", "val-*.h5", ".*.partial-*"):
+    for pattern in ("train-*.h5", "val-*.h5"):
         for path in out.glob(pattern):
             path.unlink()
+    for path in sorted(stage.iterdir()):
+        if path.name != MANIFEST:
+            durable_replace(path, out / path.name)
+    durable_replace(stage / MANIFEST, out / MANIFEST)
+    stage.rmdir()
 
 
 def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) -> Tokenizer:
@@ -182,27 +196,55 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     started = time.perf_counter()
     sources = find_sources(list(opts.inputs), opts.corpus)
     out = opts.out
-    error = None
+    # Everything that can refuse runs before anything is written: the tokenizer (a file that
+    # must load, or a BPE to train) here, the corpus as it is read. The shards go to a staging
+    # folder beside ``out`` and replace its dataset only when complete, so a refused, failed
+    # or killed prepare leaves the dataset already there as it was.
+    tokenizer = _make_tokenizer(opts, sources, world)
+    stage, error = None, None
     if world.rank == 0:
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            _clear_previous(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sweep_partials(out.parent)  # what a killed prepare left
+            sweep_partials(out)
+            stage = partial_path(out)
+            stage.mkdir()
         except OSError as err:
             error = f"cannot write to {out}: {err.strerror}"
-    error = world.bcast(error)
+    stage, error = world.bcast((stage, error))
     if error:
         raise UserError(error)
+    try:
+        manifest = _prepare_into(stage, opts, sources, tokenizer, world, started, progress)
+        if world.rank == 0:
+            _swap_in(stage, out)
+    finally:
+        if world.rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+    return manifest
 
-    tokenizer = _make_tokenizer(opts, sources, world)
+
+def _prepare_into(
+    stage: Path,
+    opts: PrepareOptions,
+    sources: list[Source],
+    tokenizer: Tokenizer,
+    world: _World,
+    started: float,
+    progress: bool,
+) -> dict[str, Any]:
+    """Write the tokenizer, every rank's shards and the manifest into ``stage``; return the
+    manifest (on every rank)."""
     if world.rank == 0:
-        tokenizer.save(out / TOKENIZER_FILE)
+        tokenizer.save(stage / TOKENIZER_FILE)
     tokenizer_ready = time.perf_counter()
     n_train, mine = _shard_plan(opts, world)
     n_shards = {"train": n_train, "val": opts.val_shards}
 
     writers: dict[tuple[str, int], ShardWriter] = {}
+    staged = dataclasses.replace(opts, out=stage)
     try:
-        _tokenize_into(writers, opts, sources, tokenizer, mine, n_shards, world, progress)
+        _tokenize_into(writers, staged, sources, tokenizer, mine, n_shards, world, progress)
         entries = [(split, index, w.commit()) for (split, index), w in sorted(writers.items())]
     except BaseException:
         for writer in writers.values():
@@ -218,7 +260,7 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
         }
         manifest, error = _manifest(opts, sources, tokenizer, gathered, started, timing)
         if manifest is not None:
-            write_manifest(out, manifest)
+            write_manifest(stage, manifest)
     manifest, error = world.bcast((manifest, error))
     if error:
         raise UserError(error)

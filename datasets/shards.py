@@ -193,6 +193,25 @@ class Manifest:
         """Return the id that ends each document."""
         return int(self.raw["tokenizer"]["eos_id"])
 
+    def check_same_tokenizer(self, tokenizer: Path, owner: str) -> None:
+        """Raise a UserError when the file ``tokenizer`` (``owner``'s: a run folder's
+        tokenizer.json) is not the tokenizer this data was made with; a missing file passes.
+
+        Two tokenizers with the same vocabulary size give the same token ids different
+        meanings, so the vocabulary check alone cannot catch this.
+        """
+        if not tokenizer.is_file():
+            return
+        import hashlib
+
+        theirs = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+        if theirs != self.tokenizer_sha256:
+            raise UserError(
+                f"{self.root} was tokenized with another tokenizer than {owner}: sha256 "
+                f"{self.tokenizer_sha256[:12]}… against {theirs[:12]}… ({tokenizer}); prepare "
+                "the data with that tokenizer (hpcllm prepare --tokenizer FILE)"
+            )
+
     def n_tokens(self, split: str) -> int:
         """Return the tokens of ``split``, EOS included."""
         return sum(s.n_tokens for s in self.shards[split])

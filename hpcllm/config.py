@@ -323,6 +323,9 @@ class RunConfig:
     )
     tensorboard: bool = key(True, "write TensorBoard events")
     reshard: bool = key(False, "resume a checkpoint of another layout (t, p, v) by re-cutting it")
+    allow_unverified: bool = key(
+        False, "resume from a checkpoint without a manifest (format 1, or damaged), unchecked"
+    )
     keep_checkpoints: int | None = key(None, "keep the newest N checkpoints; null: all", POSITIVE)
 
 

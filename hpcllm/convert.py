@@ -69,7 +69,9 @@ def from_hf_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
     model.load_state_dict({k: v.float().contiguous() for k, v in ours.items()})
 
 
-def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
+def to_hf(
+    run_dir: Path, out_dir: Path, step: int | None = None, allow_unverified: bool = False
+) -> Path:
     """Write a run's checkpoint (any layout) as a Hugging Face GPT-2 folder; return it.
 
     The newest checkpoint that verifies, or the one of ``step``. The folder appears whole or
@@ -80,7 +82,7 @@ def to_hf(run_dir: Path, out_dir: Path, step: int | None = None) -> Path:
 
     from hpcllm.generate import load_run_model
 
-    model, tokenizer = load_run_model(run_dir, step=step)
+    model, tokenizer = load_run_model(run_dir, step=step, allow_unverified=allow_unverified)
     try:
         with new_folder(out_dir) as partial:
             weights = partial / "model.safetensors"

@@ -50,15 +50,17 @@ def evaluate(
     micro_batch_size: int | None = None,
     iters: int | None = None,
     seed: int | None = None,
+    allow_unverified: bool = False,
 ) -> Evaluation:
     """Return the mean loss of a run's checkpoint over micro-batches of ``data``'s ``split``.
 
     ``micro_batch_size`` and ``seed`` default to the run's; ``iters`` (micro-batches) to one
     pass over the split.
     """
-    model, run_cfg = merged_model(select(run_dir, step), verified=True)
+    model, run_cfg = merged_model(select(run_dir, step, allow_unverified), verified=True)
     cfg = model.cfg
     manifest = load_manifest(data)
+    manifest.check_same_tokenizer(Path(run_dir) / "tokenizer.json", f"the run {run_dir}")
     if manifest.vocab_size > model.vocab_size:
         raise UserError(
             f"{data} was tokenized with {manifest.vocab_size} tokens, more than the model's "

@@ -10,8 +10,11 @@ the page cache.
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from collections.abc import Iterator
+import socket
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,13 +40,56 @@ def durable_replace(src: Path, dst: Path) -> None:
     fsync_path(dst.parent)
 
 
+# The host is part of a partial name: on a file system shared by nodes, a process id says
+# whether its writer is alive only on the writer's own host.
+HOST = socket.gethostname()
+_PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?P<host>.+)-(?P<pid>\d+)$")
+
+
 def partial_path(path: Path) -> Path:
     """Return the hidden sibling that ``path`` is written to before it is renamed into place.
 
-    The process id keeps two processes that write the same name from sharing a partial file;
-    ``.NAME.partial-PID`` is what ``hpcllm prepare`` sweeps away before it starts again.
+    ``.NAME.partial-HOST-PID``: the host and process id keep two writers of the same name
+    apart, and tell :func:`sweep_partials` whether the writer is still alive.
     """
-    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+    return path.with_name(f".{path.name}.partial-{HOST}-{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _say(message: str) -> None:
+    print(f"hpcllm: {message}", file=sys.stderr, flush=True)
+
+
+def sweep_partials(folder: Path, say: Callable[[str], None] = _say) -> list[Path]:
+    """Remove the partial files and folders (:func:`partial_path`) in ``folder`` whose writer, a
+    process of this host, has ended (killed before its rename); return them.
+
+    A partial of another host, or of a live process, is left alone: it may be being written.
+    Each removal is one line through ``say``.
+    """
+    removed = []
+    if not Path(folder).is_dir():
+        return removed
+    for entry in sorted(Path(folder).iterdir()):
+        match = _PARTIAL.match(entry.name)
+        if match is None or match["host"] != HOST or _alive(int(match["pid"])):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        say(f"removed {entry}, left by process {match['pid']} of this host, which has ended")
+        removed.append(entry)
+    return removed
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
@@ -93,6 +139,7 @@ def new_folder(final: Path) -> Iterator[Path]:
     final = Path(final)
     if final.exists() and not (final.is_dir() and not any(final.iterdir())):
         raise UserError(f"{final} exists and is not an empty folder; name a new folder")
+    sweep_partials(final.parent)  # what a killed writer of a folder here left
     partial = partial_path(final)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

@@ -16,15 +16,19 @@ from hpcllm.model import build
 from hpcllm.train import reshard
 
 
-def load_model(run_dir: str | Path, step: int | None = None) -> nn.Module:
+def load_model(
+    run_dir: str | Path, step: int | None = None, allow_unverified: bool = False
+) -> nn.Module:
     """Return a trained run's model, whole, in eval mode on the CPU: ``model(ids)`` gives the
     logits (batch, tokens, vocabulary) of token ids (batch, tokens).
 
     From the newest checkpoint of ``run_dir`` that verifies, or the one of ``step``; of any
     layout (tensor-parallel slices and pipeline stages are merged in memory) and any model
-    family. Also ``hpcllm.load_model``.
+    family. A checkpoint without a manifest is refused unless ``allow_unverified``. Also
+    ``hpcllm.load_model``.
     """
-    model, _ = merged_model(reshard.select(Path(run_dir), step), verified=True)
+    folder = reshard.select(Path(run_dir), step, allow_unverified)
+    model, _ = merged_model(folder, verified=True)
     return model
 
 
@@ -43,7 +47,10 @@ def merged_model(folder: Path, *, verified: bool = False) -> tuple[nn.Module, Co
 
 
 def load_run_model(
-    run_dir: Path, device: torch.device | None = None, step: int | None = None
+    run_dir: Path,
+    device: torch.device | None = None,
+    step: int | None = None,
+    allow_unverified: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Return (model in eval mode, tokenizer) from a run's checkpoint of any layout.
 
@@ -53,7 +60,7 @@ def load_run_model(
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path} is missing; it is copied there when training starts")
-    model, _ = merged_model(reshard.select(run_dir, step), verified=True)
+    model, _ = merged_model(reshard.select(run_dir, step, allow_unverified), verified=True)
     return model.to(device or torch.device("cpu")), load_tokenizer(tokenizer_path)
 
 
@@ -65,9 +72,10 @@ def generate(
     top_k: int | None = 50,
     seed: int = 0,
     step: int | None = None,
+    allow_unverified: bool = False,
 ) -> str:
     """Return ``prompt`` followed by ``tokens`` sampled tokens, decoded."""
-    model, tokenizer = load_run_model(run_dir, step=step)
+    model, tokenizer = load_run_model(run_dir, step=step, allow_unverified=allow_unverified)
     ids = tokenizer.encode_batch([prompt])[0] or [tokenizer.eos_id]
     gen = torch.Generator().manual_seed(seed)
     out = model.generate(

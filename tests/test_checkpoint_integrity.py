@@ -177,7 +177,7 @@ def test_rng_states_round_trip_through_weights_only_loading():
     assert np.array_equal(got[1], expected[1]) and got[2] == expected[2]
 
 
-def test_a_checkpoint_from_before_manifests_is_resumed_unchecked(run):
+def test_a_checkpoint_from_before_manifests_is_resumed_unchecked_only_when_asked(run):
     # Format 1: no manifest, no format_version, numpy's RNG state pickled as a tuple.
     folder = _step(run, 2)
     (folder / "manifest.json").unlink()
@@ -191,8 +191,11 @@ def test_a_checkpoint_from_before_manifests_is_resumed_unchecked(run):
     verdict = checkpoint.verify(folder)
     assert verdict.status == "unverified" and verdict.files == 3
     warnings = []
-    assert checkpoint.resumable(run, warnings.append) == folder
-    assert "predates manifests" in warnings[0]
+    # It cannot be told from a damaged checkpoint whose manifest went: refused, unless asked.
+    with pytest.raises(UserError, match="has no manifest.json.*run.allow_unverified=true"):
+        checkpoint.resumable(run, warnings.append)
+    assert checkpoint.resumable(run, warnings.append, allow_unverified=True) == folder
+    assert "no manifest; resuming from it unchecked" in warnings[0]
     loaded = checkpoint.load_shard(folder, 0, 0, 1, 1)
     checkpoint.set_rng_state(loaded["rng"], torch.device("cpu"))
     expected = np.random.RandomState(5).random_sample(4)

@@ -247,45 +247,62 @@ def test_sequence_longer_than_data(tmp_path):
         MicroBatchReader(tmp_path / "out", seq_len=100000, micro_batch_size=1)
 
 
-def test_killed_prepare_leaves_nothing_a_reader_accepts(tmp_path):
+def _prepare_command(out, *options: str) -> list[str]:
+    return [sys.executable, "-m", "hpcllm", "prepare", "--out", str(out), "--quiet", *options]
+
+
+def test_killed_prepare_leaves_the_earlier_dataset_and_the_next_removes_its_stage(tmp_path):
     out = tmp_path / "out"
-    # A finished earlier prepare in the same folder: its manifest must go before new shards.
     prepare_corpus(tmp_path / "src", out, tokenizer="byte", val_fraction=0.0)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hpcllm",
-            "prepare",
-            "--corpus",
-            "python-stdlib",
-            "--tokenizer",
-            "byte",
-            "--shards",
-            "4",
-            "--out",
-            str(out),
-            "--quiet",
-        ],
-        cwd=REPO,
-    )
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    command = _prepare_command(out, "--corpus", "python-stdlib", "--tokenizer", "byte")
+    proc = subprocess.Popen([*command, "--shards", "4"], cwd=REPO)
     deadline = time.monotonic() + 60
-    while not list(out.glob(".*.partial-*")) and time.monotonic() < deadline:
+    # Killed while it writes a shard into its staging folder beside out.
+    while not list(tmp_path.glob(".out.partial-*/.*.partial-*")) and time.monotonic() < deadline:
         assert proc.poll() is None, "prepare finished before it could be killed"
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert list(out.glob(".*.partial-*")), "killed while writing a shard"
-    assert not (out / "manifest.json").exists()
-    with pytest.raises(UserError, match="has no manifest.json"):
-        MicroBatchReader(out, seq_len=8, micro_batch_size=1)
-    run = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "inspect", str(out)],
+    stages = list(tmp_path.glob(".out.partial-*"))
+    assert len(stages) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    MicroBatchReader(out, seq_len=8, micro_batch_size=1)  # and readable
+    again = subprocess.run(
+        _prepare_command(out, "--input", str(tmp_path / "src"), "--tokenizer", "byte"),
         capture_output=True,
         text=True,
-        timeout=60,
+        cwd=REPO,
+        timeout=120,
     )
-    assert run.returncode == 2 and "a prepare that did not finish" in run.stderr
+    assert again.returncode == 0, again.stderr
+    assert f"removed {stages[0]}, left by process" in again.stderr
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["src/a", "--tokenizer", "missing.json"], "missing.json"),  # before anything is written
+        (["empty.txt", "--tokenizer", "byte"], "is empty: no document has any text"),  # after
+    ],
+    ids=["missing-tokenizer", "refused-after-the-shards"],
+)
+def test_a_refused_prepare_leaves_the_dataset_already_there(tmp_path, options, message):
+    out = tmp_path / "out"
+    prepare_corpus(tmp_path / "src", out, tokenizer="byte", val_fraction=0.0)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (tmp_path / "empty.txt").write_text("")
+    got = subprocess.run(
+        _prepare_command(out, "--input", str(tmp_path / options[0]), *options[1:]),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert got.returncode == 2 and message in got.stderr, got.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not list(tmp_path.glob(".*.partial-*"))
 
 
 def test_prepare_cli_help_explains_every_option():

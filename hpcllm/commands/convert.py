@@ -64,6 +64,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         help="run folder to read (re-cut or --to-hf)",
     )
     step_arg(conv, "read")
+    conv.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="load a checkpoint that has no manifest (format 1, or damaged) without checking it",
+    )
     conv.set_defaults(run=run)
 
 
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     axes = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "dp", "schedule")}
     recut = any(v is not None for v in axes.values())
     if args.from_hf is not None:
-        if recut or args.step is not None or args.checkpoint is not None:
+        if recut or args.step is not None or args.checkpoint is not None or args.allow_unverified:
             raise UserError("--from-hf takes --out RUN_DIR only")
         if args.out is None:
             raise UserError("--from-hf needs --out RUN_DIR")
@@ -85,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--to-hf takes --checkpoint RUN_DIR [--step N], not a layout")
         if args.checkpoint is None:
             raise UserError("--to-hf needs --checkpoint RUN_DIR")
-        print(f"wrote {convert.to_hf(args.checkpoint, args.to_hf, step=args.step)}")
+        out = convert.to_hf(
+            args.checkpoint, args.to_hf, step=args.step, allow_unverified=args.allow_unverified
+        )
+        print(f"wrote {out}")
     else:
         if not recut:
             raise UserError(
@@ -96,6 +104,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("re-cutting needs --checkpoint RUN_DIR and --out NEW_RUN")
         from hpcllm.train.reshard import convert as recut_checkpoint
 
-        out = recut_checkpoint(args.checkpoint, args.out, step=args.step, **axes)
+        out = recut_checkpoint(
+            args.checkpoint,
+            args.out,
+            step=args.step,
+            allow_unverified=args.allow_unverified,
+            **axes,
+        )
         print(f"wrote {out}")
     return 0

@@ -43,6 +43,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         help="micro-batches [default: every whole micro-batch of the split]",
     )
     ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="load a checkpoint that has no manifest (format 1, or damaged) without checking it",
+    )
     ev.set_defaults(run=run)
 
 
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         split=args.split,
         micro_batch_size=args.micro_batch_size,
         iters=args.iters,
+        allow_unverified=args.allow_unverified,
     )
     print(json.dumps(dataclasses.asdict(result)) if args.json else result.line())
     return 0

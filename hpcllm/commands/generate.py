@@ -35,6 +35,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--top-k", type=positive, default=50, help="[default: 50]")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
+    gen.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="load a checkpoint that has no manifest (format 1, or damaged) without checking it",
+    )
     gen.set_defaults(run=run)
 
 
@@ -51,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
             step=args.step,
+            allow_unverified=args.allow_unverified,
         )
     )
     return 0

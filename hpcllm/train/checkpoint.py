@@ -34,10 +34,11 @@ it runs at about 3 GB/s on one core against 0.8 for BLAKE2b, which matters becau
 reads the whole newest checkpoint on rank 0 (:func:`resumable`).
 
 Resuming never trusts ``latest``: :func:`resumable` walks the step folders newest first and
-takes the first that verifies. A folder without manifest.json is accepted, unchecked and with
-a warning, only if its meta.json has no ``format_version`` (format 1, written before
-manifests, when the rename alone made a folder complete); with format 2 a missing manifest
-means damage. Refusing format 1 outright would strand every run trained before this change.
+takes the first that verifies. A folder without manifest.json whose meta.json has no
+``format_version`` may be format 1 (written before manifests, when the rename alone made a
+folder complete), or a damaged folder that lost both: the two cannot be told apart, so it is
+refused in one line naming the opt-in (``run.allow_unverified``, ``--allow-unverified``), and
+with it loaded unchecked with a warning. With format 2 a missing manifest means damage.
 
 Shards are read with ``torch.load(weights_only=True)``, which unpickles only tensors and
 plain containers. RNG states are stored in that vocabulary (numpy's keys as an int64 tensor).
@@ -628,8 +629,25 @@ def _latest_name(root: Path) -> str | None:
     return name
 
 
-def resumable(run_dir: Path, warn: Warn) -> Path | None:
+def refuse_unverified(folder: Path, opt_in: str) -> UserError:
+    """Return the refusal of a checkpoint without a manifest, naming how to load it anyway."""
+    return UserError(
+        f"checkpoint {folder} has no manifest.json, so hpcllm cannot check it: it was saved "
+        "before manifests (format 1) or its manifest was lost with whatever else; to load it "
+        f"unchecked, {opt_in}"
+    )
+
+
+def resumable(
+    run_dir: Path,
+    warn: Warn,
+    allow_unverified: bool = False,
+    opt_in: str = "set run.allow_unverified=true",
+) -> Path | None:
     """Return the newest checkpoint folder that verifies, None if the run has no checkpoint.
+
+    The newest checkpoint without a manifest is refused (:func:`refuse_unverified`, naming
+    ``opt_in``) unless ``allow_unverified``; then it is taken, with a warning.
 
     Every checkpoint passed over is reported through ``warn`` with the file and the reason.
     Reads every file of the checkpoints it checks; run it on one rank and share the answer
@@ -646,7 +664,9 @@ def resumable(run_dir: Path, warn: Warn) -> Path | None:
             warn(f"checkpoint {folder} is damaged, skipping it: {verdict.reason}")
             continue
         if verdict.status == "unverified":
-            warn(f"checkpoint {folder} predates manifests; resuming from it unchecked")
+            if not allow_unverified:
+                raise refuse_unverified(folder, opt_in)
+            warn(f"checkpoint {folder} has no manifest; resuming from it unchecked, as asked")
         try:
             pointed = _latest_name(root)
         except ValueError as err:
@@ -664,7 +684,9 @@ def resumable(run_dir: Path, warn: Warn) -> Path | None:
     return None
 
 
-def agreed_resumable(run_dir: Path, grid: Any, warn: Warn) -> Path | None:
+def agreed_resumable(
+    run_dir: Path, grid: Any, warn: Warn, allow_unverified: bool = False
+) -> Path | None:
     """Return :func:`resumable`'s answer on rank 0 to every rank (a collective).
 
     Rank 0 alone reads and warns; a :class:`UserError` there is raised on every rank.
@@ -672,7 +694,7 @@ def agreed_resumable(run_dir: Path, grid: Any, warn: Warn) -> Path | None:
     answer = None
     if grid.rank == 0:
         try:
-            answer = (resumable(run_dir, warn), None)
+            answer = (resumable(run_dir, warn, allow_unverified), None)
         except UserError as err:
             answer = (None, str(err))
     folder, error = _gather(grid, answer)[0]

@@ -25,6 +25,7 @@ from torch.amp import GradScaler
 from hpcllm.config import Config
 from hpcllm.datasets.shards import Manifest
 from hpcllm.errors import UserError
+from hpcllm.files import sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
@@ -47,8 +48,11 @@ class Checkpointer:
     :meth:`track` then names what a checkpoint holds.
     """
 
-    def __init__(self, cfg: Config, grid: Grid, vocab_size: int, warn: Warn) -> None:
+    def __init__(
+        self, cfg: Config, grid: Grid, vocab_size: int, warn: Warn, manifest: Manifest
+    ) -> None:
         self.cfg, self.grid, self.warn = cfg, grid, warn
+        self.manifest = manifest
         self.run_dir = Path(cfg.run.dir)
         self.vocab_size = vocab_size
         self.cadence = Cadence(cfg.train.save_interval)
@@ -64,7 +68,8 @@ class Checkpointer:
         self._claim()
 
     def _claim(self) -> None:
-        """Lock the run folder for this job and check it against this run; write nothing else.
+        """Lock the run folder for this job and check it against this run; write nothing else
+        (remove only what a killed job left unfinished there).
 
         ``run.resume: none`` over checkpoints refuses, or with ``run.overwrite`` moves the
         earlier run aside (:func:`hpcllm.train.run_dir.claim`); ``auto`` refuses a checkpoint
@@ -74,16 +79,38 @@ class Checkpointer:
         self._lock = self.on_rank0(
             lambda: run_folder.claim(self.run_dir, r.resume, r.overwrite, self.warn)
         )
-        if r.resume != "auto":
-            return
         try:
-            self.resume_from = checkpoint.agreed_resumable(self.run_dir, self.grid, self.warn)
+            self.on_rank0(self._remove_stale_partials)
+            if r.resume != "auto":
+                return
+            self.resume_from = checkpoint.agreed_resumable(
+                self.run_dir, self.grid, self.warn, r.allow_unverified
+            )
             if self.resume_from is not None:
                 checkpoint.check_same_model(self.resume_from, self.cfg, self.vocab_size)
+                # The checkpoint's token ids mean what the run's tokenizer says; a run
+                # imported without one takes the data's (write_run_dir records it).
+                run_tokenizer = self.run_dir / "tokenizer.json"
+                self.on_rank0(
+                    lambda: self.manifest.check_same_tokenizer(
+                        run_tokenizer, f"the run {self.run_dir} resumed here"
+                    )
+                )
                 self.reshard_from = reshard.check_resumable(self.resume_from, self.cfg)
         except BaseException:
             self.release(failed=True)
             raise
+
+    def _remove_stale_partials(self) -> None:
+        """Remove what a killed job left unfinished in the run folder (rank 0, holding the
+        run lock, so no other job of this folder writes): hidden ``.step_N.partial``
+        checkpoint folders, and partial files of dead processes of this host."""
+        root = self.run_dir / "checkpoints"
+        for folder in sorted(root.glob(".step_*.partial")) if root.is_dir() else []:
+            shutil.rmtree(folder, ignore_errors=True)
+            self.warn(f"removed {folder}, a checkpoint an earlier job did not finish saving")
+        for folder in (self.run_dir, root):
+            sweep_partials(folder, self.warn)
 
     def on_rank0(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` on rank 0; a UserError it raises is raised on every rank, alike."""
@@ -117,7 +144,11 @@ class Checkpointer:
             with run_folder.fs_errors("write", self.run_dir / "config.yaml"):
                 shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
                 self.cfg.dump(self.run_dir / "config.yaml")
-                shutil.copy(manifest.tokenizer_path, self.run_dir / "tokenizer.json")
+                tokenizer = self.run_dir / "tokenizer.json"
+                # A resumed run's tokenizer is the one its weights learnt: never replaced
+                # (_claim checked the data against it).
+                if self.resume_from is None or not tokenizer.is_file():
+                    shutil.copy(manifest.tokenizer_path, tokenizer)
 
         self.on_rank0(write)
 

@@ -435,6 +435,7 @@ def convert(
     dp: int | None = None,
     schedule: str | None = None,
     step: int | None = None,
+    allow_unverified: bool = False,
 ) -> Path:
     """Write a run's checkpoint (the latest, or ``step``) re-cut for another layout; return it.
 
@@ -445,7 +446,7 @@ def convert(
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.resolve() == run_dir.resolve():
         raise UserError("--out must be a new run folder, not the one converted")
-    folder = select(run_dir, step)
+    folder = select(run_dir, step, allow_unverified)
     saved = SavedState(folder, verified=True)
     cfg = _target_config(
         checkpoint_config(folder), saved.meta, tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule
@@ -480,14 +481,22 @@ def convert(
     return out_dir
 
 
-def select(run_dir: Path, step: int | None = None) -> Path:
-    """Return a run's checkpoint folder that verifies: the one of ``step``, or the newest."""
+UNVERIFIED_FLAG = "give --allow-unverified (hpcllm.load_model: allow_unverified=True)"
+
+
+def select(run_dir: Path, step: int | None = None, allow_unverified: bool = False) -> Path:
+    """Return a run's checkpoint folder that verifies: the one of ``step``, or the newest.
+
+    One without a manifest is refused unless ``allow_unverified``.
+    """
     run_dir = Path(run_dir)
     folders = checkpoint.checkpoints(run_dir)
     if not folders:
         raise UserError(f"{run_dir} has no checkpoint (no checkpoints/step_*)")
     if step is None:
-        folder = checkpoint.resumable(run_dir, checkpoint.stderr_warning)
+        folder = checkpoint.resumable(
+            run_dir, checkpoint.stderr_warning, allow_unverified, UNVERIFIED_FLAG
+        )
         assert folder is not None  # there are folders: resumable returns one or raises
         return folder
     named = [f for f in folders if checkpoint.step_of(f) == step]
@@ -497,4 +506,6 @@ def select(run_dir: Path, step: int | None = None) -> Path:
     verdict = checkpoint.verify(named[0])
     if verdict.status == "bad":
         raise UserError(f"checkpoint {named[0]} is damaged: {verdict.reason}")
+    if verdict.status == "unverified" and not allow_unverified:
+        raise checkpoint.refuse_unverified(named[0], UNVERIFIED_FLAG)
     return named[0]

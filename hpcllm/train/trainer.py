@@ -105,7 +105,7 @@ class Trainer:
             ):
                 self._warn(line)
         self.run_dir = Path(cfg.run.dir)
-        self.checkpointer = Checkpointer(cfg, self.grid, vocab, self._warn)
+        self.checkpointer = Checkpointer(cfg, self.grid, vocab, self._warn, self.manifest)
 
         self.global_batch = self.batch.global_batch
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
