@@ -195,7 +195,7 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     world.share_cores(rank0_trains=opts.tokenizer == "bpe")
     started = time.perf_counter()
     sources = find_sources(list(opts.inputs), opts.corpus)
-    out = opts.out
+    out = opts.out.absolute()  # `--out .` has a parent to stage in too
     # Everything that can refuse runs before anything is written: the tokenizer (a file that
     # must load, or a BPE to train) here, the corpus as it is read. The shards go to a staging
     # folder beside ``out`` and replace its dataset only when complete, so a refused, failed
