@@ -60,7 +60,7 @@ def load_run_model(
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path} is missing; it is copied there when training starts")
-    model, _ = merged_model(reshard.select(run_dir, step, allow_unverified), verified=True)
+    model = load_model(run_dir, step, allow_unverified)
     return model.to(device or torch.device("cpu")), load_tokenizer(tokenizer_path)
 
 
