@@ -30,6 +30,7 @@ import numpy as np
 
 from hpcllm.config import BatchPlan
 from hpcllm.datasets.shards import Manifest, corrupt, load_manifest, open_shard, token_dtype
+from hpcllm.datasets.synthetic import SyntheticStream
 from hpcllm.errors import UserError
 
 
@@ -116,7 +117,11 @@ class ShardDataset:
         manifest = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         if seq_len < 1:
             raise UserError(f"sequence length must be positive, got {seq_len}")
-        self.stream = TokenStream(manifest, split, cache_bytes)
+        self.stream: TokenStream | SyntheticStream = (
+            SyntheticStream(manifest, split)  # type: ignore[arg-type]
+            if manifest.synthetic
+            else TokenStream(manifest, split, cache_bytes)
+        )
         self.seq_len = seq_len
         self.n_samples = max(0, (self.stream.n_tokens - 1) // seq_len)
         if self.stream.n_tokens == 0:

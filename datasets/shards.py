@@ -174,6 +174,11 @@ class Manifest:
     shards: dict[str, list[ShardInfo]]
 
     @property
+    def synthetic(self) -> bool:
+        """Return whether this is synthetic data (``hpcllm.datasets.synthetic``): no files."""
+        return False
+
+    @property
     def tokenizer_path(self) -> Path:
         """Return the tokenizer file saved beside the shards."""
         return self.root / self.raw["tokenizer"]["file"]
@@ -221,6 +226,14 @@ class Manifest:
         return sum(s.n_documents for s in self.shards[split])
 
 
+def make_data_hint(path: str | Path) -> str:
+    """Return how to make a prepared folder at ``path``, for the errors that find none."""
+    return (
+        f"`hpcllm prepare --out {path}` makes it (`--corpus python-stdlib` for the built-in "
+        "corpus; `hpcllm prepare --help` lists the inputs)"
+    )
+
+
 def load_manifest(path: str | Path) -> Manifest:
     """Return the manifest of a prepared folder (or of its manifest.json), checked for sense.
 
@@ -233,10 +246,10 @@ def load_manifest(path: str | Path) -> Manifest:
     if not manifest_path.is_file():
         if path.is_dir():
             raise UserError(
-                f"{path} has no {MANIFEST}; run `hpcllm prepare --out {path}` "
+                f"{path} has no {MANIFEST}; {make_data_hint(path)} "
                 "(a prepare that did not finish writes no manifest)"
             )
-        raise UserError(f"data path {path} does not exist")
+        raise UserError(f"data path {path} does not exist; {make_data_hint(path)}")
     try:
         raw = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -244,6 +244,10 @@ class DataConfig:
     path: str = key(
         "data/stdlib", "folder of the prepared shards (hpcllm prepare --out)", form="a folder"
     )
+    synthetic: bool = key(
+        False,
+        "random ids over model.vocab_size (null: 50257), by data.seed, instead of data.path",
+    )
     seed: int = key(1234, "sampling seed", SEED)
     prefetch: int = key(4, "micro-batches read ahead", POSITIVE)
 
@@ -631,6 +635,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _fill_preset(cfg.model)
     check(cfg)
     return cfg
+
+
+def is_given(path: str | Path | None, overrides: list[str] | None, dotted: str) -> bool:
+    """Return whether the key ``dotted`` (``section.key``) is set by the config file at
+    ``path`` or by an override, rather than left at its default (the file is read again)."""
+    section, name = dotted.split(".", 1)
+    if any(parse_override(text)[:2] == (section, name) for text in overrides or []):
+        return True
+    if path is None:
+        return False
+    raw = _read_yaml_file(Path(path))
+    return isinstance(raw, dict) and isinstance(raw.get(section), dict) and name in raw[section]
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

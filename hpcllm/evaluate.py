@@ -18,6 +18,7 @@ import torch
 from hpcllm.config import BatchPlan
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
+from hpcllm.datasets.synthetic import check_run_data
 from hpcllm.errors import UserError
 from hpcllm.generate import merged_model
 from hpcllm.train.reshard import select
@@ -60,7 +61,7 @@ def evaluate(
     model, run_cfg = merged_model(select(run_dir, step, allow_unverified), verified=True)
     cfg = model.cfg
     manifest = load_manifest(data)
-    manifest.check_same_tokenizer(Path(run_dir) / "tokenizer.json", f"the run {run_dir}")
+    check_run_data(Path(run_dir), manifest, f"the run {run_dir}")
     if manifest.vocab_size > model.vocab_size:
         raise UserError(
             f"{data} was tokenized with {manifest.vocab_size} tokens, more than the model's "

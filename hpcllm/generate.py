@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hpcllm.config import Config
+from hpcllm.datasets.synthetic import trained_on_synthetic
 from hpcllm.datasets.tokenizer import load_tokenizer
 from hpcllm.errors import UserError
 from hpcllm.model import build
@@ -59,6 +60,11 @@ def load_run_model(
     run_dir = Path(run_dir)
     tokenizer_path = run_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
+        if trained_on_synthetic(run_dir):
+            raise UserError(
+                f"{run_dir} was trained on synthetic data (data.synthetic: true): it has no "
+                "tokenizer to read a prompt or write text with"
+            )
         raise UserError(f"{tokenizer_path} is missing; it is copied there when training starts")
     model = load_model(run_dir, step, allow_unverified)
     return model.to(device or torch.device("cpu")), load_tokenizer(tokenizer_path)

@@ -7,6 +7,9 @@ kernel times; far below the wall time means the CPU cannot launch fast enough), 
 operators with the most GPU time and the most CPU time.
 
     python scripts/profile_step.py --shape gpt2-124m [--set model.compile=full] [--out FILE]
+
+``--plain`` profiles the benchmark's plain PyTorch GPT-2 under ``torch.compile`` instead, on
+the same batches, so that the two tables can be read side by side kernel for kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hpcllm.bench.step import SHAPES
+from hpcllm.bench.step import SHAPES, _plain_step
 from hpcllm.config import load_config
 from hpcllm.train.trainer import Trainer
 
@@ -33,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument(
+        "--plain", action="store_true", help="profile plain GPT-2 + torch.compile instead"
+    )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="hpcllm-profile-") as scratch:
@@ -52,15 +58,26 @@ def main(argv: list[str] | None = None) -> int:
         )
         with Trainer(cfg) as trainer:
             reader = iter(trainer.reader)
+            step = lambda: trainer.train_step(reader, wait=False)  # noqa: E731
+            if args.plain:
+                device = trainer.device
+                batches = [
+                    (b.input_ids.to(device), b.labels.to(device))
+                    for b in (next(reader) for _ in range(8))
+                ]
+                step = (
+                    _plain_step(cfg, trainer.padded_vocab, device, batches, cuda)[-1]
+                    or (_plain_step(cfg, trainer.padded_vocab, device, batches, False)[0])
+                )
             sync = torch.cuda.synchronize if cuda else (lambda: None)
             for _ in range(args.warmup):
-                trainer.train_step(reader, wait=False)
+                step()
             sync()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=activities) as prof:
                 began = time.perf_counter()
                 for _ in range(args.steps):
-                    trainer.train_step(reader, wait=False)
+                    step()
                 sync()
                 wall_ms = (time.perf_counter() - began) * 1e3 / args.steps
             reader.close()
@@ -69,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA
     )
     lines = [
+        f"{'plain + torch.compile ' if args.plain else ''}"
         f"{args.shape} {' '.join(args.overrides)}: wall {wall_ms:.1f} ms/step, GPU kernels "
         f"{kernel_us / 1e3 / args.steps:.1f} ms/step busy",
     ]

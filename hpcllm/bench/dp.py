@@ -297,12 +297,15 @@ def plot_dp(result: dict[str, Any], path: Path) -> None:
 def gradient_bytes(config: Path | None, overrides: list[str]) -> int:
     """Return the fp32 gradient size of the config's model, in bytes."""
     from hpcllm.config import load_config
-    from hpcllm.datasets.shards import load_manifest
-    from hpcllm.model.gpt import GPT, count_parameters
+    from hpcllm.datasets.synthetic import load_data
+    from hpcllm.model import build
 
     cfg = load_config(config, overrides)
-    vocab = cfg.model.vocab_size or load_manifest(cfg.data.path).vocab_size
-    return 4 * count_parameters(GPT(cfg.model, vocab))
+    d = cfg.data
+    vocab = cfg.model.vocab_size or load_data(d.synthetic, d.path, None, d.seed).vocab_size
+    with torch.device("meta"):
+        model = build(cfg.model, vocab)
+    return 4 * sum(p.numel() for p in model.parameters())
 
 
 def run(

@@ -53,3 +53,19 @@ def fresh_run_dir(path: Path, verb: str = "bench dp") -> Path:
     path.mkdir(parents=True)
     (path / MARK).write_text(f"a scratch run of hpcllm {verb}, replaced by the next one\n")
     return path
+
+
+def synthetic_unless_data(config: Path | None, overrides: list[str]) -> list[str]:
+    """Return ``overrides`` that train on synthetic data (``data.synthetic``) unless the
+    config file or an override sets ``data.path``: a benchmark of training needs no corpus.
+    The user's own overrides come after, so an explicit ``data.synthetic=false`` wins."""
+    from hpcllm.config import is_given
+
+    return (
+        overrides
+        if is_given(config, overrides, "data.path")
+        else [
+            "data.synthetic=true",
+            *overrides,
+        ]
+    )

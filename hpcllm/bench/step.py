@@ -16,9 +16,10 @@ of the block's time per step; on a GPU a block waits for the device once, at its
 
 Both sides train on the same batches (the plain one reads them from the trainer's reader up
 front, so it pays no data loading) and the same padded vocabulary, so they do the same FLOPs
-(:func:`hpcllm.flops.step_flops`, the same count for every row). The gpt2 shapes give the
-model GPT-2's vocabulary (50257, padded to 50304) whatever the prepared data's tokenizer,
-whose ids are all smaller; ``cpu-smoke`` keeps the data's tokenizer.
+(:func:`hpcllm.flops.step_flops`, the same count for every row). The command trains on
+synthetic data (``data.synthetic``) unless ``data.path`` is given. The gpt2 shapes give the
+model GPT-2's vocabulary (50257, padded to 50304) whatever the data's tokenizer, whose ids
+must all be smaller; ``cpu-smoke`` gives it 512, which holds the built-in corpus's 257.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ SHAPES: dict[str, list[str]] = {
         "model.vocab_size=50257",
         "train.micro_batch_size=4",
     ],
-    # About the smallest shape whose ratios are stable on a 2-core CPU (~0.1 s per step).
+    # About the smallest shape whose ratios are stable on a 2-core CPU (~0.1 s per step); a
+    # vocabulary that holds the built-in corpus's byte-level tokenizer (257 ids).
     "cpu-smoke": [
         "model.preset=null",
+        "model.vocab_size=512",
         "model.n_layer=4",
         "model.n_head=4",
         "model.d_model=256",
@@ -144,12 +147,15 @@ def _time_blocks(
     steps: int,
     rounds: int,
     warmup: int,
+    peak_mb: dict[str, float],
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Return each side's wall and process CPU seconds per step of every block, alternating.
+    """Return each side's wall and process CPU seconds per step of every block, alternating;
+    on a GPU, put each side's peak of allocated memory during its blocks (MiB) in ``peak_mb``.
 
     Every other round runs the sides in reverse order, so none always follows the same one.
     CPU time (all of the process's threads) is what other work on a shared node disturbs
-    least; on a GPU it is the host's share of the step.
+    least; on a GPU it is the host's share of the step. The memory held outside the step
+    (both models, their optimizers) counts for every side alike.
     """
     for name, fn in sides.items():
         _say(f"  warming up {ROWS[name]} ({warmup} steps)")
@@ -162,12 +168,17 @@ def _time_blocks(
     for r in range(rounds):
         _say(f"  round {r + 1}/{rounds}")
         for name in names if r % 2 == 0 else names[::-1]:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             started, cpu_started = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 sides[name]()
             _synchronize(device)
             wall[name].append((time.perf_counter() - started) / steps)
             cpu[name].append((time.process_time() - cpu_started) / steps)
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device) / 2**20
+                peak_mb[name] = max(peak_mb.get(name, 0.0), peak)
     return wall, cpu
 
 
@@ -187,6 +198,9 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
     # The run's final checkpoint falls after the last stamp; saving it would only cost time
     # and disk (gigabytes for gpt2-1.3b).
     trainer.checkpointer.enabled = False
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
     summary = trainer.run(progress=False)
     trainer.grad_hooks.pop()
     wall, cpu = zip(*stamps[1:], strict=True)
@@ -195,6 +209,7 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
         "cpu_s": (cpu[-1] - cpu[0]) / (len(cpu) - 1),
         "interval_ms": [(b - a) * 1e3 for a, b in zip(wall, wall[1:], strict=False)],
         "metrics_tokens_per_s": summary.get("tokens_per_s"),
+        "peak_mb": torch.cuda.max_memory_allocated(trainer.device) / 2**20 if cuda else None,
     }
 
 
@@ -294,7 +309,8 @@ def bench_shape(
                 {"op": key[0], "triton_ms": t, "torch_ms": c}
                 for key, (t, c) in kernels.choice_timings().items()
             ]
-            times, cpu_times = _time_blocks(sides, device, steps, rounds, warmup)
+            peak_mb: dict[str, float] = {}
+            times, cpu_times = _time_blocks(sides, device, steps, rounds, warmup, peak_mb)
             reader.close()
             _say(f"{name}: the trainer loop, {loop_steps} steps")
             kernels.reset_implementations_used()
@@ -305,10 +321,13 @@ def bench_shape(
                 "model": trainer.vocab_size,
                 "padded": trainer.padded_vocab,
                 "data": trainer.manifest.vocab_size,
+                "synthetic": trainer.manifest.synthetic,
             }
         flops = _model_flops(cfg, vocab["padded"])
         peak = peak_tflops(device, precision, cfg.train.peak_tflops)
         times["hpcllm_loop"], cpu_times["hpcllm_loop"] = [loop["step_s"]], [loop["cpu_s"]]
+        if loop["peak_mb"] is not None:
+            peak_mb["hpcllm_loop"] = loop["peak_mb"]
         if not fused:  # the configured step already ran with kernels off
             times["hpcllm_kernels_off"] = times["hpcllm"]
             cpu_times["hpcllm_kernels_off"] = cpu_times["hpcllm"]
@@ -318,6 +337,8 @@ def bench_shape(
             if key in times
         ]
         ms = {row["key"]: row["step_ms"] for row in rows}
+        for row in rows:
+            row["peak_mem_mb"] = peak_mb.get(row["key"])
         for row in rows:  # ratios of throughput: > 1 is faster than the plain model
             for base in ("plain_eager", "plain_compile"):
                 row[f"vs_{base}"] = ms[base] / row["step_ms"] if base in ms else None
@@ -415,12 +436,17 @@ def render(result: dict[str, Any]) -> str:
             f"seq {s['seq_len']} x mb {s['micro_batch_size']} = {s['tokens_per_step']} tokens "
             f"per step, {s['flops_per_step'] / 1e12:.3g} TFLOP per step (both sides), "
             f"{s['torch_threads']} torch threads",
-            f"vocabulary: both models {v['model']} padded to {v['padded']}; token ids from the "
-            f"prepared data's tokenizer ({v['data']}), the same batches on both sides",
+            f"vocabulary: both models {v['model']} padded to {v['padded']}; token ids "
+            + (
+                f"synthetic (random over {v['data']})"
+                if v.get("synthetic")
+                else f"from the prepared data's tokenizer ({v['data']})"
+            )
+            + ", the same batches on both sides",
             "",
             "| side | ms/step | CPU ms/step | tokens/s | TFLOP/s | MFU | x plain eager "
-            "| x plain compiled | Triton ops |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| x plain compiled | peak MiB | Triton ops |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in s["rows"]:
             name = r["name"]
@@ -434,7 +460,7 @@ def render(result: dict[str, Any]) -> str:
                 f"| {name} | {r['step_ms']:.1f} | {r['cpu_ms']:.1f} | {r['tokens_per_s']:.0f} "
                 f"| {_fmt(r['tflops'], '.3g')} | {_fmt(mfu, '.1f')}{'%' if mfu else ''} "
                 f"| {_fmt(r['vs_plain_eager'], '.3f')} | {_fmt(r['vs_plain_compile'], '.3f')} "
-                f"| {ops} |"
+                f"| {_fmt(r.get('peak_mem_mb'), '.0f')} | {ops} |"
             )
         for a in s.get("auto_timings", []):
             pick = "Triton" if a["triton_ms"] <= a["torch_ms"] else "compiled torch"

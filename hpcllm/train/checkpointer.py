@@ -23,7 +23,9 @@ from torch import nn
 from torch.amp import GradScaler
 
 from hpcllm.config import Config
+from hpcllm.datasets import synthetic
 from hpcllm.datasets.shards import Manifest
+from hpcllm.datasets.synthetic import check_run_data
 from hpcllm.errors import UserError
 from hpcllm.files import sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
@@ -88,12 +90,12 @@ class Checkpointer:
             )
             if self.resume_from is not None:
                 checkpoint.check_same_model(self.resume_from, self.cfg, self.vocab_size)
-                # The checkpoint's token ids mean what the run's tokenizer says; a run
-                # imported without one takes the data's (write_run_dir records it).
-                run_tokenizer = self.run_dir / "tokenizer.json"
+                # The checkpoint's token ids mean what the run's tokenizer says (or it learnt
+                # synthetic ids); a run imported without one takes the data's (write_run_dir
+                # records it).
                 self.on_rank0(
-                    lambda: self.manifest.check_same_tokenizer(
-                        run_tokenizer, f"the run {self.run_dir} resumed here"
+                    lambda: check_run_data(
+                        self.run_dir, self.manifest, f"the run {self.run_dir} resumed here"
                     )
                 )
                 self.reshard_from = reshard.check_resumable(self.resume_from, self.cfg)
@@ -145,9 +147,16 @@ class Checkpointer:
                 shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
                 self.cfg.dump(self.run_dir / "config.yaml")
                 tokenizer = self.run_dir / "tokenizer.json"
+                record = self.run_dir / synthetic.RUN_RECORD
                 # A resumed run's tokenizer is the one its weights learnt: never replaced
-                # (_claim checked the data against it).
-                if self.resume_from is None or not tokenizer.is_file():
+                # (_claim checked the data against it). A fresh run's data replaces what a
+                # run without checkpoints left: a tokenizer, or the synthetic record.
+                if isinstance(manifest, synthetic.SyntheticManifest):
+                    if self.resume_from is None:
+                        tokenizer.unlink(missing_ok=True)
+                    synthetic.record_run(self.run_dir, manifest)
+                elif self.resume_from is None or not tokenizer.is_file():
+                    record.unlink(missing_ok=True)
                     shutil.copy(manifest.tokenizer_path, tokenizer)
 
         self.on_rank0(write)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hpcllm import kernels, observe, topology, watchdog
 from hpcllm.config import Config, batch_plan, padded_vocab
 from hpcllm.datasets.reader import MicroBatchReader
-from hpcllm.datasets.shards import load_manifest
+from hpcllm.datasets.synthetic import load_data
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
@@ -87,7 +87,9 @@ class Trainer:
                 f"train.straggler_rank {train.straggler_rank} is not a rank of this job "
                 f"(world size {self.grid.world_size})"
             )
-        self.manifest = load_manifest(cfg.data.path)
+        self.manifest = load_data(
+            cfg.data.synthetic, cfg.data.path, cfg.model.vocab_size, cfg.data.seed
+        )
         # Every check of the config against the job and its data before the run folder is
         # touched: the checks `hpcllm train --print-config` makes.
         vocab = self.vocab_size = check_job(cfg, self.grid.world_size, self.manifest)
@@ -210,8 +212,13 @@ class Trainer:
 
     def banner(self) -> list[str]:
         """Return the run's start-up lines (every rank must call this: it gathers)."""
+        where = (
+            f"synthetic (random ids over {self.manifest.vocab_size}, seed {self.cfg.data.seed})"
+            if self.manifest.synthetic
+            else self.cfg.data.path
+        )
         data = (
-            f"{self.cfg.data.path}: {self.manifest.n_tokens('train')} train tokens, "
+            f"{where}: {self.manifest.n_tokens('train')} train tokens, "
             f"{self.reader.dataset.n_samples} samples"
         )
         resume = self.checkpointer.describe_resume(self.state.step)

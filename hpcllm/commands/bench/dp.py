@@ -79,10 +79,12 @@ def run(args: argparse.Namespace) -> int:
             f"bench dp runs d = {max(dps)} ranks on this node, one GPU each, and it has "
             f"{devices}; give --dp up to {devices}"
         )
+    from hpcllm.bench.runs import synthetic_unless_data
+
     precisions = args.precisions  # None: what the machine runs fast (dp.default_precisions)
     return dp.run(
         args.config,
-        args.overrides,
+        synthetic_unless_data(args.config, args.overrides),
         dps,
         args.engines,
         precisions,

@@ -20,9 +20,8 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "PyTorch, eager and under torch.compile, in alternating blocks of steps; then run the "
         "real trainer loop for some steps. Prints ms/step, tokens/s, TFLOP/s, MFU, the ratios "
         "to the plain model and the ops that ran Triton kernels. Shapes set the model and "
-        "micro-batch; --set applies on top of every shape. Reads the prepared data of "
-        "data.path (the built-in corpus by default: `hpcllm prepare --corpus python-stdlib "
-        "--out data/stdlib`).",
+        "micro-batch; --set applies on top of every shape. Trains on synthetic data "
+        "(data.synthetic) unless data.path is set in --config or --set.",
     )
     add_config_args(step)
     step.add_argument(
@@ -85,11 +84,13 @@ def run(args: argparse.Namespace) -> int:
     if loop_steps < 3:
         raise UserError("--loop-steps must be at least 3 (timed step to step after the first)")
     from hpcllm.bench import step
+    from hpcllm.bench.runs import synthetic_unless_data
 
+    overrides = synthetic_unless_data(args.config, args.overrides)
     result = step.run(
         args.shapes or (["cpu-smoke"] if args.cpu_smoke else ["gpt2-124m", "gpt2-1.3b"]),
         args.config,
-        args.overrides,
+        overrides,
         args.precision,
         args.compile,
         args.steps or (2 if args.cpu_smoke else 3),
