@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test lint unit demo clean-venv
+.PHONY: setup test lint unit demo clean-venv gpu-report
 
 setup:
 	bash scripts/setup.sh
@@ -32,3 +32,11 @@ demo: setup
 	NP=$(DEMO_NP) jobs/mpirun.sh train --config jobs/configs/tiny-cpu.yaml --set run.dir=$(DEMO_RUN) --set run.resume=none --set run.overwrite=true
 	@echo "--- a sample from $(DEMO_RUN):"
 	@$(VENV)/bin/hpcllm generate --checkpoint $(DEMO_RUN) --prompt "def " --tokens 120
+
+# Measure this GPU node and hpcllm on it (about 20 minutes on one H100): installs nothing, so
+# it runs where hpcllm is installed (the venv if there is one, else python3); a machine
+# without a GPU is told so in one line. REPORT_ARGS adds options (--quick, --parts ...).
+REPORT_PY := $(if $(wildcard $(PY)),$(PY),python3)
+REPORT_DIR ?= gpu-report
+gpu-report:
+	$(REPORT_PY) -m hpcllm bench report --out $(REPORT_DIR) $(REPORT_ARGS)

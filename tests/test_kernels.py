@@ -97,6 +97,7 @@ def grads(out, inputs, dy):
     return torch.autograd.grad(out, inputs, dy)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_bias_gelu_and_its_gradients_match_the_reference(ops, shape, dtype):
@@ -115,6 +116,7 @@ def test_bias_gelu_and_its_gradients_match_the_reference(ops, shape, dtype):
     close(dbias, ref_dbias, dtype, scale_atol=RTOL[dtype])  # summed from fp32 values
 
 
+@pytest.mark.gpu
 def test_bias_gelu_without_bias(ops):
     x = leaf(torch.randn(5, 33))
     y = ops.bias_gelu(x, None)
@@ -125,6 +127,7 @@ def test_bias_gelu_without_bias(ops):
     )
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_bias_add_without_dropout_matches_the_reference(ops, shape, dtype):
@@ -146,6 +149,7 @@ def test_bias_add_without_dropout_matches_the_reference(ops, shape, dtype):
             close(got, want)
 
 
+@pytest.mark.gpu
 def test_bias_dropout_add_without_bias(ops):
     x, residual = leaf(torch.randn(6, 40)), leaf(torch.randn(6, 40))
     out = ops.bias_dropout_add(x, None, residual, 0.0, True)
@@ -168,6 +172,7 @@ def _dropout(ops, seed, p=0.3, shape=(64, 1000), dtype=torch.float32):
     return x, bias, residual, out
 
 
+@pytest.mark.gpu
 def test_dropout_keeps_1_minus_p_of_the_elements_scaled(ops):
     p = 0.3
     x, bias, residual, out = _dropout(ops, seed=7, p=p)
@@ -183,6 +188,7 @@ def test_dropout_keeps_1_minus_p_of_the_elements_scaled(ops):
     assert abs((kept & other).float().mean().item() - (1 - p) ** 2) < 0.02
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dropout_backward_uses_the_forward_mask(ops, dtype):
     p = 0.25
@@ -197,6 +203,7 @@ def test_dropout_backward_uses_the_forward_mask(ops, dtype):
     assert torch.equal(dres, dy)
 
 
+@pytest.mark.gpu
 def test_dropout_mask_follows_torch_seed_and_fork_rng(ops):
     first = _dropout(ops, seed=5)[3]
     assert torch.equal(first, _dropout(ops, seed=5)[3])
@@ -208,6 +215,7 @@ def test_dropout_mask_follows_torch_seed_and_fork_rng(ops):
     assert torch.equal(ops.bias_dropout_add(x, bias, residual, 0.3, True), first)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_layer_norm_and_its_gradients_match_the_reference(ops, shape, dtype):
@@ -232,6 +240,7 @@ def test_layer_norm_and_its_gradients_match_the_reference(ops, shape, dtype):
     close(db, ref_db, dtype, scale_atol=atol)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 17), (7, 96), (33, 257), (5, 1000), (3, 5000)], ids=str)
 def test_cross_entropy_and_its_gradient_match_the_reference(ops, shape, dtype):
@@ -246,6 +255,7 @@ def test_cross_entropy_and_its_gradient_match_the_reference(ops, shape, dtype):
     close(grads(loss, logits, None)[0], grads(ref, logits, None)[0])
 
 
+@pytest.mark.gpu
 def test_cross_entropy_excludes_padding_and_reads_a_strided_view(ops):
     gen = torch.Generator().manual_seed(6)
     full = leaf(torch.randn(2, 9, 384, generator=gen), torch.bfloat16)
@@ -263,6 +273,7 @@ def test_cross_entropy_excludes_padding_and_reads_a_strided_view(ops):
     close(grads(ops.cross_entropy(sliced, labels), full, None)[0], ref_grad)
 
 
+@pytest.mark.gpu
 def test_cross_entropy_running_max_across_chunks(ops, monkeypatch):
     monkeypatch.setattr(triton_ops, "CE_MAX_BLOCK", 64)  # 1000 columns: 16 chunks
     cols = torch.arange(1000, dtype=torch.float32)
@@ -282,6 +293,7 @@ def test_cross_entropy_running_max_across_chunks(ops, monkeypatch):
     close(grads(loss, logits, None)[0], grads(ref, logits, None)[0])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize(("vocab", "tp", "padded"), [(300, 3, 384), (100, 4, 512), (290, 3, 300)])
 def test_vocab_parallel_partials_combine_to_the_whole_loss(ops, fused, vocab, tp, padded):
@@ -334,6 +346,7 @@ def test_vocab_parallel_partials_combine_to_the_whole_loss(ops, fused, vocab, tp
         kernels.set_enabled(True)
 
 
+@pytest.mark.gpu
 def test_dispatch_runs_triton_only_when_enabled_and_on_a_kernel_device(ops, monkeypatch):
     x = leaf(torch.randn(4, 8))
     kernels.reset_implementations_used()
@@ -478,6 +491,7 @@ def _count_calls(ops, monkeypatch):
     return calls
 
 
+@pytest.mark.gpu
 def test_gpt_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
     calls = _count_calls(ops, monkeypatch)
     loss, grads_fused = _gpt_step(True)
@@ -491,6 +505,7 @@ def test_gpt_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
         )
 
 
+@pytest.mark.gpu
 def test_gpt_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     loss, grads_fused = _gpt_step(True, torch.bfloat16)
     ref_loss, ref_grads = _gpt_step(False, torch.bfloat16)
@@ -500,6 +515,7 @@ def test_gpt_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     assert (fused - ref).norm() / ref.norm() < 2e-2
 
 
+@pytest.mark.gpu
 def test_dropout_masks_replay_under_full_recomputation(ops):
     loss, grads_full = _gpt_step(True, dropout=0.2, recompute="full")
     ref_loss, ref_grads = _gpt_step(True, dropout=0.2, recompute="none")
@@ -597,6 +613,7 @@ def _custom_op_cases(dtype, with_bias):
 
 # The CPU implementations: torch everywhere; the Triton kernels under the interpreter where
 # Triton was imported for it (not on a CUDA machine, where it compiles for the GPU).
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["torch"] if CUDA else ["interpreter", "torch"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -619,6 +636,7 @@ def _block_step(block, x):
     return out, grads
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["off", "on", "auto"], ids=["references", "custom-ops", "auto"])
 def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
     """torch.compile(fullgraph=True) of one GPT block: references, or the ``hpcllm`` ops.
@@ -659,6 +677,7 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
         kernels.set_enabled(True)
 
 
+@pytest.mark.gpu
 def test_custom_op_dropout_mask_is_a_function_of_its_seed(ops):
     """Same seed: same mask, forward and backward; another seed: another mask."""
     gen = torch.Generator().manual_seed(9)
@@ -685,6 +704,7 @@ def test_custom_op_dropout_mask_is_a_function_of_its_seed(ops):
     assert torch.equal(kernels.bias_dropout_add(x, None, residual, p, True), first)
 
 
+@pytest.mark.gpu
 def test_auto_times_each_signature_once_and_runs_the_faster(ops):
     times = {
         "bias_gelu": {"triton": 1.0, "torch": 2.0},
@@ -746,6 +766,7 @@ def test_auto_times_each_signature_once_and_runs_the_faster(ops):
     assert not kernels.choosing()
 
 
+@pytest.mark.gpu
 def test_disabled_runs_the_references_and_keeps_auto_choices(ops):
     x = leaf(torch.randn(4, 8))
     kernels.set_enabled(

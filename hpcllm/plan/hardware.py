@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,15 @@ class Cluster:
     intra_node_latency_us: float
     inter_node_latency_us: float
     usable_memory_fraction: float = 0.9  # the rest: CUDA context, workspaces, fragmentation
+    # Measured collective tables (``hpcllm bench report``): {link kind: {collective: {message
+    # bytes: bus GB/s}}}, link kinds in LINK_KINDS, collectives in COLLECTIVES.
+    comm_tables: dict[str, dict[str, dict[int, float]]] = field(
+        default_factory=dict, compare=False, hash=False
+    )
+
+
+LINK_KINDS = ("intra_node", "inter_node")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 _REQUIRED = (
@@ -181,7 +190,7 @@ def cluster_from_dict(raw: Any, where: str = "cluster") -> Cluster:
         raise UserError(
             f"{where}: missing field {missing[0]} (fields: gpu, {', '.join(_REQUIRED)})"
         )
-    known = {"name", "gpu", "gpu_spec", "usable_memory_fraction", *_REQUIRED}
+    known = {"name", "gpu", "gpu_spec", "usable_memory_fraction", "comm_tables", *_REQUIRED}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise UserError(f"{where}: unknown field {unknown[0]}")
@@ -204,7 +213,37 @@ def cluster_from_dict(raw: Any, where: str = "cluster") -> Cluster:
             where, "inter_node_latency_us", raw["inter_node_latency_us"], positive=False
         ),
         usable_memory_fraction=usable,
+        comm_tables=_comm_tables(where, raw.get("comm_tables", {})),
     )
+
+
+def _comm_tables(where: str, raw: Any) -> dict[str, dict[str, dict[int, float]]]:
+    """Return ``comm_tables`` checked: link kind -> collective -> {bytes: bus GB/s}."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: comm_tables must map link kinds ({', '.join(LINK_KINDS)})")
+    tables: dict[str, dict[str, dict[int, float]]] = {}
+    for link, per_collective in raw.items():
+        if link not in LINK_KINDS:
+            raise UserError(
+                f"{where}: comm_tables: unknown link kind {link!r}; kinds: {', '.join(LINK_KINDS)}"
+            )
+        if not isinstance(per_collective, dict) or not per_collective:
+            raise UserError(f"{where}: comm_tables.{link} must map collectives to tables")
+        for name, table in per_collective.items():
+            at = f"comm_tables.{link}.{name}"
+            if name not in COLLECTIVES:
+                raise UserError(
+                    f"{where}: {at}: unknown collective; collectives: {', '.join(COLLECTIVES)}"
+                )
+            if not isinstance(table, dict) or not table:
+                raise UserError(f"{where}: {at} must map message bytes to bus GB/s")
+            checked = {}
+            for size, gbps in table.items():
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise UserError(f"{where}: {at}: {size!r} is not a message size in bytes")
+                checked[size] = _number(where, f"{at}[{size}]", gbps)
+            tables.setdefault(link, {})[name] = dict(sorted(checked.items()))
+    return tables
 
 
 def load_cluster(path: Path, overrides: Sequence[str] = ()) -> Cluster:

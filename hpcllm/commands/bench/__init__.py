@@ -12,7 +12,18 @@ import importlib
 from collections.abc import Callable
 
 # In the order `hpcllm bench --help` lists them.
-TARGETS = ("data", "prepare", "step", "dp", "sync", "allreduce", "pipeline", "kernels", "device")
+TARGETS = (
+    "data",
+    "prepare",
+    "step",
+    "dp",
+    "sync",
+    "allreduce",
+    "pipeline",
+    "kernels",
+    "device",
+    "report",
+)
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
