@@ -41,7 +41,8 @@ def test_cpu_smoke_writes_every_row_to_json(data, tmp_path, monkeypatch, capsys)
     (shape,) = result["shapes"]
     assert shape["shape"] == "cpu-smoke" and (shape["n_layer"], shape["d_model"]) == (1, 32)
     assert shape["tokens_per_step"] == 2 * 16
-    assert shape["vocab"] == {"model": 257, "padded": 384, "data": 257}  # bytes + EOS
+    # The smoke shape gives the model 512 ids; the data (bytes + EOS) uses 257 of them.
+    assert shape["vocab"] == {"model": 512, "padded": 512, "data": 257, "synthetic": False}
     assert shape["flops_per_step"] > 0 and shape["peak_tflops"] is None
     rows = {r["key"]: r for r in shape["rows"]}
     assert list(rows) == [

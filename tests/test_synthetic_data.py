@@ -173,3 +173,18 @@ def test_bench_step_smoke_runs_in_an_empty_folder_of_a_fresh_checkout(tmp_path):
     assert "token ids synthetic (random over 512)" in done.stdout
     assert "| hpcllm step (as configured) |" in done.stdout
     assert not (tmp_path / "data").exists()
+
+
+def test_bench_sync_without_its_data_is_one_line_naming_the_command(tmp_path):
+    """bench sync keeps needing its data: one line that says how to make it, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "bench", "sync"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "hpcllm prepare --out data/stdlib" in done.stderr

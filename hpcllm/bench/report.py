@@ -78,6 +78,8 @@ class Context:
     timeout_s: float
     quick: bool = False
     results: dict[str, Any] = field(default_factory=dict)
+    # Records a part's results so far (``run`` sets it): a report killed mid-part keeps them.
+    keep: Callable[[str, dict[str, Any]], None] = lambda _name, _data: None
 
     @property
     def raw(self) -> Path:
@@ -176,7 +178,7 @@ _HOROVOD_PROBE = (
 _MPI_PROBE = (
     "import json, mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
     "print(json.dumps({'mpi4py': mpi4py.__version__, "
-    "'library': MPI.Get_library_version().strip().splitlines()[0]}))"
+    "'library': MPI.Get_library_version().replace(chr(0), '').strip().splitlines()[0]}))"
 )
 
 
@@ -326,15 +328,15 @@ def step(ctx: Context) -> Outcome:
             failures.append(f"{shape} {variant}: {err}")
             continue
         result = json.loads(out.read_text())["shapes"][0]
-        shapes.setdefault(shape, {"variants": {}})["variants"][variant] = result
-    for shape, entry in shapes.items():
-        entry["rows"] = _step_summary(entry["variants"])
-        entry["goal"] = STEP_GOALS.get(shape)
+        entry = shapes.setdefault(shape, {"variants": {}, "goal": STEP_GOALS.get(shape)})
+        entry["variants"][variant] = result
+        entry["rows"] = step_summary(entry["variants"])
+        ctx.keep("step", {"shapes": shapes})
     data = {"shapes": shapes}
     return Outcome("failed", "; ".join(failures), data) if failures else Outcome("done", data=data)
 
 
-def _step_summary(variants: dict[str, Any]) -> list[dict[str, Any]]:
+def step_summary(variants: dict[str, Any]) -> list[dict[str, Any]]:
     """Return one table's rows from the variant runs of a shape: the plain sides and the
     configured run's rows, then each other variant's hpcllm row (its ratio to the plain
     compiled model of its own run)."""
@@ -470,6 +472,18 @@ def run(
     for i, name in enumerate(chosen, 1):
         _say(f"[{i}/{len(chosen)}] {name} ...")
         began = time.monotonic()
+
+        def keep(part: str, data: dict[str, Any], began: float = began) -> None:
+            ctx.results[part] = {
+                "status": "failed",
+                "reason": "did not finish: the results so far",
+                "seconds": round(time.monotonic() - began, 1),
+                "data": data,
+                "at": datetime.datetime.now().isoformat(timespec="seconds"),
+            }
+            report_files.write(out, report)
+
+        ctx.keep = keep
         try:
             outcome = STEPS[name](ctx)
         except (OSError, ValueError, KeyError, StopIteration, json.JSONDecodeError) as err:

@@ -35,9 +35,15 @@ def launch_ranks(
     cmd = [sys.executable, "-m", "hpcllm", *args]
     if np_ > 1 or force_mpirun:
         cmd = mpirun_command(np_, cmd, export=settings)
-    subprocess.run(
-        cmd, check=True, env=mpirun_env(settings), timeout=timeout, stdout=subprocess.DEVNULL
-    )
+    try:
+        subprocess.run(
+            cmd, check=True, env=mpirun_env(settings), timeout=timeout, stdout=subprocess.DEVNULL
+        )
+    except subprocess.CalledProcessError as err:
+        # Its ranks said why on stderr, above.
+        raise UserError(
+            f"a benchmark run failed (exit {err.returncode}): hpcllm {' '.join(args)}"
+        ) from None
 
 
 MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace

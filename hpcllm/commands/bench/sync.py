@@ -86,6 +86,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--straggler-factor must be at least 1, got {args.straggler_factor:g}")
     if any(k < 0 for k in args.staleness):
         raise UserError("--staleness values must be >= 0")
+    # The runs need the config's data: a missing folder is one line here, not in every run.
+    from hpcllm.config import load_config
+    from hpcllm.datasets.synthetic import load_data
+
+    data = load_config(args.config, args.overrides).data
+    load_data(data.synthetic, data.path, None, data.seed)
     return sync.run(
         args.config,
         args.overrides,
