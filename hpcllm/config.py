@@ -25,6 +25,7 @@ import yaml
 from hpcllm import families
 from hpcllm.errors import UserError
 from hpcllm.families.gpt2 import PRESETS as GPT2_PRESETS
+from hpcllm.families.llama import PRESETS as LLAMA_PRESETS
 from hpcllm.files import atomic_write
 
 
@@ -82,7 +83,7 @@ def load_yaml(text: str) -> Any:
 # small/medium (Radford et al., 2019); 760m and 1.3b are the GPT-3 paper's sizes with
 # Megatron-LM's head counts (head dim 96 and 128). A family registered later adds its own
 # (families.presets()).
-PRESETS: dict[str, dict[str, int]] = dict(GPT2_PRESETS)
+PRESETS: dict[str, dict[str, Any]] = {**GPT2_PRESETS, **LLAMA_PRESETS}
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,7 +110,7 @@ WEEK = Rule(lambda v: v <= 7 * 24 * 3600, "must be at most a week (604800)")
 TWO_TOKENS = Rule(lambda v: v >= 2, "must be at least 2")  # a vocabulary of one predicts nothing
 FAMILY = Rule(
     lambda v: v in families.names(),
-    "must be a model family: gpt2, or one registered by a module HPCLLM_FAMILIES names",
+    "must be a model family: gpt2, llama, or one registered by a module HPCLLM_FAMILIES names",
 )
 RULES = (
     POSITIVE,
@@ -154,6 +155,30 @@ class ModelConfig:
     n_head: int | None = key(None, "attention heads", POSITIVE)
     d_model: int | None = key(None, "hidden size", POSITIVE)
     seq_len: int | None = key(None, "tokens per sample", POSITIVE)
+    n_kv_heads: int | None = key(
+        None, "key/value heads, grouped-query attention (llama); null: n_head", POSITIVE
+    )
+    ffn_size: int | None = key(
+        None, "MLP width (llama); null: Meta's rule, ffn_multiplier and ffn_multiple_of", POSITIVE
+    )
+    ffn_multiplier: float | None = key(
+        None, "Meta's MLP width multiplier of 2/3 of 4 x d_model (llama); null: 1", ABOVE_ZERO
+    )
+    ffn_multiple_of: int = key(
+        256, "the MLP width rounds up to a multiple of this (llama)", POSITIVE
+    )
+    rope_theta: float = key(10000.0, "the rotary embeddings' base (llama)", ABOVE_ZERO)
+    rope_scaling: float | None = key(
+        None, "Llama 3.1's rotary frequency scaling factor (llama); null: no scaling", ABOVE_ZERO
+    )
+    rope_low_freq_factor: float = key(1.0, "Llama 3.1 scaling's low frequency factor", ABOVE_ZERO)
+    rope_high_freq_factor: float = key(4.0, "Llama 3.1 scaling's high frequency factor", ABOVE_ZERO)
+    rope_original_seq_len: int = key(
+        8192, "the context the scaled rotary frequencies were trained at (llama)", POSITIVE
+    )
+    tie_embeddings: bool | None = key(
+        None, "the output layer is the token embedding; null: the family's (gpt2 yes, llama no)"
+    )
     vocab_size: int | None = key(
         None, "vocabulary; null: the prepared data's tokenizer decides", TWO_TOKENS
     )
@@ -167,7 +192,7 @@ class ModelConfig:
     compile: Literal["auto", "none", "blocks", "full"] = key(
         "auto", "torch.compile: each block, each chunk whole, or none; auto: blocks on CUDA"
     )
-    layer_norm_eps: float = key(1e-5, "LayerNorm's epsilon", ABOVE_ZERO)
+    layer_norm_eps: float = key(1e-5, "the norms' epsilon (LayerNorm, RMSNorm)", ABOVE_ZERO)
     init_std: float = key(
         0.02, "standard deviation of the weights' normal initialisation", ABOVE_ZERO
     )
@@ -666,6 +691,13 @@ def _fill_preset(model: ModelConfig) -> None:
                 f"unknown model.preset {_show(model.preset)}; presets: "
                 f"{', '.join(known)} (or null with every size given)"
             )
+        owner = families.preset_family(model.preset)
+        # (An unknown family is the FAMILY rule's to name, in its own words.)
+        if owner != model.arch and model.arch in families.names():
+            raise UserError(
+                f"model.preset {model.preset} is a {owner} preset and model.arch is "
+                f"{model.arch}; set model.arch={owner}, or a {model.arch} preset"
+            )
         for key, value in known[model.preset].items():
             if getattr(model, key) is None:
                 setattr(model, key, value)
@@ -724,6 +756,28 @@ def check_folder(name: str, text: str) -> None:
         return
 
 
+# Model keys a family reads only if it names them; set (not null) for another, refused.
+_FAMILY_ONLY = ("n_kv_heads", "ffn_size", "ffn_multiplier", "rope_scaling")
+
+
+def _check_family(m: ModelConfig, tp: int) -> None:
+    """Raise a UserError for a key the family does not read, or a shape it cannot run."""
+    family = families.get(m.arch)
+    for name in _FAMILY_ONLY:
+        if getattr(m, name) is not None and name not in family.config_keys:
+            raise UserError(
+                f"model.{name} is not a {m.arch} setting (the {m.arch} family reads none); "
+                "set it null, or choose the family that reads it (model.arch)"
+            )
+    if m.tie_embeddings is not None and bool(m.tie_embeddings) != family.ties(m):
+        raise UserError(
+            f"model.tie_embeddings: the {m.arch} family's output layer is always "
+            f"{'tied' if family.ties(m) else 'untied'}"
+        )
+    if family.check is not None:
+        family.check(m, tp)
+
+
 def check(cfg: Config) -> None:
     """Raise a UserError for the first setting that cannot work (sizes known without MPI).
 
@@ -735,6 +789,7 @@ def check(cfg: Config) -> None:
         raise UserError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
     if m.n_head % parallel.tp:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {parallel.tp}")
+    _check_family(m, parallel.tp)
     if parallel.sequence_parallel and parallel.tp > 1 and m.seq_len % parallel.tp:
         raise UserError(
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "

@@ -8,6 +8,8 @@ model's FLOPs (no recomputation) by the device's peak, as Chowdhery et al. (PaLM
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpcllm import families
 
 
@@ -25,3 +27,9 @@ def step_flops(
     """Return the FLOPs of one training step on ``batch`` sequences of family ``arch``."""
     shape = families.Shape(n_layer, d_model, n_head, seq_len, vocab)
     return families.get(arch).step_flops(batch, shape, recompute)
+
+
+def model_step_flops(model: Any, batch: int, vocab: int, recompute: str = "none") -> float:
+    """Return the FLOPs of one training step on ``batch`` sequences of ``model`` (a
+    ``cfg.model``), with every size its family reads (GQA's kv heads, the MLP's width)."""
+    return families.get(model.arch).step_flops(batch, families.shape(model, vocab), recompute)

@@ -45,6 +45,7 @@ YAML_WORDS = [
     "/proc/x", "/dev/null/x", "/sys", "/", ".", "..", "runs/x", "\x00",
     "auto", "none", "blocks", "full", "1f1b", "gpipe", "interleaved", "zb-h1",
     "ddp", "horovod", "ps", "fp32", "fp16", "bf16", "fail", "warn", "tiny", "gpt2-124m",
+    "gpt2", "llama", "llama-tiny", "llama3-8b",
 ]  # fmt: skip
 
 # Values that are often valid, so that many configs get through to preflight.

@@ -43,7 +43,7 @@ from hpcllm import kernels
 from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
 from hpcllm.config import Config, load_config
 from hpcllm.files import atomic_write
-from hpcllm.flops import step_flops
+from hpcllm.flops import model_step_flops
 from hpcllm.observe import CaseProgress, peak_tflops
 from hpcllm.train.trainer import Trainer
 
@@ -239,9 +239,7 @@ def _row(
 
 def _model_flops(cfg: Config, padded_vocab: int) -> float:
     """Return the FLOPs of one step of one micro-batch of ``cfg``'s model (both sides')."""
-    m = cfg.model
-    shape = (cfg.train.micro_batch_size, m.seq_len, m.n_layer, m.d_model, padded_vocab)
-    return step_flops(*shape, arch=m.arch, n_head=m.n_head)
+    return model_step_flops(cfg.model, cfg.train.micro_batch_size, padded_vocab)
 
 
 def bench_shape(

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     """Search the layouts and print (or write) the best."""
     import dataclasses
 
-    from hpcllm.config import PRESETS
+    from hpcllm import families
     from hpcllm.errors import UserError
     from hpcllm.plan import search
     from hpcllm.plan.costs import Model, Software
@@ -92,9 +92,13 @@ def run(args: argparse.Namespace) -> int:
 
     shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
     if args.model is not None:
-        if args.model not in PRESETS:
-            raise UserError(f"unknown --model {args.model}; presets: {', '.join(PRESETS)}")
-        preset = PRESETS[args.model]
+        presets = families.get("gpt2").presets  # the sizes --layers ... --seq can give
+        if args.model not in presets:
+            raise UserError(
+                f"unknown --model {args.model}; the planner's presets (the gpt2 family): "
+                f"{', '.join(presets)}"
+            )
+        preset = presets[args.model]
         given = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
         shape = {k: v if v is not None else preset[given[k]] for k, v in shape.items()}
     missing = [k for k, v in shape.items() if v is None]

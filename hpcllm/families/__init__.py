@@ -11,10 +11,11 @@ class named by :attr:`Family.module` (``"package.module:Class"``), imported on f
 (:func:`model_class`); it builds one pipeline stage (``layers``, ``pre``, ``post``) and
 generates. Nothing outside ``hpcllm.model`` and this package names a family's modules.
 
-Built in: ``gpt2`` (:mod:`hpcllm.families.gpt2`). A family defined elsewhere registers
-itself with :func:`register` when its module is imported; the modules named in the
-``HPCLLM_FAMILIES`` environment variable (comma-separated) and the ``hpcllm.families``
-entry points are imported on the first lookup, in every rank alike.
+Built in: ``gpt2`` (:mod:`hpcllm.families.gpt2`) and ``llama``
+(:mod:`hpcllm.families.llama`). A family defined elsewhere registers itself with
+:func:`register` when its module is imported; the modules named in the ``HPCLLM_FAMILIES``
+environment variable (comma-separated) and the ``hpcllm.families`` entry points are imported
+on the first lookup, in every rank alike.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class TensorRule:
     ``split``: the dimension cut over t and its stride (3 for a fused q|k|v), or None for a
     tensor every tp rank holds whole. ``grad``: how its gradient becomes whole across the tp
     group: ``"local"`` (each rank's slice is its own), ``"tp-sum-if-sequence-parallel"`` (a
-    replicated tensor that sees 1/t of the tokens under sequence parallelism). ``stage``:
+    replicated tensor that sees 1/t of the tokens under sequence parallelism),
+    ``"kv-replicas"`` (split by head, or, with fewer heads than ranks, each head on the ranks
+    that use it: their gradients summed, the copies counted once). ``stage``:
     ``"first"``, ``"last"``, ``"first+last"`` (tied: a copy on each, gradients summed) or
     ``"block"`` (the stage holding the block of the name's index). ``padded``: its rows are
     the vocabulary, padded with zero rows to a multiple of 128·t (dropped when merged whole).
@@ -47,7 +50,7 @@ class TensorRule:
 
     pattern: str
     split: Split
-    grad: str
+    grad: str  # "local", "tp-sum-if-sequence-parallel" or "kv-replicas" (see the docstring)
     stage: str
     padded: bool = False
 
@@ -75,6 +78,9 @@ class Shape:
     heads: int
     seq: int
     vocab: int
+    kv_heads: int | None = None  # None: as many as heads
+    ffn: int | None = None  # the MLP's width; None: 4·hidden
+    tied: bool = True  # the output layer is the token embedding
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,14 @@ class Family:
     hf_config: Callable[[Any, int, int | None], dict] | None = None
     model_keys_of_hf: Callable[[dict, str], dict[str, Any]] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Whether the output layer is tied to the embedding, by the model config (the rules'
+    # ``first+last`` tensors are tied only then).
+    ties: Callable[[Any], bool] = lambda _model: True
+    # Checks of a model config at tensor-parallel size t: (model config, t) -> None, a
+    # UserError where the family cannot run it.
+    check: Callable[[Any, int], None] | None = None
+    # The Shape fields beyond the common sizes, from a model config (kv_heads, ffn, tied).
+    shape_extra: Callable[[Any], dict[str, Any]] = lambda _model: {}
 
     def rule(self, name: str) -> TensorRule:
         """Return the rule of a whole-model parameter name; a ValueError where none matches."""
@@ -134,6 +148,7 @@ def _load_plugins() -> None:
         return
     _PLUGINS_LOADED = True
     importlib.import_module("hpcllm.families.gpt2")
+    importlib.import_module("hpcllm.families.llama")
     names = [n.strip() for n in os.environ.get("HPCLLM_FAMILIES", "").split(",") if n.strip()]
     for name in names:
         try:
@@ -173,10 +188,24 @@ def presets() -> dict[str, dict[str, int]]:
     return found
 
 
+def preset_family(preset: str) -> str | None:
+    """Return the name of the family whose preset ``preset`` is (None: no family's)."""
+    _load_plugins()
+    return next((f.name for f in _REGISTRY.values() if preset in f.presets), None)
+
+
 def by_hf_model_type() -> dict[str, Family]:
     """Return the families that read Hugging Face checkpoints, by config.json's model_type."""
     _load_plugins()
     return {f.hf_model_type: f for f in _REGISTRY.values() if f.hf_model_type}
+
+
+def shape(model: Any, vocab: int) -> Shape:
+    """Return the sizes of a model config (``cfg.model``) with vocabulary ``vocab``."""
+    family = get(model.arch)
+    base = Shape(model.n_layer, model.d_model, model.n_head, model.seq_len, vocab)
+    extra = family.shape_extra(model)
+    return Shape(**{**base.__dict__, **extra}) if extra else base
 
 
 def model_class(arch: str) -> type:

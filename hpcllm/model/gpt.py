@@ -35,11 +35,11 @@ from hpcllm.parallel.tensor.layers import (
 from hpcllm.parallel.tensor.mappings import copy_to_tp, gather_from_tp
 
 
-def _tp_size(group: Any) -> int:
+def tp_size(group: Any) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
-def _dropout_rng(group: Any, p: float, training: bool) -> Any:
+def dropout_rng(group: Any, p: float, training: bool) -> Any:
     """The tensor-parallel stream for a dropout over split activations, when it drops."""
     return tp_rng(group if p > 0 and training else None)
 
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
     ) -> None:
         super().__init__()
-        h, t = cfg.d_model, _tp_size(group)
+        h, t = cfg.d_model, tp_size(group)
         self.group = group
         self.local_heads = cfg.n_head // t
         self.head_dim = h // cfg.n_head
@@ -97,7 +97,7 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Heads are split over the tp group: each rank draws its own attention dropout.
-        with _dropout_rng(self.group, self.dropout, self.training):
+        with dropout_rng(self.group, self.dropout, self.training):
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )
@@ -191,7 +191,7 @@ class Block(nn.Module):
         self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
     ) -> None:
         super().__init__()
-        sp = sequence_parallel and _tp_size(group) > 1
+        sp = sequence_parallel and tp_size(group) > 1
         self.ln1 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
         self.attn = Attention(cfg, group, gen, sp)
         self.ln2 = LayerNorm(cfg.d_model, cfg.layer_norm_eps, sp)
@@ -205,10 +205,10 @@ class Block(nn.Module):
         # Fused kernels take the biases; the torch path adds them in the matmuls.
         add_bias = not kernels.fused(x)
         out, bias = self.attn(self.ln1(x), add_bias)
-        with _dropout_rng(self.rng_group, self.dropout, self.training):
+        with dropout_rng(self.rng_group, self.dropout, self.training):
             x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
         out, bias = self.mlp(self.ln2(x), add_bias)
-        with _dropout_rng(self.rng_group, self.dropout, self.training):
+        with dropout_rng(self.rng_group, self.dropout, self.training):
             return kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
 
 
@@ -243,7 +243,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        t = _tp_size(tp_group)
+        t = tp_size(tp_group)
         self.padded_vocab = padded_vocab(vocab_size, t)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and t > 1
@@ -289,7 +289,7 @@ class GPT(nn.Module):
             )
         pos = torch.arange(s, device=ids.device)
         if self.sequence_parallel:
-            t = _tp_size(self.tp_group)
+            t = tp_size(self.tp_group)
             if s % t:
                 raise ValueError(
                     f"sequence parallelism splits the {s} tokens of a sequence "
@@ -298,7 +298,7 @@ class GPT(nn.Module):
                 )
             pos = pos.chunk(t)[torch.distributed.get_rank(self.tp_group)]
         x = self.wte(ids) + self.wpe(pos)
-        with _dropout_rng(
+        with dropout_rng(
             self.tp_group if self.sequence_parallel else None, self.cfg.dropout, self.training
         ):
             return F.dropout(x, self.cfg.dropout, self.training)
@@ -325,7 +325,7 @@ class GPT(nn.Module):
             logits = sequence_parallel_linear(self.ln_f(x), self.wte.weight, None, self.tp_group)
         else:
             logits = linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
-        if _tp_size(self.tp_group) > 1:
+        if tp_size(self.tp_group) > 1:
             if labels is not None:
                 return vocab_parallel_cross_entropy(
                     logits, labels, self.tp_group, self.wte.vocab_start, self.vocab_size
@@ -350,7 +350,7 @@ class GPT(nn.Module):
 
         Under sequence parallelism each tp rank holds its 1/t of the sequence.
         """
-        t = _tp_size(self.tp_group)
+        t = tp_size(self.tp_group)
         seq = self.cfg.seq_len // t if self.sequence_parallel else self.cfg.seq_len
         return (micro_batch_size, seq, self.cfg.d_model)
 

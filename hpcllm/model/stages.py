@@ -79,7 +79,7 @@ def build_chunks(
             post=stage == stages - 1,
         )
         part.stage = stage
-        if (part.pre or part.post) and p > 1:
+        if (part.pre or part.post) and p > 1 and family.ties(cfg):
             _mark_tied(part, family)
         chunks.append(part)
     return nn.ModuleList(chunks)

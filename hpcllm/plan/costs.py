@@ -69,6 +69,9 @@ class Model:
     seq: int
     vocab: int
     arch: str = "gpt2"
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: heads)
+    ffn: int | None = None  # the MLP's width (None: 4·hidden)
+    tied: bool = True  # the output layer is the token embedding
 
     @property
     def family(self) -> families.Family:
@@ -78,7 +81,16 @@ class Model:
     @property
     def shape(self) -> families.Shape:
         """Return the sizes the family's formulas take."""
-        return families.Shape(self.layers, self.hidden, self.heads, self.seq, self.vocab)
+        return families.Shape(
+            self.layers,
+            self.hidden,
+            self.heads,
+            self.seq,
+            self.vocab,
+            self.kv_heads,
+            self.ffn,
+            self.tied,
+        )
 
     def parameters(self) -> int:
         """Return the parameter count (the family's)."""

@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from hpcllm import watchdog
+from hpcllm import families, watchdog
 from hpcllm.config import Config, config_from_dict, load_yaml
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, durable_replace, fsync_path
@@ -874,12 +874,17 @@ def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
     except UserError as err:  # an older version's rules, or a path of another machine
         raise UserError(f"{path} (the checkpoint's config): {err}") from None
     saved, mine = saved_cfg.model, cfg.model
-    keys = ("n_layer", "n_head", "d_model", "seq_len")
-    different = [
-        f"{k} {getattr(saved, k)} vs {getattr(mine, k)}"
-        for k in keys
-        if getattr(saved, k) != getattr(mine, k)
-    ]
+    if saved.arch != mine.arch:
+        different = [f"family {saved.arch} vs {mine.arch}"]
+    else:
+        # The sizes every family has, and the family's own (kv heads, MLP width, tying).
+        theirs, ours = families.shape(saved, 0).__dict__, families.shape(mine, 0).__dict__
+        names = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
+        different = [
+            f"{names.get(k, k)} {theirs[k]} vs {ours[k]}"
+            for k in theirs
+            if k != "vocab" and theirs[k] != ours[k]
+        ]
     saved_vocab = read_meta(folder).get("vocab_size")
     if saved_vocab not in (None, vocab_size):
         different.append(f"vocabulary {saved_vocab} vs {vocab_size}")

@@ -24,7 +24,7 @@ from torch.amp import GradScaler
 from hpcllm import observe, watchdog
 from hpcllm.config import Config, batch_plan
 from hpcllm.files import atomic_write
-from hpcllm.flops import step_flops
+from hpcllm.flops import model_step_flops
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.parallel.tensor.layers import is_split
 from hpcllm.topology import Grid
@@ -41,7 +41,8 @@ def count_parameters(chunks: torch.nn.Module, grid: Grid) -> int:
     leaving out the last stage's copy of the tied embedding. A collective over the stages.
     """
     count = sum(
-        p.numel() * (grid.tp if is_split(p) else 1)
+        # A key/value head kept on several tp ranks (kv_replicas of them) counts once.
+        p.numel() * (grid.tp // getattr(p, "kv_replicas", 1) if is_split(p) else 1)
         for p in chunks.parameters()
         if not getattr(p, "pipeline_duplicate", False)
     )
@@ -74,10 +75,8 @@ class Metrics:
         self.global_batch, self.padded_vocab = global_batch, padded_vocab
         m = cfg.model
         self.tokens_per_step = global_batch * m.seq_len
-        shape = (global_batch, m.seq_len, m.n_layer, m.d_model, padded_vocab)
-        family = {"arch": m.arch, "n_head": m.n_head}
-        self.flops_per_step = step_flops(*shape, m.recompute, **family)
-        self.model_flops_per_step = step_flops(*shape, "none", **family)
+        self.flops_per_step = model_step_flops(m, global_batch, padded_vocab, m.recompute)
+        self.model_flops_per_step = model_step_flops(m, global_batch, padded_vocab)
         self.peak = observe.peak_tflops(grid.device, cfg.train.precision, cfg.train.peak_tflops)
         self._log: observe.MetricsLog | None = None
         self._bar: Any = None

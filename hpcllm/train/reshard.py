@@ -108,6 +108,12 @@ class Param:
     dim: int
     partition: tuple[int, int] | None  # (dim, stride) of the tp slices; None: whole on every rank
     padded: bool = False  # vocabulary rows, padded to a multiple of 128·t
+    # Split by key/value head: with fewer heads than tp ranks, each head on t / heads ranks.
+    kv_heads: int | None = None
+
+    def replicas(self, tp: int) -> int:
+        """Return how many tp ranks of ``tp`` hold each slice (1 but for kv heads)."""
+        return max(1, tp // self.kv_heads) if self.kv_heads else 1
 
 
 def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param]:
@@ -116,10 +122,15 @@ def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param
     with torch.device("meta"):
         stage = build(cfg, 1, layers=layers, pre=pre, post=post)
     family = families.get(cfg.arch)
-    return [
-        Param(name, param.dim(), getattr(param, "partition", None), family.rule(name).padded)
-        for name, param in stage.named_parameters()
-    ]
+    kv = families.shape(cfg, 1).kv_heads or cfg.n_head
+    params = []
+    for name, param in stage.named_parameters():
+        rule = family.rule(name)
+        heads = kv if rule.grad == "kv-replicas" else None
+        params.append(
+            Param(name, param.dim(), getattr(param, "partition", None), rule.padded, heads)
+        )
+    return params
 
 
 def rank_parameters(cfg: ModelConfig, layout: Cut, pp_rank: int) -> list[list[Param]]:
@@ -235,8 +246,11 @@ class SavedState:
         return [pick(self.shard(t, rank), key, rank) for t in range(self.layout.tp)]
 
     def _merge(self, name: str, slices: list[torch.Tensor]) -> torch.Tensor:
-        partition = self.params[name].partition
-        whole = merge_shards(slices, *partition) if partition else slices[0]
+        param = self.params[name]
+        partition = param.partition
+        # Replicated key/value heads: one slice per head (the first rank holding each).
+        slices = slices[:: param.replicas(self.layout.tp)]
+        whole = merge_shards(slices, *partition[:2]) if partition else slices[0]
         return whole[: self.vocab] if self.params[name].padded else whole
 
     def weight(self, name: str) -> torch.Tensor:
@@ -273,7 +287,11 @@ def _cut(param: Param, whole: torch.Tensor, vocab: int, tp_rank: int, tp: int) -
     if param.padded:
         rows = padded_vocab(vocab, tp)
         whole = torch.cat([whole, whole.new_zeros(rows - vocab, *whole.shape[1:])])
-    part = shard_of(whole, *param.partition, tp_rank, tp) if param.partition else whole
+    if param.partition:
+        rep = param.replicas(tp)
+        part = shard_of(whole, *param.partition[:2], tp_rank // rep, tp // rep)
+    else:
+        part = whole
     return part.clone()  # owns its memory: the file it came from may be unmapped
 
 

@@ -47,6 +47,15 @@ SMALL = [
 ]
 
 
+# What each faulted kind of run sets: an engine, or the Llama family at t = 2 with one
+# key/value head that both tensor-parallel ranks keep (its gradient summed between them).
+KINDS = {
+    "ddp": ["parallel.dp_engine=ddp"],
+    "horovod": ["parallel.dp_engine=horovod"],
+    "llama-t2": ["model.arch=llama", "model.n_kv_heads=1", "parallel.tp=2"],
+}
+
+
 def _command(stdlib: Path, run_dir: Path, *extra: str) -> list[str]:
     cmd = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
     for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
@@ -118,11 +127,11 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(stdlib: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Uninterrupted 8-step runs, one per engine, each with checkpoints at steps 2, 4, 6, 8."""
+    """Uninterrupted 8-step runs, one per kind, each with checkpoints at steps 2, 4, 6, 8."""
     runs = {}
-    for engine in ("ddp", "horovod"):
+    for engine in KINDS:
         run_dir = tmp_path_factory.mktemp("reference") / engine
-        code, _, err = _train(stdlib, run_dir, "train.steps=8", f"parallel.dp_engine={engine}")
+        code, _, err = _train(stdlib, run_dir, "train.steps=8", *KINDS[engine])
         assert code == 0, err
         runs[engine] = run_dir
     return runs
@@ -155,7 +164,7 @@ def _fault_rank_1(
         stdlib,
         run_dir,
         "train.steps=100000",
-        f"parallel.dp_engine={engine}",
+        *KINDS[engine],
         f"run.timeout_s={timeout_s}",
     )
     try:
@@ -172,7 +181,7 @@ def _fault_rank_1(
     return code, err, took, before
 
 
-@pytest.mark.parametrize("engine", ["ddp", "horovod"])
+@pytest.mark.parametrize("engine", list(KINDS))
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
     stdlib, tmp_path, reference, engine, sig
@@ -192,7 +201,7 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
     _nothing_lost(run_dir, before)
     # Resumed, it logs what the uninterrupted run logged from its newest checkpoint on.
     resumed_from = checkpoint.read_meta(checkpoint.resumable(run_dir, print))["step"]
-    code, _, err = _train(stdlib, run_dir, "train.steps=8", f"parallel.dp_engine={engine}")
+    code, _, err = _train(stdlib, run_dir, "train.steps=8", *KINDS[engine])
     assert code == 0, err
     got, want = _losses(run_dir), _losses(reference[engine])
     assert [got[s] for s in range(resumed_from + 1, 9)] == [
@@ -340,6 +349,9 @@ BAD = [
     ("unknown.key=1",),
     ("train.steps=many",),
     ("model.d_model=64",),  # another model than the folder's checkpoints
+    ("model.arch=llama",),  # another family than the folder's checkpoints
+    ("model.arch=llama", "model.n_kv_heads=3"),  # 2 query heads cannot share 3 kv heads
+    ("model.n_kv_heads=1",),  # a Llama setting on GPT-2
 ]
 
 

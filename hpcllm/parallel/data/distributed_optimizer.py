@@ -292,6 +292,8 @@ class ZeroState:
                 lo, hi = max(off, mine.start), min(off + p.numel(), mine.stop)
                 if lo >= hi or getattr(p, "pipeline_duplicate", False):
                     continue
+                if getattr(p, "tp_duplicate", False):  # another tp rank counts this kv head
+                    continue
                 kind = "split" if tp_split(p) else "whole"
                 seg = slice(lo - mine.start, hi - mine.start)
                 self.segments[bucket.slot].append((seg, kind))
@@ -655,7 +657,9 @@ class DistributedOptimizerEngine(Engine):
             id(p)
             for g in groups
             for p in g
-            if getattr(p, "sequence_parallel", False) or getattr(p, "tied_across_stages", False)
+            if getattr(p, "sequence_parallel", False)
+            or getattr(p, "tied_across_stages", False)
+            or getattr(p, "kv_replicas", 1) > 1
         }
         tp_split = is_split if self.grid.tp > 1 else (lambda p: False)
         self.zero = ZeroState(

@@ -7,7 +7,9 @@ its own reduction over d, as Megatron-Core's ``finalize_model_grads`` does:
    positions; marked ``sequence_parallel``) sum their partial gradients over the
    tensor-parallel group;
 2. the tied embedding's two copies, on the first and the last pipeline stage (marked
-   ``tied_across_stages``), sum theirs over the embedding group.
+   ``tied_across_stages``), sum theirs over the embedding group;
+3. a key/value head kept on several tp ranks (grouped-query attention with fewer heads than
+   ranks; marked ``kv_replicas``) sums its gradient over the ranks that hold it.
 
 Both are linear, so they may come before or after the data-parallel average: an engine puts
 them where its reduction needs them. :func:`global_grad_norm` is the norm the optimizer clips
@@ -62,10 +64,36 @@ def sum_tied_grads(params: Iterable[nn.Parameter], group: Any) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
+def sum_kv_replica_grads(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Sum the gradient of each key/value head over the tp ranks that hold it (parameters
+    marked ``kv_replicas``: rank r holds head r // replicas): one all-reduce over the tp
+    group of every head's slot, this rank's gradient in its own head's slot."""
+    t = group_size(group)
+    replicated = [p for p in params if getattr(p, "kv_replicas", 1) > 1]
+    if t == 1 or not replicated:
+        return
+    rank = dist.get_rank(group)
+    grads = []
+    for p in replicated:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        heads = t // p.kv_replicas
+        slots = p.grad.new_zeros(heads, *p.grad.shape)
+        slots[rank // p.kv_replicas] = p.grad
+        grads.append(slots)
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for p, summed in zip(
+        replicated, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+    ):
+        p.grad.copy_(summed[rank // p.kv_replicas])
+
+
 def finalize_model_grads(params: Sequence[nn.Parameter], groups: ProcessGroups) -> None:
-    """Run both sums on ``params`` (a rank's parameters, in chunk order): tp, then embedding."""
+    """Run the sums on ``params`` (a rank's parameters, in chunk order): tp, embedding, kv."""
     reduce_sequence_parallel_grads(params, groups.tp)
     sum_tied_grads(params, groups.embedding)
+    sum_kv_replica_grads(params, groups.tp)
 
 
 def global_grad_norm(
@@ -77,10 +105,15 @@ def global_grad_norm(
     ones (LayerNorm, row-parallel biases, positions) hold the same gradient on every tp rank
     and are counted once. Each pipeline stage holds different parameters, so the stages' sums
     are added; a parameter marked ``pipeline_duplicate`` (the last stage's copy of the tied
-    embedding) is not counted, since the first stage counts it.
+    embedding) is not counted, since the first stage counts it, nor one marked
+    ``tp_duplicate`` (a key/value head's copy on a rank other than the first that holds it).
     """
     counted = [
-        p for p in parameters if p.grad is not None and not getattr(p, "pipeline_duplicate", False)
+        p
+        for p in parameters
+        if p.grad is not None
+        and not getattr(p, "pipeline_duplicate", False)
+        and not getattr(p, "tp_duplicate", False)
     ]
     if not counted and group_size(tp_group) == 1 and group_size(pp_group) == 1:
         return torch.zeros(())

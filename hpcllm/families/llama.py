@@ -1,0 +1,282 @@
+"""The Llama family's spec (torch-free); its torch half is ``hpcllm.model.llama.Llama``.
+
+Pre-RMSNorm blocks without biases, rotary position embeddings (with Llama 3.1's frequency
+scaling), grouped-query attention (``model.n_kv_heads`` key/value heads shared by
+``n_head / n_kv_heads`` query heads each), a SwiGLU MLP (SiLU(x·G) ⊙ (x·U) → D) and an
+output layer tied to the token embedding or not (``model.tie_embeddings``). Shapes from Meta's
+model cards and configuration files: Llama 3 (8B, 70B), Llama 3.1 (405B), Llama 3.2 (1B).
+
+Tensor parallelism (Megatron's): q column-parallel by head; k and v split by head when t
+divides ``n_kv_heads``, and when ``n_kv_heads`` divides t each key/value head lives on the
+``t / n_kv_heads`` ranks whose query heads use it (its gradient summed over them, counted once
+in the gradient norm and the parameter count); the SwiGLU's gate and up column-parallel, its
+down projection row-parallel.
+
+FLOPs are Megatron's count (Narayanan et al., SC21) with the family's own matrices: per token
+and layer forward 2·(2h² + 2·h·k) for q, o, k and v (k = n_kv_heads·head_dim), 6·h·f for the
+three MLP matrices (f the MLP width), 4·s·h for the attention scores and their weighting;
+2·h·V for the logits; backward twice the forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hpcllm.families import Family, Shape, TensorRule, register
+from hpcllm.user_error import UserError
+
+_LLAMA3 = {
+    "vocab_size": 128256,
+    "seq_len": 8192,  # Llama 3's pre-training context
+    "n_kv_heads": 8,
+    "rope_theta": 500000.0,
+    "layer_norm_eps": 1e-5,
+}
+# Llama 3.1's rope scaling (its 128K context): factor, low/high frequency factors, context.
+_SCALED = {
+    "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0,
+    "rope_original_seq_len": 8192,
+}
+PRESETS: dict[str, dict[str, Any]] = {
+    # A CPU-sized model with every feature: GQA (2 query heads per kv head), scaled rope.
+    "llama-tiny": {
+        "n_layer": 4,
+        "n_head": 4,
+        "n_kv_heads": 2,
+        "d_model": 128,
+        "seq_len": 128,
+        "ffn_size": 352,
+        "rope_theta": 10000.0,
+        "rope_scaling": 4.0,
+        "rope_low_freq_factor": 1.0,
+        "rope_high_freq_factor": 4.0,
+        "rope_original_seq_len": 32,
+        "tie_embeddings": False,
+    },
+    "llama3.2-1b": {
+        **_LLAMA3,
+        **_SCALED,
+        "n_layer": 16,
+        "n_head": 32,
+        "d_model": 2048,
+        "ffn_size": 8192,
+        "rope_scaling": 32.0,
+        "tie_embeddings": True,
+    },
+    "llama3-8b": {
+        **_LLAMA3,
+        "n_layer": 32,
+        "n_head": 32,
+        "d_model": 4096,
+        "ffn_size": 14336,
+        "tie_embeddings": False,
+    },
+    "llama3-70b": {
+        **_LLAMA3,
+        "n_layer": 80,
+        "n_head": 64,
+        "d_model": 8192,
+        "ffn_size": 28672,
+        "tie_embeddings": False,
+    },
+    "llama3.1-405b": {
+        **_LLAMA3,
+        **_SCALED,
+        "n_layer": 126,
+        "n_head": 128,
+        "d_model": 16384,
+        "ffn_size": 53248,
+        "rope_scaling": 8.0,
+        "tie_embeddings": False,
+    },
+}
+
+
+def ffn_size(model: Any) -> int:
+    """Return the MLP width: ``model.ffn_size``, or Meta's rule (2/3 of 4h, times
+    ``ffn_multiplier``, rounded up to a multiple of ``ffn_multiple_of``)."""
+    if model.ffn_size is not None:
+        return int(model.ffn_size)
+    hidden = int(2 * 4 * model.d_model / 3)
+    if model.ffn_multiplier is not None:
+        hidden = int(model.ffn_multiplier * hidden)
+    return model.ffn_multiple_of * math.ceil(hidden / model.ffn_multiple_of)
+
+
+def kv_heads(model: Any) -> int:
+    """Return the key/value heads (``n_kv_heads``; null: one per query head)."""
+    return int(model.n_kv_heads or model.n_head)
+
+
+def _kv(shape: Shape) -> int:
+    """Return the key (or value) projection's width: kv heads × head size."""
+    return (shape.kv_heads or shape.heads) * (shape.hidden // shape.heads)
+
+
+def _layer_forward(batch: int, shape: Shape) -> float:
+    h, s = shape.hidden, shape.seq
+    per_token = 4 * h * h + 4 * h * _kv(shape) + 6 * h * (shape.ffn or 4 * h) + 4 * s * h
+    return float(batch * s * per_token)
+
+
+def step_flops(batch: int, shape: Shape, recompute: str) -> float:
+    """Return the FLOPs of one training step on ``batch`` sequences (see the docstring).
+
+    Forward + backward is 3 forwards; full recomputation runs every layer's forward once
+    more (not the output layer's), selective the attention core's 4·B·s²·h per layer.
+    """
+    layers = shape.layers * _layer_forward(batch, shape)
+    logits = 2.0 * batch * shape.seq * shape.hidden * shape.vocab
+    flops = 3 * (layers + logits)
+    if recompute == "full":
+        flops += layers
+    elif recompute == "selective":
+        flops += 4.0 * batch * shape.seq * shape.seq * shape.hidden * shape.layers
+    return flops
+
+
+def parameters(shape: Shape) -> int:
+    """Return the parameter count: per layer 2h² (q, o) + 2·h·k (k, v) + 3·h·f + 2h (the
+    norms); the embedding, the output layer when untied, the final norm."""
+    h = shape.hidden
+    layer = 2 * h * h + 2 * h * _kv(shape) + 3 * h * (shape.ffn or 4 * h) + 2 * h
+    head = 0 if shape.tied else shape.vocab * h
+    return shape.layers * layer + shape.vocab * h + head + h
+
+
+def layer_parameters(shape: Shape) -> tuple[int, int]:
+    """Return one layer's parameters (split over t, whole on every rank): every matrix is
+    split (replicated key/value heads count as split), the two norms are whole."""
+    h = shape.hidden
+    return 2 * h * h + 2 * h * _kv(shape) + 3 * h * (shape.ffn or 4 * h), 2 * h
+
+
+def first_parameters(shape: Shape, t: int) -> float:
+    """Return the first stage's parameters outside its layers on one tp rank: the token
+    embedding, padded to a multiple of 128·t rows and split."""
+    rows = -(-shape.vocab // (128 * t)) * 128 * t
+    return rows * shape.hidden / t
+
+
+def last_parameters(shape: Shape) -> int:
+    """Return the last stage's parameters after its layers: the final norm, and the output
+    layer when it is not tied to the embedding."""
+    return shape.hidden + (0 if shape.tied else shape.vocab * shape.hidden)
+
+
+def activation_factor(shape: Shape, t: int, sequence_parallel: bool, flash: bool) -> float:
+    """Return one layer's stored activations in units of s·b·h (16-bit values), counted as
+    Korthikanti et al. count GPT's: whole on every tp rank, the two norms' inputs (2 + 2) and
+    outputs, the inputs of the attention and MLP projections (2 + 2); split over t, q (2), k
+    and v (2·k/h each), the attention output (2), the MLP's gate and up outputs and their
+    SiLU product (3 · 2·f/h). No dropout masks. Sequence parallelism splits the whole ones
+    too; unfused attention adds its scores and softmax, 2.5·a·s/(h·t)."""
+    h = shape.hidden
+    kv, f = _kv(shape) / h, (shape.ffn or 4 * h) / h
+    split = 2 + 4 * kv + 2 + 6 * f
+    whole = 8
+    stored = (split + whole) / t if sequence_parallel and t > 1 else whole + split / t
+    scores = 0.0 if flash else 2.5 * shape.heads * shape.seq / (shape.hidden * t)
+    return stored + scores
+
+
+def layer_gemms(rows: int, shape: Shape, t: int) -> list[tuple[int, int, int]]:
+    """Return one layer's forward GEMMs (M, N, K) on ``rows`` tokens at tensor-parallel t."""
+    h, f = shape.hidden, shape.ffn or 4 * shape.hidden
+    kv = max(1, _kv(shape) // t)  # replicated heads: one per rank
+    return [
+        (rows, h // t, h),  # q
+        (rows, kv, h),  # k
+        (rows, kv, h),  # v
+        (rows, h, h // t),  # attention output
+        (rows, f // t, h),  # gate
+        (rows, f // t, h),  # up
+        (rows, h, f // t),  # down
+    ]
+
+
+def check(model: Any, tp: int) -> None:
+    """Raise a UserError for a Llama shape or tensor-parallel size that cannot work."""
+    heads, kv = model.n_head, kv_heads(model)
+    if heads % kv:
+        raise UserError(f"model.n_head {heads} is not a multiple of model.n_kv_heads {kv}")
+    if (model.d_model // heads) % 2:
+        raise UserError(
+            f"rotary embeddings rotate pairs: the head size d_model / n_head = "
+            f"{model.d_model // heads} must be even"
+        )
+    if kv % tp and tp % kv:
+        raise UserError(
+            f"model.n_kv_heads {kv} and parallel.tp {tp}: one must divide the other (kv heads "
+            "split over the ranks, or each kv head on tp / n_kv_heads ranks)"
+        )
+    if ffn_size(model) % tp:
+        raise UserError(f"the MLP width {ffn_size(model)} is not divisible by parallel.tp {tp}")
+    if model.rope_scaling is not None and model.rope_high_freq_factor <= model.rope_low_freq_factor:
+        raise UserError(
+            f"model.rope_high_freq_factor {model.rope_high_freq_factor} must be above "
+            f"model.rope_low_freq_factor {model.rope_low_freq_factor}"
+        )
+
+
+_BLOCK = r"blocks\.\d+\."
+TENSORS = (
+    # The token embedding, padded to 128·t rows and split by rows; tied: the output layer too.
+    TensorRule(r"wte\.weight", (0, 1), "local", "first+last", padded=True),
+    TensorRule(r"lm_head\.weight", (0, 1), "local", "last", padded=True),
+    TensorRule(_BLOCK + r"norm[12]\.weight", None, "tp-sum-if-sequence-parallel", "block"),
+    TensorRule(_BLOCK + r"attn\.q\.weight", (0, 1), "local", "block"),
+    # Split by head, or (n_kv_heads < t) a head replicated on the ranks that use it.
+    TensorRule(_BLOCK + r"attn\.[kv]\.weight", (0, 1), "kv-replicas", "block"),
+    TensorRule(_BLOCK + r"attn\.proj\.weight", (1, 1), "local", "block"),
+    TensorRule(_BLOCK + r"mlp\.(gate|up)\.weight", (0, 1), "local", "block"),
+    TensorRule(_BLOCK + r"mlp\.proj\.weight", (1, 1), "local", "block"),
+    TensorRule(r"norm_f\.weight", None, "tp-sum-if-sequence-parallel", "last"),
+)
+
+CONFIG_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_kv_heads",
+    "d_model",
+    "seq_len",
+    "vocab_size",
+    "dropout",
+    "layer_norm_eps",
+    "init_std",
+    "ffn_size",
+    "ffn_multiplier",
+    "ffn_multiple_of",
+    "rope_theta",
+    "rope_scaling",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_seq_len",
+    "tie_embeddings",
+)
+
+LLAMA = register(
+    Family(
+        name="llama",
+        module="hpcllm.model.llama:Llama",
+        config_keys=CONFIG_KEYS,
+        presets=PRESETS,
+        step_flops=step_flops,
+        parameters=parameters,
+        layer_parameters=layer_parameters,
+        first_parameters=first_parameters,
+        last_parameters=last_parameters,
+        activation_factor=activation_factor,
+        layer_gemms=layer_gemms,
+        tensors=TENSORS,
+        ties=lambda model: bool(model.tie_embeddings),
+        check=check,
+        shape_extra=lambda model: {
+            "kv_heads": kv_heads(model),
+            "ffn": ffn_size(model),
+            "tied": bool(model.tie_embeddings),
+        },
+    )
+)

@@ -1,0 +1,301 @@
+"""The Llama family: its spec against its module (tensors, parameters, FLOPs counted from the
+module's own matrices), rotary frequencies against Meta's piecewise rule, the config's
+refusals, and llama-tiny trained under every layout to its one-process losses."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from mpirun import python, run_mpi
+
+import hpcllm
+from hpcllm import families
+from hpcllm.config import load_config
+from hpcllm.errors import UserError
+from hpcllm.model import build
+from hpcllm.model.llama import Llama, ReplicatedHeadLinear, rope_frequencies
+from hpcllm.model.stages import build_chunks
+from hpcllm.observe import read_metrics
+from hpcllm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+LLAMA = ["model.arch=llama", "model.preset=llama-tiny"]
+
+
+def _model_cfg(*extra: str):
+    return load_config(None, [*LLAMA, *extra]).model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_tensor_has_one_rule_and_the_spec_counts_the_modules_parameters(tied):
+    cfg = _model_cfg(f"model.tie_embeddings={str(tied).lower()}")
+    family = families.get("llama")
+    with torch.device("meta"):
+        whole = build(cfg, 300)
+        last = build_chunks(cfg, 300, p=2, rank=1, v=2, tp_group=None, seed=0,
+                            sequence_parallel=False)[1]  # fmt: skip
+    for name, param in whole.named_parameters():
+        rules = [rule for rule in family.tensors if rule.matches(name)]
+        assert len(rules) == 1, name
+        assert rules[0].split == getattr(param, "partition", None), name
+    shape = families.shape(cfg, 384)  # the module pads 300 to 384 rows
+    assert sum(p.numel() for p in whole.parameters()) == family.parameters(shape)
+    # The last stage: its blocks, the final norm and its own output layer (or the tied copy).
+    names = {n for n, _ in last.named_parameters() if not n.startswith("blocks.")}
+    assert names == ({"wte.weight"} if tied else {"lm_head.weight"}) | {"norm_f.weight"}
+    if tied:
+        assert last.wte.weight.tied_across_stages and last.wte.weight.pipeline_duplicate
+    else:
+        assert not hasattr(last.lm_head.weight, "tied_across_stages")
+
+
+def _linear_flops_per_token(model: torch.nn.Module) -> float:
+    """2 FLOPs per weight per token of every matrix in the blocks, from the module's shapes."""
+    layers = (ColumnParallelLinear, RowParallelLinear, ReplicatedHeadLinear)
+    return sum(2.0 * m.weight.numel() for m in model.modules() if isinstance(m, layers))
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_flops_per_token_equal_a_count_from_the_modules_matrices(recompute):
+    cfg = _model_cfg()
+    model = Llama(cfg, 384)
+    b, s, h, layers = 3, cfg.seq_len, cfg.d_model, cfg.n_layer
+    matrices = _linear_flops_per_token(model)  # q, k, v (GQA: smaller), o, gate, up, down
+    core = 4.0 * s * h * layers  # q·kᵀ and the weighted sum, per token
+    logits = 2.0 * h * model.lm_head.weight.shape[0]
+    forward = matrices + core + logits
+    expected = 3 * forward + {"none": 0, "full": matrices + core, "selective": core}[recompute]
+    shape = families.shape(cfg, 384)
+    got = families.get("llama").step_flops(b, shape, recompute) / (b * s)
+    assert got == pytest.approx(expected, rel=1e-12)
+    # GQA: k and v are half of q here (2 kv heads of 4), and three MLP matrices.
+    block = model.blocks["0"]
+    assert block.attn.k.weight.shape[0] * 2 == block.attn.q.weight.shape[0]
+    assert block.mlp.gate.weight.shape == block.mlp.up.weight.shape == (352, h)
+
+
+def _meta_rope(head_dim: int, theta: float, factor, low, high, context) -> list[float]:
+    """Meta's Llama 3.1 rule, written as the piecewise function it is."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelength = 2 * math.pi / freq
+        if factor is None or wavelength < context / high:
+            out.append(freq)
+        elif wavelength > context / low:
+            out.append(freq / factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return out
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["model.rope_scaling=null"],
+        [
+            "model.d_model=256",
+            "model.n_head=2",
+            "model.rope_theta=500000",
+            "model.rope_scaling=8",
+            "model.rope_original_seq_len=8192",
+            "model.ffn_size=512",
+        ],
+    ],  # fmt: skip
+)
+def test_rotary_frequencies_follow_metas_rule(sets):
+    cfg = _model_cfg(*sets)
+    got = rope_frequencies(cfg).double()
+    want = _meta_rope(
+        cfg.d_model // cfg.n_head,
+        cfg.rope_theta,
+        cfg.rope_scaling,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_seq_len,
+    )
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    if cfg.rope_scaling is not None:  # the scaling changes some frequencies, not all
+        plain = _meta_rope(cfg.d_model // cfg.n_head, cfg.rope_theta, None, 1, 4, 1)
+        assert got[0] == pytest.approx(plain[0]) and got[-1] < plain[-1]
+
+
+def test_attention_is_grouped_query_attention():
+    """One block's attention equals attention written out with each kv head repeated for the
+    query heads that share it (rotations applied the same way)."""
+    cfg = _model_cfg()
+    attn = Llama(cfg, 300).blocks["0"].attn
+    x = torch.randn(2, 16, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    out, _ = attn(x)
+    b, s, d = 2, 16, cfg.d_model // cfg.n_head
+    q = attn.q(x).view(b, s, 4, d).transpose(1, 2)
+    k = attn.k(x).view(b, s, 2, d).transpose(1, 2).repeat_interleave(2, dim=1)
+    v = attn.v(x).view(b, s, 2, d).transpose(1, 2).repeat_interleave(2, dim=1)
+    inv = torch.tensor(attn.inv_freq)
+    angles = torch.outer(torch.arange(s, dtype=torch.float32), inv).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+
+    def rot(t):
+        return t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin
+
+    scores = rot(q) @ rot(k).transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, cfg.d_model)
+    torch.testing.assert_close(out, attn.proj(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("sets", "words"),
+    [
+        (["model.arch=gpt2", "model.n_kv_heads=2"], "model.n_kv_heads is not a gpt2 setting"),
+        (["model.arch=gpt2", "model.tie_embeddings=false"], "always tied"),
+        (["model.arch=gpt2", "model.preset=llama-tiny"], "is a llama preset"),
+        ([*LLAMA, "model.n_kv_heads=3"], "not a multiple of model.n_kv_heads 3"),
+        (
+            [*LLAMA, "model.n_head=12", "model.n_kv_heads=4", "model.d_model=384", "parallel.tp=3"],
+            "one must divide the other",
+        ),
+        ([*LLAMA, "model.ffn_size=350", "parallel.tp=4"], "MLP width 350"),
+        ([*LLAMA, "model.n_head=8", "model.d_model=120"], "must be even"),
+        ([*LLAMA, "model.rope_high_freq_factor=1"], "must be above"),
+    ],  # fmt: skip
+)
+def test_shapes_the_family_cannot_run_are_one_line(sets, words):
+    with pytest.raises(UserError, match=words) as err:
+        load_config(None, sets)
+    assert "\n" not in str(err.value)
+
+
+def test_meta_s_mlp_width_rule():
+    from hpcllm.families.llama import ffn_size
+
+    # Llama 3 8B: 4096 -> 2/3 of 4h = 10922, x 1.3 = 14199, up to a multiple of 1024: 14336.
+    sizes = ["model.preset=null", "model.n_layer=2", "model.seq_len=64", "model.d_model=4096"]
+    sizes += ["model.n_head=32", "model.ffn_multiplier=1.3", "model.ffn_multiple_of=1024"]
+    cfg = load_config(None, ["model.arch=llama", *sizes]).model
+    assert ffn_size(cfg) == families.get("llama").presets["llama3-8b"]["ffn_size"] == 14336
+
+
+TRAIN = [
+    *LLAMA,
+    "model.seq_len=32",
+    "model.dropout=0",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "train.lr_decay_steps=6",
+    "train.log_interval=1",
+    "train.eval_interval=0",
+    "train.precision=fp32",
+    "run.tensorboard=false",
+]
+
+
+BANNERS: dict[str, str] = {}  # each run folder's rank-0 output
+
+
+def _train(np: int, data, run, *layout: str, steps: int = 4) -> list[float]:
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in [*TRAIN, f"data.path={data}", f"run.dir={run}", f"train.steps={steps}", *layout]:
+        args += ["--set", item]
+    result = run_mpi(np, python(*args), timeout=300).check()
+    BANNERS[str(run)] = result.rank_stdout.get(0, result.stdout) + result.rank_stderr.get(0, "")
+    return [r["loss"] for r in read_metrics(run)]
+
+
+def _parameters(run) -> str:
+    """Return the parameter count the run's banner printed."""
+    return re.search(r"model ([\d.]+ M) parameters", BANNERS[str(run)]).group(1)
+
+
+@pytest.mark.mpi
+def test_llama_tiny_trains_alike_under_tensor_and_pipeline_parallelism(stdlib, tmp_path):
+    whole = _train(1, stdlib, tmp_path / "t1")
+    for name, np, layout in [
+        ("t2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("p2-interleaved", 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]),
+        ("t2p2", 4, ["parallel.tp=2", "parallel.pp=2"]),
+        ("p2-gpipe-tied", 2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
+        ("p2-zb-h1", 2, ["parallel.pp=2", "parallel.schedule=zb-h1"]),
+        ("recompute-full", 1, ["model.recompute=full"]),
+        ("recompute-selective", 1, ["model.recompute=selective"]),
+    ]:
+        if name.endswith("tied"):  # a tied model is another model: its own reference
+            tied = ["model.tie_embeddings=true"]
+            reference = _train(1, stdlib, tmp_path / "t1-tied", *tied)
+            got = _train(np, stdlib, tmp_path / name, *layout, *tied)
+            assert got == pytest.approx(reference, rel=1e-5), name
+            continue
+        got = _train(np, stdlib, tmp_path / name, *layout)
+        assert got == pytest.approx(whole, rel=1e-5), name
+    # One kv head for two tp ranks: each keeps it, sums its gradient, counts it once.
+    # (A vocabulary that t = 1 and t = 2 pad alike, so that the parameter counts compare.)
+    kv1 = ["model.n_kv_heads=1", "model.vocab_size=512"]
+    one_kv = _train(1, stdlib, tmp_path / "kv1-t1", *kv1)
+    got = _train(2, stdlib, tmp_path / "kv1-t2", *kv1, "parallel.tp=2",
+                 "parallel.sequence_parallel=true")  # fmt: skip
+    assert got == pytest.approx(one_kv, rel=1e-5)
+    assert _parameters(tmp_path / "kv1-t2") == _parameters(tmp_path / "kv1-t1")  # once
+    # ... also with the distributed optimizer over d = 2, whose norm takes its own parts.
+    got = _train(4, stdlib, tmp_path / "kv1-t2-zero", *kv1, "parallel.tp=2",
+                 "parallel.distributed_optimizer=true")  # fmt: skip
+    assert got == pytest.approx(one_kv, rel=1e-5)
+    assert one_kv != pytest.approx(whole, rel=1e-3)  # another model
+    # Every layout is one model: merged whole, the logits agree.
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = {n: hpcllm.load_model(tmp_path / n)(ids) for n in ("t1", "t2p2", "kv1-t1", "kv1-t2")}
+    assert isinstance(hpcllm.load_model(tmp_path / "t2p2"), Llama)
+    torch.testing.assert_close(logits["t2p2"], logits["t1"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits["kv1-t2"], logits["kv1-t1"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.mpi
+def test_llama_tiny_trains_alike_under_every_data_parallel_engine(stdlib, tmp_path):
+    whole = _train(1, stdlib, tmp_path / "d1")
+    for engine in [
+        ["parallel.dp_engine=ddp"],
+        ["parallel.dp_engine=horovod"],
+        ["parallel.dp_engine=ps"],
+        ["parallel.dp_engine=ddp", "parallel.distributed_optimizer=true"],
+        ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"],
+    ]:
+        got = _train(2, stdlib, tmp_path / "-".join(engine).replace("=", "_"), *engine)
+        assert got == pytest.approx(whole, rel=1e-5), engine
+
+
+@pytest.mark.mpi
+def test_llama_tiny_resumes_across_layouts_with_the_uninterrupted_losses(stdlib, tmp_path):
+    whole = _train(1, stdlib, tmp_path / "straight", "train.save_interval=2")
+    run = tmp_path / "moved"
+    first = _train(4, stdlib, run, "parallel.tp=2", "parallel.pp=2", "train.save_interval=2",
+                   steps=2)  # fmt: skip
+    resumed = _train(2, stdlib, run, "parallel.tp=2", "model.n_kv_heads=2",
+                     "parallel.sequence_parallel=true", "run.reshard=true")  # fmt: skip
+    assert first == pytest.approx(whole[:2], rel=1e-5)
+    assert resumed[2:] == pytest.approx(whole[2:], rel=1e-5)
+
+
+def test_compiled_llama_blocks_share_one_graph_and_match_eager():
+    from torch._dynamo.utils import counters
+
+    from hpcllm.train.parallelize import compile_chunks
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = _model_cfg("model.n_layer=3", "model.d_model=64", "model.ffn_size=96")
+    model, reference = Llama(cfg, 50, seed=3), Llama(cfg, 50, seed=3)
+    compile_chunks(torch.nn.ModuleList([model]), "blocks")
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss, expected = model(ids, ids), reference(ids, ids)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert counters["stats"]["unique_graphs"] == 2  # one block graph for 3 blocks, the head's
+    assert list(model.state_dict()) == list(reference.state_dict())
