@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from mpirun import python, run_mpi
+from mpirun import REPO, python, run_mpi
 
 import hpcllm
 from hpcllm import families
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
+from hpcllm.evaluate import evaluate
 from hpcllm.model import build
 from hpcllm.model.llama import Llama, ReplicatedHeadLinear, rope_frequencies
 from hpcllm.model.stages import build_chunks
@@ -252,6 +255,19 @@ def test_llama_tiny_trains_alike_under_tensor_and_pipeline_parallelism(stdlib, t
     assert isinstance(hpcllm.load_model(tmp_path / "t2p2"), Llama)
     torch.testing.assert_close(logits["t2p2"], logits["t1"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits["kv1-t2"], logits["kv1-t1"], rtol=1e-4, atol=1e-4)
+    # Re-cut into replicated heads (one kv head, t = 2, p = 2), and the model is the same.
+    recut = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "convert", "--checkpoint", str(tmp_path / "kv1-t1")]
+        + ["--out", str(tmp_path / "kv1-recut"), "--tp", "2", "--pp", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert recut.returncode == 0, recut.stderr
+    again = hpcllm.load_model(tmp_path / "kv1-recut")(ids)
+    torch.testing.assert_close(again, logits["kv1-t1"], rtol=0, atol=0)
+    assert evaluate(tmp_path / "t2p2", stdlib, split="train", iters=1).loss > 0
 
 
 @pytest.mark.mpi
