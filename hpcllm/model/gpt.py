@@ -241,15 +241,8 @@ class GPT(nn.Module):
         post: bool = True,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        t = tp_size(tp_group)
-        self.padded_vocab = padded_vocab(vocab_size, t)
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and t > 1
+        layers, gen = self.setup(cfg, vocab_size, tp_group, seed, sequence_parallel, layers)
         self.pre, self.post = pre, post
-        layers = range(cfg.n_layer) if layers is None else layers
-        gen = torch.Generator().manual_seed(seed)
         # The output layer is tied to the token embedding: a last stage keeps its own copy.
         wte = VocabParallelEmbedding(
             self.padded_vocab,
@@ -277,31 +270,60 @@ class GPT(nn.Module):
         if post:
             self.ln_f = LayerNorm(cfg.d_model, cfg.layer_norm_eps, self.sequence_parallel)
 
+    def setup(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        tp_group: Any,
+        seed: int,
+        sequence_parallel: bool,
+        layers: range | None,
+    ) -> tuple[range, torch.Generator]:
+        """Set what every family's stage keeps (config, vocabulary and its padding, the tp
+        group, sequence parallelism); return the blocks it holds and the weights' generator."""
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        t = tp_size(tp_group)
+        self.padded_vocab = padded_vocab(vocab_size, t)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and t > 1
+        return (
+            range(cfg.n_layer) if layers is None else layers,
+            torch.Generator().manual_seed(seed),
+        )
+
+    def check_length(self, s: int) -> None:
+        """Raise a ValueError for a sequence of ``s`` tokens this stage cannot take."""
+        if s > self.cfg.seq_len:
+            raise ValueError(
+                f"sequence of {s} tokens is longer than model.seq_len {self.cfg.seq_len}"
+            )
+        t = tp_size(self.tp_group)
+        if self.sequence_parallel and s % t:
+            raise ValueError(
+                f"sequence parallelism splits the {s} tokens of a sequence over {t} "
+                f"tensor-parallel ranks; use a length divisible by {t}"
+            )
+
+    def dropout_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the embedding ``x`` after dropout (the tp stream's under SP)."""
+        with dropout_rng(
+            self.tp_group if self.sequence_parallel else None, self.cfg.dropout, self.training
+        ):
+            return F.dropout(x, self.cfg.dropout, self.training)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s).
 
         Under sequence parallelism, those of this rank's part of the sequence.
         """
         s = ids.shape[1]
-        if s > self.cfg.seq_len:
-            raise ValueError(
-                f"sequence of {s} tokens is longer than model.seq_len {self.cfg.seq_len}"
-            )
+        self.check_length(s)
         pos = torch.arange(s, device=ids.device)
         if self.sequence_parallel:
             t = tp_size(self.tp_group)
-            if s % t:
-                raise ValueError(
-                    f"sequence parallelism splits the {s} tokens of a sequence "
-                    f"over {t} tensor-parallel ranks; use a length divisible "
-                    f"by {t}"
-                )
             pos = pos.chunk(t)[torch.distributed.get_rank(self.tp_group)]
-        x = self.wte(ids) + self.wpe(pos)
-        with dropout_rng(
-            self.tp_group if self.sequence_parallel else None, self.cfg.dropout, self.training
-        ):
-            return F.dropout(x, self.cfg.dropout, self.training)
+        return self.dropout_embedding(self.wte(ids) + self.wpe(pos))
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Return x after every block, recomputing each in backward under ``recompute: full``."""
@@ -314,21 +336,30 @@ class GPT(nn.Module):
             )
         return x
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the last stage's norm of ``x`` (GPT-2's final LayerNorm)."""
+        return self.ln_f(x)
+
+    def output_layer(self) -> VocabParallelEmbedding:
+        """Return the vocabulary-parallel weight the logits come from: the embedding (tied)."""
+        return self.wte
+
     def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Return the loss against ``labels``, or the logits over the real vocabulary.
 
-        The output layer shares the embedding. With t > 1 each rank holds a vocabulary slice
-        of the logits; the loss is computed on the slices and only logits asked for are
-        gathered.
+        The output layer (:meth:`output_layer`) takes the final norm's output
+        (:meth:`final_norm`). With t > 1 each rank holds a vocabulary slice of the logits; the
+        loss is computed on the slices and only logits asked for are gathered.
         """
+        out = self.output_layer()
         if self.sequence_parallel:
-            logits = sequence_parallel_linear(self.ln_f(x), self.wte.weight, None, self.tp_group)
+            logits = sequence_parallel_linear(self.final_norm(x), out.weight, None, self.tp_group)
         else:
-            logits = linear(copy_to_tp(self.ln_f(x), self.tp_group), self.wte.weight)
+            logits = linear(copy_to_tp(self.final_norm(x), self.tp_group), out.weight)
         if tp_size(self.tp_group) > 1:
             if labels is not None:
                 return vocab_parallel_cross_entropy(
-                    logits, labels, self.tp_group, self.wte.vocab_start, self.vocab_size
+                    logits, labels, self.tp_group, out.vocab_start, self.vocab_size
                 )
             logits = gather_from_tp(logits, self.tp_group)
         if labels is not None:  # padding columns are masked, not sliced off (no copy)

@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcllm import kernels
-from hpcllm.config import ModelConfig, padded_vocab
+from hpcllm.config import ModelConfig
 from hpcllm.families.llama import ffn_size, kv_heads
 from hpcllm.model.gpt import GPT, Attention, dropout_rng, tp_size
 from hpcllm.parallel.pipeline.zero_bubble import linear
-from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from hpcllm.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -36,7 +35,7 @@ from hpcllm.parallel.tensor.layers import (
     normal_init,
     sequence_parallel_linear,
 )
-from hpcllm.parallel.tensor.mappings import copy_to_tp, gather_from_tp, group_rank
+from hpcllm.parallel.tensor.mappings import copy_to_tp, group_rank
 
 
 class RMSNorm(nn.Module):
@@ -262,16 +261,9 @@ class Llama(GPT):
         post: bool = True,
     ) -> None:
         nn.Module.__init__(self)
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        t = tp_size(tp_group)
-        self.padded_vocab = padded_vocab(vocab_size, t)
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and t > 1
+        layers, gen = self.setup(cfg, vocab_size, tp_group, seed, sequence_parallel, layers)
         self.pre, self.post = pre, post
         self.tied = bool(cfg.tie_embeddings)
-        layers = range(cfg.n_layer) if layers is None else layers
-        gen = torch.Generator().manual_seed(seed)
         vocab = {
             "group": tp_group,
             "gen": gen,
@@ -297,36 +289,13 @@ class Llama(GPT):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Return the token embeddings (after dropout) of ``ids`` (b, s); no positions (the
         attention rotates q and k). Under sequence parallelism, this rank's part."""
-        s = ids.shape[1]
-        if s > self.cfg.seq_len:
-            raise ValueError(
-                f"sequence of {s} tokens is longer than model.seq_len {self.cfg.seq_len}"
-            )
-        t = tp_size(self.tp_group)
-        if self.sequence_parallel and s % t:
-            raise ValueError(
-                f"sequence parallelism splits the {s} tokens of a sequence over {t} "
-                f"tensor-parallel ranks; use a length divisible by {t}"
-            )
-        x = self.wte(ids)
-        with dropout_rng(
-            self.tp_group if self.sequence_parallel else None, self.cfg.dropout, self.training
-        ):
-            return F.dropout(x, self.cfg.dropout, self.training)
+        self.check_length(ids.shape[1])
+        return self.dropout_embedding(self.wte(ids))
 
-    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the loss against ``labels``, or the logits over the real vocabulary."""
-        out = self.wte if self.tied else self.lm_head
-        if self.sequence_parallel:
-            logits = sequence_parallel_linear(self.norm_f(x), out.weight, None, self.tp_group)
-        else:
-            logits = linear(copy_to_tp(self.norm_f(x), self.tp_group), out.weight)
-        if tp_size(self.tp_group) > 1:
-            if labels is not None:
-                return vocab_parallel_cross_entropy(
-                    logits, labels, self.tp_group, out.vocab_start, self.vocab_size
-                )
-            logits = gather_from_tp(logits, self.tp_group)
-        if labels is not None:
-            return kernels.cross_entropy(logits, labels, vocab_size=self.vocab_size)
-        return logits[..., : self.vocab_size]
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the final RMSNorm of ``x``."""
+        return self.norm_f(x)
+
+    def output_layer(self) -> VocabParallelEmbedding:
+        """Return the output layer: the embedding when tied, else ``lm_head``."""
+        return self.wte if self.tied else self.lm_head
