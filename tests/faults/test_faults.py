@@ -164,7 +164,7 @@ def _fault_rank_1(
         stdlib,
         run_dir,
         "train.steps=100000",
-        *KINDS[engine],
+        *KINDS.get(engine, [f"parallel.dp_engine={engine}"]),
         f"run.timeout_s={timeout_s}",
     )
     try:
