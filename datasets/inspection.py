@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from hpcllm.datasets.shards import SPLITS, Manifest, corrupt, open_shard, verify_shard
-from hpcllm.datasets.tokenizer import EOS_TOKEN, load_tokenizer
+from hpcllm.datasets.tokenizer import EOS_TOKEN
 
 DUMP_SEPARATOR = f"\n{EOS_TOKEN}\n"
 
@@ -26,6 +25,7 @@ def summary(manifest: Manifest) -> dict[str, Any]:
             "kind": tok["kind"],
             "vocab_size": tok["vocab_size"],
             "eos_id": tok["eos_id"],
+            "bos_id": tok.get("bos_id"),
             "sha256": tok["sha256"],
         },
         "token_dtype": manifest.raw["token_dtype"],
@@ -50,7 +50,8 @@ def render_summary(info: dict[str, Any]) -> str:
     lines = [
         f"{info['path']}  (format v{info['format_version']}, tokens {info['token_dtype']})",
         f"tokenizer  {tok['kind']}, vocab {tok['vocab_size']}, eos id {tok['eos_id']}, "
-        f"sha256 {tok['sha256'][:12]}",
+        + ("" if tok["bos_id"] is None else f"bos id {tok['bos_id']}, ")
+        + f"sha256 {tok['sha256'][:12]}",
         f"text       {info['text_bytes'] / 1e6:.2f} MB",
     ]
     for split, s in info["splits"].items():
@@ -108,10 +109,10 @@ def dump(manifest: Manifest, split: str, out: BinaryIO) -> int:
 
     Documents come out in corpus order, byte for byte as they went in.
     """
-    tokenizer = load_tokenizer(Path(manifest.tokenizer_path))
+    tokenizer = manifest.load_tokenizer()
     count = 0
     for _, ids in _documents(manifest, split):
-        out.write(tokenizer.decode(ids.tolist()).encode("utf-8"))
+        out.write(tokenizer.decode_document(ids.tolist()).encode("utf-8"))
         out.write(DUMP_SEPARATOR.encode("utf-8"))
         count += 1
     out.flush()

@@ -11,6 +11,7 @@ read, tokenize and write disjoint parts with no communication until the manifest
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import shutil
@@ -33,7 +34,13 @@ from hpcllm.datasets.shards import (
     token_dtype,
     write_manifest,
 )
-from hpcllm.datasets.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
+from hpcllm.datasets.tokenizer import (
+    CONFIG_FILE,
+    Tokenizer,
+    byte_tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
 from hpcllm.errors import UserError
 from hpcllm.files import durable_replace, partial_path, sweep_partials
 
@@ -141,6 +148,7 @@ def _swap_in(stage: Path, out: Path) -> None:
     """
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
+    (out / CONFIG_FILE).unlink(missing_ok=True)  # an earlier tokenizer's; the new one's comes
     for pattern in ("train-*.h5", "val-*.h5"):
         for path in out.glob(pattern):
             path.unlink()
@@ -315,7 +323,7 @@ def _tokenize_into(
                     tokenizer_sha256=tokenizer.sha256,
                 )
             size = len(text.encode("utf-8"))
-            writers[key].append(doc_id, ids, sources[source_index].label, size)
+            writers[key].append(doc_id, tokenizer.with_bos(ids), sources[source_index].label, size)
             bar.update(size)
         batch.clear()
 
@@ -348,6 +356,14 @@ def _manifest(
         return None, "no document went to the train split; lower --val-fraction"
     seconds = time.perf_counter() - started
     kind = opts.tokenizer if opts.tokenizer in ("bpe", "byte") else "file"
+    if kind == "file" and Path(opts.tokenizer).is_dir():
+        kind = "folder"
+    config = {}
+    if tokenizer.config is not None:  # a Hugging Face folder's: its BOS and EOS
+        config = {
+            "config_file": CONFIG_FILE,
+            "config_sha256": hashlib.sha256(tokenizer.config.encode()).hexdigest(),
+        }
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -358,6 +374,8 @@ def _manifest(
             "sha256": tokenizer.sha256,
             "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id,
+            "bos_id": tokenizer.bos_id,
+            **config,
         },
         "token_dtype": token_dtype(tokenizer.vocab_size).name,
         "val_fraction": opts.val_fraction,

@@ -5,6 +5,7 @@ The format is documented in ``datasets/README.md``; ``FORMAT_VERSION`` changes w
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,19 @@ class Manifest:
         return self.root / self.raw["tokenizer"]["file"]
 
     @property
+    def tokenizer_config_path(self) -> Path | None:
+        """Return the tokenizer_config.json saved beside the shards (None: none was)."""
+        name = self.raw["tokenizer"].get("config_file")
+        return self.root / name if name else None
+
+    def load_tokenizer(self) -> Any:
+        """Return the tokenizer this data was made with (a
+        :class:`hpcllm.datasets.tokenizer.Tokenizer`), with the BOS and EOS it used."""
+        from hpcllm.datasets.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_path, self.tokenizer_config_path)
+
+    @property
     def tokenizer_sha256(self) -> str:
         """Return the hash every shard must carry."""
         return self.raw["tokenizer"]["sha256"]
@@ -198,6 +212,12 @@ class Manifest:
         """Return the id that ends each document."""
         return int(self.raw["tokenizer"]["eos_id"])
 
+    @property
+    def bos_id(self) -> int | None:
+        """Return the id that starts each document (None: none does)."""
+        bos = self.raw["tokenizer"].get("bos_id")
+        return None if bos is None else int(bos)
+
     def check_same_tokenizer(self, tokenizer: Path, owner: str) -> None:
         """Raise a UserError when the file ``tokenizer`` (``owner``'s: a run folder's
         tokenizer.json) is not the tokenizer this data was made with; a missing file passes.
@@ -207,8 +227,6 @@ class Manifest:
         """
         if not tokenizer.is_file():
             return
-        import hashlib
-
         theirs = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
         if theirs != self.tokenizer_sha256:
             raise UserError(
@@ -275,14 +293,19 @@ def load_manifest(path: str | Path) -> Manifest:
     manifest = Manifest(root, raw, shards)
     if not manifest.tokenizer_path.is_file():
         raise UserError(f"tokenizer {manifest.tokenizer_path} named by {manifest_path} is missing")
-    import hashlib
-
     digest = hashlib.sha256(manifest.tokenizer_path.read_bytes()).hexdigest()
     if digest != manifest.tokenizer_sha256:
         raise UserError(
             f"{manifest.tokenizer_path} does not match {manifest_path} "
             f"(sha256 {digest[:12]}… vs {manifest.tokenizer_sha256[:12]}…)"
         )
+    config = manifest.tokenizer_config_path
+    if config is not None:
+        if not config.is_file():
+            raise UserError(f"tokenizer config {config} named by {manifest_path} is missing")
+        digest = hashlib.sha256(config.read_bytes()).hexdigest()
+        if digest != manifest.raw["tokenizer"].get("config_sha256"):
+            raise UserError(f"{config} does not match {manifest_path} (sha256 {digest[:12]}…)")
     for shard in (s for split in SPLITS for s in shards[split]):
         if not shard.path.is_file():
             raise UserError(f"shard {shard.path} named by {manifest_path} is missing")

@@ -1,26 +1,45 @@
 """``hpcllm convert``: Hugging Face checkpoints in and out (config.json + safetensors), for
-every family whose spec maps its tensors (:attr:`hpcllm.families.Family.hf_tensors`).
+every family whose spec maps its tensors (:attr:`hpcllm.families.Family.hf_tensors`): GPT-2
+(GPT2LMHeadModel) and Llama (LlamaForCausalLM).
 
 Hugging Face's GPT-2 stores linear layers as ``Conv1D`` (weight shape in × out, the transpose
 of ``nn.Linear``), keeps q|k|v fused in ``c_attn`` in the same order as ours, uses the tanh
-GeLU (``gelu_new``) and ties ``lm_head`` to ``wte``. Our embedding is padded to a multiple of
-128·t; the padding is dropped on the way out and added (as zeros) on the way in.
+GeLU (``gelu_new``) and ties ``lm_head`` to ``wte``. Its Llama has our matrices as they are.
+Our embedding is padded to a multiple of 128·t; the padding is dropped on the way out and added
+(as zeros) on the way in.
+
+In: one ``model.safetensors`` or shards named by ``model.safetensors.index.json``, read one
+tensor at a time into a model built on the meta device, so that the import holds one copy of
+the weights (in fp32, the training copy), never two. Out: the merged model, written in shards
+of at most :data:`MAX_SHARD_BYTES` with an index when it is larger, in fp32, bf16 or fp16.
+The tokenizer goes along both ways when there is one; a model without one keeps the BOS and
+EOS ids of the config.json it came from (``RUN_DIR/hf_config.json``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 from torch import nn
 
 from hpcllm import families
 from hpcllm.config import Config, ModelConfig
+from hpcllm.datasets.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer, load_tokenizer
 from hpcllm.errors import UserError
 from hpcllm.files import honour_umask, new_folder
 from hpcllm.model import build
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+IMPORTED_CONFIG = "hf_config.json"  # in a run folder: the config.json it was imported from
+# transformers 4's default shard size for save_pretrained.
+MAX_SHARD_BYTES = 5 * 1024**3
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _hf_family(cfg: ModelConfig) -> families.Family:
@@ -31,123 +50,286 @@ def _hf_family(cfg: ModelConfig) -> families.Family:
     return family
 
 
-def _names(family: families.Family, n_layer: int) -> list[tuple[str, str, bool]]:
-    """Return (ours, theirs, transpose) for every tensor of an ``n_layer`` model."""
+def _names(model: nn.Module) -> list[tuple[str, str, bool]]:
+    """Return (ours, theirs, transpose) for every tensor of a whole model (tp = 1, one stage)
+    that has a Hugging Face name; a tied model's output layer has none of its own."""
+    family = _hf_family(model.cfg)
+    present = set(model.state_dict())
     found = []
     for tensor in family.hf_tensors:
-        indices = range(n_layer) if "{i}" in tensor.ours else [None]
+        indices = range(model.cfg.n_layer) if "{i}" in tensor.ours else [None]
         for i in indices:
-            found.append((tensor.ours.format(i=i), tensor.theirs.format(i=i), tensor.transpose))
+            ours = tensor.ours.format(i=i)
+            if ours in present:
+                found.append((ours, tensor.theirs.format(i=i), tensor.transpose))
     return found
+
+
+def _theirs(model: nn.Module, name: str, value: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """Return our tensor ``name`` as Hugging Face stores it (a view where it can be)."""
+    if _hf_family(model.cfg).rule(name).padded:
+        value = value[: model.vocab_size]
+    return value.t() if transpose else value
 
 
 def to_hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the Hugging Face state dict of a (tp = 1) model, its vocabulary padding dropped."""
-    family = _hf_family(model.cfg)
     ours = model.state_dict()
-    out = {}
-    for name, theirs, transpose in _names(family, model.cfg.n_layer):
-        value = ours[name]
-        if family.rule(name).padded:
-            value = value[: model.vocab_size]
-        out[theirs] = value.t() if transpose else value
-    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+    return {
+        theirs: _theirs(model, name, ours[name], transpose).detach().contiguous().clone()
+        for name, theirs, transpose in _names(model)
+    }
+
+
+def _ours(
+    model: nn.Module, shapes: dict[str, Any], name: str, value: torch.Tensor, transpose: bool
+) -> torch.Tensor:
+    """Return a Hugging Face tensor as our ``name`` (fp32, padded), checking it has the shape
+    ``shapes[name]`` (or, padded, the vocabulary's rows)."""
+    value = value.t() if transpose else value
+    expected = tuple(shapes[name])
+    padded = _hf_family(model.cfg).rule(name).padded
+    want = (model.vocab_size, *expected[1:]) if padded else expected
+    if tuple(value.shape) != want:
+        raise UserError(f"tensor {name}: shape {tuple(value.shape)} where the config gives {want}")
+    if padded:
+        out = torch.zeros(expected, dtype=torch.float32)
+        out[: value.shape[0]] = value
+        return out
+    return value.to(torch.float32).contiguous()
 
 
 def from_hf_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
     """Load a Hugging Face state dict into ``model`` (vocabulary padding rows set to zero)."""
-    family = _hf_family(model.cfg)
-    ours: dict[str, torch.Tensor] = {}
-    for name, theirs, transpose in _names(family, model.cfg.n_layer):
-        value = state[theirs]
-        value = value.t() if transpose else value
-        if family.rule(name).padded:
-            padded = torch.zeros(model.padded_vocab, *value.shape[1:], dtype=value.dtype)
-            padded[: value.shape[0]] = value
-            value = padded
-        ours[name] = value
-    model.load_state_dict({k: v.float().contiguous() for k, v in ours.items()})
+    shapes = {n: v.shape for n, v in model.state_dict().items()}
+    ours = {n: _ours(model, shapes, n, state[theirs], t) for n, theirs, t in _names(model)}
+    model.load_state_dict(ours)
 
 
-def to_hf(
-    run_dir: Path, out_dir: Path, step: int | None = None, allow_unverified: bool = False
-) -> Path:
-    """Write a run's checkpoint (any layout) as a Hugging Face GPT-2 folder; return it.
+class HFWeights(contextlib.ExitStack):
+    """The tensors of a Hugging Face folder, one safetensors file or shards with an index,
+    read one at a time."""
 
-    The newest checkpoint that verifies, or the one of ``step``. The folder appears whole or
-    not at all, its files with the user's umask.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        from safetensors import safe_open
 
-    from hpcllm.generate import load_run_model
+        self._open = safe_open
+        self.folder = folder
+        self._handles: dict[Path, Any] = {}
+        if (folder / INDEX).is_file():
+            try:
+                weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise UserError(f"{folder / INDEX} is not a safetensors index: {err}") from None
+            self.where = {name: folder / file for name, file in weight_map.items()}
+            missing = sorted({p.name for p in self.where.values() if not p.is_file()})
+            if missing:
+                raise UserError(f"{folder / INDEX} names {', '.join(missing)}, not in {folder}")
+        elif (folder / SINGLE).is_file():
+            self.where = dict.fromkeys(self._handle(folder / SINGLE).keys(), folder / SINGLE)
+        else:
+            raise UserError(
+                f"{folder} has no {SINGLE} or {INDEX} (what save_pretrained writes; "
+                "pytorch_model.bin files are not read)"
+            )
 
-    model, tokenizer = load_run_model(run_dir, step=step, allow_unverified=allow_unverified)
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = self.enter_context(self._open(str(path), framework="pt"))
+            except Exception as err:  # safetensors raises its own error types
+                raise UserError(f"{path} is not a safetensors file: {err}") from None
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Return the tensor ``name``; a UserError where the folder has none."""
+        if name not in self.where:
+            raise UserError(f"{self.folder} has no tensor {name}")
+        return self._handle(self.where[name]).get_tensor(name)
+
+
+def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, ModelConfig]:
+    """Return (config.json, its family, the model config it describes) of a Hugging Face
+    folder; a UserError naming what cannot be read."""
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{hf_dir} has no config.json (a save_pretrained folder has one)")
     try:
-        with new_folder(out_dir) as partial:
-            weights = partial / "model.safetensors"
-            save_file(to_hf_state(model), str(weights), metadata={"format": "pt"})
-            honour_umask(weights)
-            config = _hf_family(model.cfg).hf_config(model.cfg, model.vocab_size, tokenizer.eos_id)
-            (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            if tokenizer.kind == "hf":
-                shutil.copyfile(Path(run_dir) / "tokenizer.json", partial / "tokenizer.json")
-    except (OSError, SafetensorError) as err:  # safetensors reports a full disk its own way
-        raise UserError(f"writing {out_dir} failed: {err}") from None
-    return out_dir
+        hf = json.loads(config_path.read_text())
+    except (ValueError, OSError) as err:
+        raise UserError(f"{config_path} is unreadable: {err}") from None
+    readable = families.by_hf_model_type()
+    family = readable.get(hf.get("model_type")) if isinstance(hf, dict) else None
+    if family is None or family.model_keys_of_hf is None:
+        known = " or ".join(sorted(readable))
+        raise UserError(f"{config_path}: model_type {hf.get('model_type')!r} is not {known}")
+    try:
+        keys = family.model_keys_of_hf(hf, str(config_path))
+    except KeyError as err:
+        raise UserError(f"{config_path} lacks {err.args[0]}") from None
+    cfg = ModelConfig(arch=family.name, preset=None, **keys)
+    if family.check is not None:
+        family.check(cfg, 1)
+    return hf, family, cfg
 
 
-def from_hf(hf_dir: Path, run_dir: Path) -> Path:
+def from_hf(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -> Path:
     """Make a run folder whose step-0 checkpoint holds a Hugging Face model; return it.
 
-    Train from it with ``hpcllm train --set run.dir=RUN_DIR`` (it resumes from that step).
+    The folder appears whole or not at all. Train from it with ``hpcllm train --set
+    run.dir=RUN_DIR`` (it resumes from that step). The tokenizer: ``tokenizer`` (a file or a
+    Hugging Face folder), else the one in ``hf_dir`` if any.
     """
-    from safetensors.torch import load_file
+    from hpcllm.train import checkpoint
 
-    config_path = hf_dir / "config.json"
-    weights = hf_dir / "model.safetensors"
-    if not config_path.is_file() or not weights.is_file():
-        raise UserError(
-            f"{hf_dir} needs config.json and model.safetensors (a Hugging Face "
-            "GPT-2 saved with save_pretrained)"
-        )
-    hf = json.loads(config_path.read_text())
-    readable = families.by_hf_model_type()
-    family = readable.get(hf.get("model_type"))
-    if family is None or family.model_keys_of_hf is None:
-        raise UserError(
-            f"{config_path}: model_type {hf.get('model_type')!r} is not "
-            + " or ".join(sorted(readable))
-        )
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    hf, _, model_cfg = _read_hf_config(hf_dir)
+    tok = _tokenizer(tokenizer, hf_dir, model_cfg.vocab_size)
     cfg = Config()
-    cfg.model = ModelConfig(
-        arch=family.name, preset=None, **family.model_keys_of_hf(hf, str(config_path))
-    )
-    cfg.run.dir = str(run_dir)
-    model = build(cfg.model, hf["vocab_size"])
-    from_hf_state(load_file(str(weights)), model)
-    _write_step0(cfg, model, run_dir)
-    if (hf_dir / "tokenizer.json").is_file():
-        shutil.copy(hf_dir / "tokenizer.json", run_dir / "tokenizer.json")
+    cfg.model = model_cfg
+    cfg.run.dir = str(run_dir.resolve())
+    with torch.device("meta"):
+        model = build(cfg.model, hf["vocab_size"])
+    shapes = {n: v.shape for n, v in model.state_dict().items()}
+    with HFWeights(hf_dir) as weights:
+        state = {n: _ours(model, shapes, n, weights.get(t), tr) for n, t, tr in _names(model)}
+    model.load_state_dict(state, assign=True)
+    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    meta = {"consumed_samples": 0, "vocab_size": model.vocab_size}
+    try:
+        with new_folder(run_dir) as partial:
+            cfg.dump(partial / "config.yaml")
+            (partial / IMPORTED_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+            if tok is not None:
+                tok.save(partial / TOKENIZER_FILE)
+            checkpoint.write_offline(
+                partial, 0, {(0, 0): {"model": model.state_dict()}}, meta, config_yaml,
+                tp=1, pp=1, dp=None,
+            )  # fmt: skip
+    except OSError as err:
+        raise UserError(f"writing {run_dir} failed: {err}") from None
     return run_dir
 
 
-def _write_step0(cfg: Config, model: nn.Module, run_dir: Path) -> None:
-    from hpcllm import topology
-    from hpcllm.train import checkpoint
+def _tokenizer(given: Path | None, folder: Path, vocab: int) -> Tokenizer | None:
+    """Return the tokenizer ``given``, else the one in ``folder`` (None: neither); a UserError
+    where it has more ids than the model's vocabulary."""
+    if given is None and not (folder / TOKENIZER_FILE).is_file():
+        return None
+    tok = load_tokenizer(given if given is not None else folder)
+    if tok.vocab_size > vocab:
+        raise UserError(
+            f"the tokenizer {given or folder} has {tok.vocab_size} ids, the model's vocabulary "
+            f"only {vocab}"
+        )
+    return tok
 
-    grid = topology.init()
-    if grid.world_size != 1:
-        raise UserError("hpcllm convert runs as one process, not under mpirun")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.dump(run_dir / "config.yaml")
-    import yaml
 
-    checkpoint.save(
-        run_dir,
-        0,
-        grid,
-        {"model": model.state_dict()},
-        {"consumed_samples": 0, "vocab_size": model.vocab_size},
-        yaml.safe_dump(cfg.to_dict(), sort_keys=False),
-    )
+def special_ids(run_dir: Path, tok: Tokenizer | None) -> dict[str, Any]:
+    """Return a run's ``bos_token_id`` and ``eos_token_id``: those of the config.json it was
+    imported from when they agree with its tokenizer (Llama 3 Instruct's list of EOS ids,
+    say), else its tokenizer's, else the imported ones, else none."""
+    imported: dict[str, Any] = {}
+    path = Path(run_dir) / IMPORTED_CONFIG
+    if path.is_file():
+        hf = json.loads(path.read_text())
+        imported = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id")}
+    if tok is None:
+        return imported
+    if tok.eos_id in stop_ids(imported):
+        return imported
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+
+
+def stop_ids(special: dict[str, Any]) -> set[int]:
+    """Return the ids that end a generation: ``special``'s ``eos_token_id`` (one, or a list)."""
+    eos = special.get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
+
+
+def _shards(model: nn.Module, dtype: torch.dtype, limit: int) -> list[list[tuple]]:
+    """Return the export's tensors, (ours, theirs, transpose), grouped into files of at most
+    ``limit`` bytes each (a larger tensor alone)."""
+    shapes = {n: v.shape for n, v in model.state_dict().items()}
+    size = torch.tensor([], dtype=dtype).element_size()
+    groups: list[list[tuple]] = [[]]
+    used = 0
+    for name, theirs, transpose in _names(model):
+        rows = model.vocab_size if _hf_family(model.cfg).rule(name).padded else shapes[name][0]
+        nbytes = rows * shapes[name][1:].numel() * size
+        if groups[-1] and used + nbytes > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, theirs, transpose))
+        used += nbytes
+    return groups
+
+
+def write_hf_weights(
+    model: nn.Module, folder: Path, dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[Path]:
+    """Write a whole model's Hugging Face tensors into ``folder``: one model.safetensors, or
+    shards and model.safetensors.index.json when larger than ``max_shard_bytes``; return the
+    files. Holds one shard's copies at a time."""
+    from safetensors.torch import save_file
+
+    to = DTYPES[dtype]
+    groups = _shards(model, to, max_shard_bytes)
+    ours = model.state_dict()
+    weight_map, written, total = {}, [], 0
+    for index, group in enumerate(groups, start=1):
+        name = SINGLE if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {
+            theirs: _theirs(model, n, ours[n], t).detach().to(to).contiguous().clone()
+            for n, theirs, t in group
+        }
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        honour_umask(folder / name)
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        written.append(folder / name)
+        del tensors
+    if len(groups) > 1:
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX).write_text(json.dumps(index_file, indent=2) + "\n")
+        written.append(folder / INDEX)
+    return written
+
+
+def to_hf(
+    run_dir: Path,
+    out_dir: Path,
+    step: int | None = None,
+    allow_unverified: bool = False,
+    dtype: str = "float32",
+    tokenizer: Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write a run's checkpoint (any layout) as a Hugging Face folder; return it.
+
+    The newest checkpoint that verifies, or the one of ``step``. The folder appears whole or
+    not at all, its files with the user's umask. The tokenizer: ``tokenizer``, else the run's
+    (a run without one, imported so, is written without one).
+    """
+    from safetensors import SafetensorError
+
+    from hpcllm.generate import load_model
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    model = load_model(run_dir, step=step, allow_unverified=allow_unverified)
+    family = _hf_family(model.cfg)
+    tok = _tokenizer(tokenizer, Path(run_dir), model.vocab_size)
+    config = family.hf_config(model.cfg, model.vocab_size, special_ids(Path(run_dir), tok))
+    config["torch_dtype"] = dtype
+    try:
+        with new_folder(out_dir) as partial:
+            write_hf_weights(model, partial, dtype, max_shard_bytes)
+            (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if tok is not None and tok.kind == "hf":
+                (partial / TOKENIZER_FILE).write_text(tok.spec)
+                (partial / CONFIG_FILE).write_text(tok.hf_config(model.cfg.seq_len))
+    except (OSError, SafetensorError) as err:  # safetensors reports a full disk its own way
+        raise UserError(f"writing {out_dir} failed: {err}") from None
+    return Path(out_dir)

@@ -52,22 +52,40 @@ def load_run_model(
     device: torch.device | None = None,
     step: int | None = None,
     allow_unverified: bool = False,
+    tokenizer: Path | None = None,
 ) -> tuple[nn.Module, Any]:
     """Return (model in eval mode, tokenizer) from a run's checkpoint of any layout.
 
-    The newest checkpoint that verifies, or the one of ``step``.
+    The newest checkpoint that verifies, or the one of ``step``. The tokenizer: ``tokenizer``
+    (a tokenizer.json or a Hugging Face tokenizer folder), else the run's; a UserError where
+    there is neither.
     """
     run_dir = Path(run_dir)
-    tokenizer_path = run_dir / "tokenizer.json"
-    if not tokenizer_path.is_file():
+    if tokenizer is None and not (run_dir / "tokenizer.json").is_file():
         if trained_on_synthetic(run_dir):
             raise UserError(
                 f"{run_dir} was trained on synthetic data (data.synthetic: true): it has no "
-                "tokenizer to read a prompt or write text with"
+                "tokenizer to read a prompt or write text with; --prompt-ids samples ids"
             )
-        raise UserError(f"{tokenizer_path} is missing; it is copied there when training starts")
+        raise UserError(
+            f"{run_dir} has no tokenizer.json (it is copied there when training starts; a "
+            "Hugging Face import without one has none): pass --tokenizer PATH, or sample ids "
+            "with --prompt-ids"
+        )
+    tok = load_tokenizer(tokenizer if tokenizer is not None else run_dir / "tokenizer.json")
     model = load_model(run_dir, step, allow_unverified)
-    return model.to(device or torch.device("cpu")), load_tokenizer(tokenizer_path)
+    if tok.vocab_size > model.vocab_size:
+        raise UserError(
+            f"the tokenizer has {tok.vocab_size} ids, {run_dir}'s model only {model.vocab_size}"
+        )
+    return model.to(device or torch.device("cpu")), tok
+
+
+def _sample(model: nn.Module, ids: list[int], tokens: int, opts: dict[str, Any]) -> list[int]:
+    """Return the ``tokens`` new ids sampled after ``ids``."""
+    gen = torch.Generator().manual_seed(opts.pop("seed"))
+    out = model.generate(torch.tensor([ids]), tokens, gen=gen, **opts)[0].tolist()
+    return out[len(ids) :]
 
 
 def generate(
@@ -79,17 +97,55 @@ def generate(
     seed: int = 0,
     step: int | None = None,
     allow_unverified: bool = False,
+    tokenizer: Path | None = None,
 ) -> str:
-    """Return ``prompt`` followed by ``tokens`` sampled tokens, decoded."""
-    model, tokenizer = load_run_model(run_dir, step=step, allow_unverified=allow_unverified)
-    ids = tokenizer.encode_batch([prompt])[0] or [tokenizer.eos_id]
-    gen = torch.Generator().manual_seed(seed)
-    out = model.generate(
-        torch.tensor([ids]), tokens, temperature=temperature, top_k=top_k, gen=gen
-    )[0].tolist()
-    new = out[len(ids) :]
-    if tokenizer.eos_id in new:
-        new = new[: new.index(tokenizer.eos_id)]
-    if tokenizer.kind == "byte":
+    """Return ``prompt`` followed by up to ``tokens`` sampled tokens, decoded; the text ends
+    before an EOS id (the tokenizer's, or any of the imported config.json's). The prompt starts
+    with BOS where the tokenizer has one."""
+    model, tok = load_run_model(
+        run_dir, step=step, allow_unverified=allow_unverified, tokenizer=tokenizer
+    )
+    from hpcllm.convert import special_ids, stop_ids
+
+    ids = tok.with_bos(tok.encode_batch([prompt])[0]) or [tok.eos_id]
+    opts = {"temperature": temperature, "top_k": top_k, "seed": seed}
+    new = _sample(model, ids, tokens, opts)
+    stops = stop_ids(special_ids(Path(run_dir), tok)) | {tok.eos_id}
+    ends = [i for i, token in enumerate(new) if token in stops]
+    new = new[: ends[0]] if ends else new
+    if tok.kind == "byte":
         return prompt + bytes(new).decode("utf-8", errors="replace")
-    return prompt + tokenizer.decode(new)
+    return prompt + tok.decode(new)
+
+
+def generate_ids(
+    run_dir: Path,
+    prompt_ids: list[int],
+    tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    step: int | None = None,
+    allow_unverified: bool = False,
+) -> list[int]:
+    """Return ``prompt_ids`` followed by up to ``tokens`` sampled ids, with no tokenizer.
+
+    Sampling stops after the run's EOS id (its tokenizer's, or the imported config.json's),
+    which ends the list.
+    """
+    from hpcllm.convert import special_ids, stop_ids
+
+    model = load_model(run_dir, step, allow_unverified)
+    bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
+    if not prompt_ids or bad:
+        raise UserError(
+            f"--prompt-ids needs ids from 0 to {model.vocab_size - 1} (the model's vocabulary)"
+            + (f"; {bad[0]} is not" if bad else "")
+        )
+    tok_path = Path(run_dir) / "tokenizer.json"
+    tok = load_tokenizer(tok_path) if tok_path.is_file() else None
+    stops = stop_ids(special_ids(Path(run_dir), tok))
+    opts = {"temperature": temperature, "top_k": top_k, "seed": seed}
+    new = _sample(model, prompt_ids, tokens, opts)
+    ends = [i for i, token in enumerate(new) if token in stops]
+    return prompt_ids + (new[: ends[0] + 1] if ends else new)

@@ -255,6 +255,16 @@ def test_llama_tiny_trains_alike_under_tensor_and_pipeline_parallelism(stdlib, t
     assert isinstance(hpcllm.load_model(tmp_path / "t2p2"), Llama)
     torch.testing.assert_close(logits["t2p2"], logits["t1"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits["kv1-t2"], logits["kv1-t1"], rtol=1e-4, atol=1e-4)
+    # Exported from its t = 2 × p = 2 checkpoint, transformers' Llama gives the same logits.
+    import transformers
+
+    from hpcllm.convert import to_hf
+
+    to_hf(tmp_path / "t2p2", tmp_path / "t2p2-hf")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "t2p2-hf").eval()
+    with torch.no_grad():
+        gap = (theirs(ids).logits - logits["t2p2"]).abs().max().item()
+    assert gap <= 1e-5 * logits["t2p2"].abs().max().item()
     # Re-cut into replicated heads (one kv head, t = 2, p = 2), and the model is the same.
     recut = subprocess.run(
         [sys.executable, "-m", "hpcllm", "convert", "--checkpoint", str(tmp_path / "kv1-t1")]

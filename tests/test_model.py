@@ -161,7 +161,7 @@ def test_hf_conversion_matches_transformers(tmp_path):
     ):
         assert torch.equal(a, b), name
     # And our config.json loads in transformers with the same shape.
-    shape = hf_config(ours.cfg, 300, 0)
+    shape = hf_config(ours.cfg, 300, {"eos_token_id": 0})
     loaded = transformers.GPT2Config(
         **{k: v for k, v in shape.items() if k not in ("architectures", "model_type")}
     )

@@ -1,4 +1,5 @@
-"""``hpcllm convert``: re-cut a checkpoint for another layout; Hugging Face GPT-2 in and out."""
+"""``hpcllm convert``: re-cut a checkpoint for another layout; Hugging Face GPT-2 and Llama in
+and out."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
     conv = verbs.add_parser(
         "convert",
-        help="re-cut a checkpoint for another layout; Hugging Face GPT-2 in and out",
+        help="re-cut a checkpoint for another layout; Hugging Face GPT-2 and Llama in and out",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Re-cut: --checkpoint RUN_DIR --out NEW_RUN with any of --tp, --pp, --vpp, "
         "--dp, --schedule writes the checkpoint (weights, optimizer state, data position, "
@@ -22,13 +23,17 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "it. "
         "Axes not given keep the checkpoint's.\n"
         "--to-hf DIR --checkpoint RUN_DIR writes a checkpoint of any layout as a "
-        "GPT2LMHeadModel folder (config.json + model.safetensors).\n"
+        "GPT2LMHeadModel or LlamaForCausalLM folder (config.json, model.safetensors or shards "
+        "with an index, the tokenizer if the run has one).\n"
         "--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint holds a "
-        "Hugging Face GPT-2; train from it with --set run.dir=RUN_DIR.\n\n"
+        "Hugging Face GPT-2 or Llama (one safetensors file or shards, read a tensor at a "
+        "time); train from it with --set run.dir=RUN_DIR.\n\n"
         "examples:\n"
         "  hpcllm convert --checkpoint runs/pp2 --out runs/t2 --tp 2 --pp 1\n"
         "  hpcllm convert --checkpoint runs/pp2 --out runs/v2 --pp 2 --vpp 2\n"
-        "  hpcllm convert --checkpoint runs/pp2 --to-hf hf/pp2 --step 200",
+        "  hpcllm convert --checkpoint runs/pp2 --to-hf hf/pp2 --step 200\n"
+        "  hpcllm convert --from-hf Llama-3.2-1B --out runs/llama1b\n"
+        "  hpcllm convert --checkpoint runs/llama1b --to-hf hf/llama1b --dtype bfloat16",
     )
     way = conv.add_mutually_exclusive_group()
     way.add_argument("--from-hf", type=Path, metavar="DIR", help="Hugging Face folder to read")
@@ -65,6 +70,18 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     )
     step_arg(conv, "read")
     conv.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="--to-hf: the weights' type [default: float32, the training copy's]",
+    )
+    conv.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="PATH",
+        help="--from-hf/--to-hf: a tokenizer.json or Hugging Face tokenizer folder to take "
+        "along [default: the source folder's, if it has one]",
+    )
+    conv.add_argument(
         "--allow-unverified",
         action="store_true",
         help="load a checkpoint that has no manifest (format 1, or damaged) without checking it",
@@ -80,21 +97,34 @@ def run(args: argparse.Namespace) -> int:
     axes = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "dp", "schedule")}
     recut = any(v is not None for v in axes.values())
     if args.from_hf is not None:
-        if recut or args.step is not None or args.checkpoint is not None or args.allow_unverified:
-            raise UserError("--from-hf takes --out RUN_DIR only")
+        if (
+            recut
+            or args.step is not None
+            or args.checkpoint is not None
+            or args.allow_unverified
+            or args.dtype is not None
+        ):
+            raise UserError("--from-hf takes --out RUN_DIR [--tokenizer PATH] only")
         if args.out is None:
             raise UserError("--from-hf needs --out RUN_DIR")
-        print(f"wrote {convert.from_hf(args.from_hf, args.out)}")
+        print(f"wrote {convert.from_hf(args.from_hf, args.out, tokenizer=args.tokenizer)}")
     elif args.to_hf is not None:
         if recut or args.out is not None:
             raise UserError("--to-hf takes --checkpoint RUN_DIR [--step N], not a layout")
         if args.checkpoint is None:
             raise UserError("--to-hf needs --checkpoint RUN_DIR")
         out = convert.to_hf(
-            args.checkpoint, args.to_hf, step=args.step, allow_unverified=args.allow_unverified
+            args.checkpoint,
+            args.to_hf,
+            step=args.step,
+            allow_unverified=args.allow_unverified,
+            dtype=args.dtype or "float32",
+            tokenizer=args.tokenizer,
         )
         print(f"wrote {out}")
     else:
+        if args.dtype is not None or args.tokenizer is not None:
+            raise UserError("--dtype and --tokenizer go with --to-hf or --from-hf")
         if not recut:
             raise UserError(
                 "say what to convert: --tp/--pp/--vpp/--dp/--schedule (re-cut), --to-hf DIR "

@@ -16,8 +16,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Tokenize text into HDF5 shards plus a manifest, which `hpcllm train` "
         "reads.\n\n"
-        "Each document (a text file, or a JSONL line) is tokenized, followed by an "
-        "end-of-text token, and goes to the train or the validation split. Under "
+        "Each document (a text file, or a JSONL line) is tokenized, after the tokenizer's "
+        "beginning-of-text token if it uses one, followed by its end-of-text token, and goes "
+        "to the train or the validation split. Under "
         "mpirun/srun each rank tokenizes its part of the corpus and writes its own shards. "
         "Shards appear under their final names only when complete, and manifest.json is "
         "written last, so an interrupted prepare leaves nothing a reader accepts.\n\n"
@@ -25,7 +26,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "  hpcllm prepare --corpus python-stdlib --out data/stdlib\n"
         "  mpirun -np 4 hpcllm prepare --input books/ 'web/*.jsonl' --out data/mix "
         "--vocab-size 32000\n"
-        "  hpcllm prepare --input corpus.txt --tokenizer gpt2/tokenizer.json --out data/g",
+        "  hpcllm prepare --input corpus.txt --tokenizer gpt2/tokenizer.json --out data/g\n"
+        "  hpcllm prepare --input corpus.txt --tokenizer Llama-3.2-1B/ --out data/llama",
     )
     source = prep.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -53,10 +55,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     prep.add_argument(
         "--tokenizer",
         default="bpe",
-        metavar="bpe|byte|FILE.json",
+        metavar="bpe|byte|FILE.json|DIR",
         help="bpe: train a byte-level BPE on the training documents; byte: raw "
-        "UTF-8 bytes (257 ids: 256 bytes and EOS); FILE.json: a Hugging Face "
-        "tokenizer.json with an <|endoftext|> token [default: bpe]",
+        "UTF-8 bytes (257 ids: 256 bytes and EOS); FILE.json: a Hugging Face tokenizer.json; "
+        "DIR: a Hugging Face tokenizer folder, whose tokenizer_config.json names BOS and EOS "
+        "[default: bpe]",
     )
     prep.add_argument(
         "--vocab-size",

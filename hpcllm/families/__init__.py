@@ -108,12 +108,16 @@ class Family:
     tensors: tuple[TensorRule, ...]
     hf_tensors: tuple[HFTensor, ...] = ()
     hf_model_type: str | None = None  # config.json's model_type
-    # Hugging Face config.json out: (model config, vocabulary, EOS id) -> dict; and in:
-    # (config.json as a dict, its path for messages) -> model.* keys (a UserError where the
-    # family cannot hold that model).
-    hf_config: Callable[[Any, int, int | None], dict] | None = None
+    # Hugging Face config.json out: (model config, vocabulary, {"bos_token_id": ...,
+    # "eos_token_id": ...}) -> dict; and in: (config.json as a dict, its path for messages)
+    # -> model.* keys (a UserError where the family cannot hold that model; a KeyError names
+    # a key config.json lacks).
+    hf_config: Callable[[Any, int, dict[str, Any]], dict] | None = None
     model_keys_of_hf: Callable[[dict, str], dict[str, Any]] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Whether a weight's shape depends on model.seq_len (GPT-2's learned positions do;
+    # rotary positions do not, so such a model may train at another length).
+    seq_in_weights: bool = True
     # Whether the output layer is tied to the embedding, by the model config (the rules'
     # ``first+last`` tensors are tied only then).
     ties: Callable[[Any], bool] = lambda _model: True

@@ -122,8 +122,13 @@ HF_TENSORS = (
 )
 
 
-def hf_config(model: Any, vocab_size: int, eos_id: int | None) -> dict:
-    """Return the config.json of a Hugging Face GPT2LMHeadModel with ``model``'s shape."""
+def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
+    """Return the config.json of a Hugging Face GPT2LMHeadModel with ``model``'s shape;
+    ``special``: its ``bos_token_id`` and ``eos_token_id`` (BOS: EOS where unset, as GPT-2's
+    own files have it)."""
+    eos_id = special.get("eos_token_id")
+    bos_id = special.get("bos_token_id")
+    bos_id = eos_id if bos_id is None else bos_id
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -141,7 +146,7 @@ def hf_config(model: Any, vocab_size: int, eos_id: int | None) -> dict:
         "layer_norm_epsilon": model.layer_norm_eps,
         "initializer_range": model.init_std,
         "tie_word_embeddings": True,
-        "bos_token_id": eos_id,
+        "bos_token_id": bos_id,
         "eos_token_id": eos_id,
     }
 

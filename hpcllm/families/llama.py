@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hpcllm.families import Family, Shape, TensorRule, register
+from hpcllm.families import Family, HFTensor, Shape, TensorRule, register
 from hpcllm.user_error import UserError
 
 _LLAMA3 = {
@@ -236,6 +236,130 @@ TENSORS = (
     TensorRule(r"norm_f\.weight", None, "tp-sum-if-sequence-parallel", "last"),
 )
 
+# Hugging Face's LlamaForCausalLM: the same matrices, the same rotary convention (each head's
+# halves pair up), so no tensor is permuted or transposed. A tied model has no lm_head.
+HF_TENSORS = (
+    HFTensor("wte.weight", "model.embed_tokens.weight"),
+    HFTensor("lm_head.weight", "lm_head.weight"),
+    HFTensor("norm_f.weight", "model.norm.weight"),
+    HFTensor("blocks.{i}.norm1.weight", "model.layers.{i}.input_layernorm.weight"),
+    HFTensor("blocks.{i}.attn.q.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    HFTensor("blocks.{i}.attn.k.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    HFTensor("blocks.{i}.attn.v.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    HFTensor("blocks.{i}.attn.proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    HFTensor("blocks.{i}.norm2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    HFTensor("blocks.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    HFTensor("blocks.{i}.mlp.up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    HFTensor("blocks.{i}.mlp.proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+)
+
+
+def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
+    """Return the config.json of a Hugging Face LlamaForCausalLM with ``model``'s shape.
+
+    Rotary settings as ``rope_theta`` + ``rope_scaling`` (transformers 4 writes them so, and
+    transformers 5 reads them too); ``special``: its ``bos_token_id`` and ``eos_token_id``.
+    """
+    scaling = None
+    if model.rope_scaling is not None:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(model.rope_scaling),
+            "low_freq_factor": float(model.rope_low_freq_factor),
+            "high_freq_factor": float(model.rope_high_freq_factor),
+            "original_max_position_embeddings": int(model.rope_original_seq_len),
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": model.d_model,
+        "intermediate_size": ffn_size(model),
+        "num_hidden_layers": model.n_layer,
+        "num_attention_heads": model.n_head,
+        "num_key_value_heads": kv_heads(model),
+        "head_dim": model.d_model // model.n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.seq_len,
+        "rms_norm_eps": model.layer_norm_eps,
+        "initializer_range": model.init_std,
+        "tie_word_embeddings": bool(model.tie_embeddings),
+        "rope_theta": float(model.rope_theta),
+        "rope_scaling": scaling,
+        "attention_bias": False,
+        "attention_dropout": model.dropout,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": special.get("bos_token_id"),
+        "eos_token_id": special.get("eos_token_id"),
+    }
+
+
+def _rope_of_hf(hf: dict, where: str) -> dict[str, Any]:
+    """Return the model.rope_* keys of a config.json in either form: ``rope_theta`` +
+    ``rope_scaling`` (transformers 4, the hub's Llama 3.1 files) or ``rope_parameters``
+    (transformers 5); a UserError for a rotary scaling other than Llama 3's."""
+    if isinstance(hf.get("rope_parameters"), dict):
+        params = hf["rope_parameters"]
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        params = hf.get("rope_scaling") or {}
+        theta = hf.get("rope_theta", 10000.0)
+    if not isinstance(params, dict):
+        raise UserError(f"{where}: rope_scaling {params!r} is not a mapping")
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": None}
+    if kind == "default":
+        return keys
+    if kind != "llama3":
+        raise UserError(
+            f"{where}: rope_type {kind!r} is not read; default and llama3 (Llama 3.1's "
+            "frequency scaling) are"
+        )
+    try:
+        return {
+            **keys,
+            "rope_scaling": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_seq_len": int(params["original_max_position_embeddings"]),
+        }
+    except KeyError as err:
+        raise UserError(f"{where}: llama3 rope scaling lacks {err.args[0]}") from None
+
+
+def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
+    """Return the model.* keys of a Hugging Face LlamaForCausalLM config.json; a UserError for
+    one this family cannot hold (biases, another activation, a head size that is not
+    hidden / heads, another rotary scaling)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{where}: hidden_act {hf['hidden_act']!r} is not silu (SwiGLU)")
+    biased = [key for key in ("attention_bias", "mlp_bias") if hf.get(key)]
+    if biased:
+        raise UserError(f"{where}: {' and '.join(biased)} true; Llama here has no biases")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if hf.get("head_dim") not in (None, hidden // heads) or hidden % heads:
+        raise UserError(
+            f"{where}: head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads "
+            f"({hidden} / {heads})"
+        )
+    return {
+        "n_layer": hf["num_hidden_layers"],
+        "n_head": heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "d_model": hidden,
+        "ffn_size": hf["intermediate_size"],
+        "seq_len": hf["max_position_embeddings"],
+        "vocab_size": hf["vocab_size"],
+        "layer_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "init_std": hf.get("initializer_range", 0.02),
+        "dropout": float(hf.get("attention_dropout", 0.0)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **_rope_of_hf(hf, where),
+    }
+
+
 CONFIG_KEYS = (
     "n_layer",
     "n_head",
@@ -271,6 +395,11 @@ LLAMA = register(
         activation_factor=activation_factor,
         layer_gemms=layer_gemms,
         tensors=TENSORS,
+        hf_tensors=HF_TENSORS,
+        hf_model_type="llama",
+        hf_config=hf_config,
+        model_keys_of_hf=model_keys_of_hf,
+        seq_in_weights=False,
         ties=lambda model: bool(model.tie_embeddings),
         check=check,
         shape_extra=lambda model: {

@@ -874,18 +874,24 @@ def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
     except UserError as err:  # an older version's rules, or a path of another machine
         raise UserError(f"{path} (the checkpoint's config): {err}") from None
     saved, mine = saved_cfg.model, cfg.model
+    meta = read_meta(folder)
     if saved.arch != mine.arch:
         different = [f"family {saved.arch} vs {mine.arch}"]
     else:
         # The sizes every family has, and the family's own (kv heads, MLP width, tying).
         theirs, ours = families.shape(saved, 0).__dict__, families.shape(mine, 0).__dict__
         names = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
+        # Rotary positions hold no weights: a model that has read no data yet (an import)
+        # may train at another length than it was saved with.
+        free = {"vocab"}
+        if not families.get(saved.arch).seq_in_weights and not meta.get("consumed_samples"):
+            free.add("seq")
         different = [
             f"{names.get(k, k)} {theirs[k]} vs {ours[k]}"
             for k in theirs
-            if k != "vocab" and theirs[k] != ours[k]
+            if k not in free and theirs[k] != ours[k]
         ]
-    saved_vocab = read_meta(folder).get("vocab_size")
+    saved_vocab = meta.get("vocab_size")
     if saved_vocab not in (None, vocab_size):
         different.append(f"vocabulary {saved_vocab} vs {vocab_size}")
     if different:

@@ -26,6 +26,7 @@ from hpcllm.config import Config
 from hpcllm.datasets import synthetic
 from hpcllm.datasets.shards import Manifest
 from hpcllm.datasets.synthetic import check_run_data
+from hpcllm.datasets.tokenizer import CONFIG_FILE
 from hpcllm.errors import UserError
 from hpcllm.files import sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
@@ -151,13 +152,20 @@ class Checkpointer:
                 # A resumed run's tokenizer is the one its weights learnt: never replaced
                 # (_claim checked the data against it). A fresh run's data replaces what a
                 # run without checkpoints left: a tokenizer, or the synthetic record.
+                # A Hugging Face tokenizer's tokenizer_config.json (its BOS and EOS) goes along.
+                config = self.run_dir / CONFIG_FILE
                 if isinstance(manifest, synthetic.SyntheticManifest):
                     if self.resume_from is None:
                         tokenizer.unlink(missing_ok=True)
+                        config.unlink(missing_ok=True)
                     synthetic.record_run(self.run_dir, manifest)
                 elif self.resume_from is None or not tokenizer.is_file():
                     record.unlink(missing_ok=True)
                     shutil.copy(manifest.tokenizer_path, tokenizer)
+                    if manifest.tokenizer_config_path is not None:
+                        shutil.copy(manifest.tokenizer_config_path, config)
+                    else:
+                        config.unlink(missing_ok=True)
 
         self.on_rank0(write)
 

@@ -31,7 +31,6 @@ and the checkpoint format keeps its manifest and checksums (:mod:`hpcllm.train.c
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from hpcllm.model import build
 from hpcllm.model.stages import split_layers
 from hpcllm.parallel.tensor.layers import merge_shards, shard_of
 from hpcllm.train import checkpoint
+from hpcllm.train import run_dir as run_folder
 from hpcllm.train.parallelize import check_pipeline
 
 
@@ -481,9 +481,7 @@ def convert(
                 for t in range(layout.tp)
             }
             cfg.dump(partial / "config.yaml")
-            tokenizer = run_dir / "tokenizer.json"
-            if tokenizer.is_file():
-                shutil.copyfile(tokenizer, partial / "tokenizer.json")  # the umask's mode
+            run_folder.copy_meaning_files(run_dir, partial)
             checkpoint.write_offline(
                 partial,
                 saved.meta["step"],

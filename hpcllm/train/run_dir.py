@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,11 @@ from hpcllm.errors import UserError
 LOCK = ".hpcllm.lock"
 EXCLUSIVE_LOCK = ".hpcllm.lock.excl"
 # errnos meaning "this file system has no fcntl locks"
+# The files beside the checkpoints that say what a run's token ids mean: its tokenizer (and a
+# Hugging Face tokenizer's BOS/EOS), the synthetic-data record, the config.json of a Hugging
+# Face import (its BOS/EOS ids when it came without a tokenizer). A re-cut carries them.
+MEANING_FILES = ("tokenizer.json", "tokenizer_config.json", "synthetic-data.json", "hf_config.json")
+
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -48,6 +54,14 @@ def fs_errors(operation: str, path: Path) -> Iterator[None]:
         yield
     except OSError as err:
         raise fs_error(operation, path, err) from None
+
+
+def copy_meaning_files(source: Path, folder: Path) -> None:
+    """Copy ``source``'s :data:`MEANING_FILES` that exist into ``folder`` (with the umask's
+    modes, not the sources')."""
+    for name in MEANING_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(folder) / name)
 
 
 def has_metrics(run_dir: Path) -> bool:

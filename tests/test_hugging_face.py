@@ -1,0 +1,441 @@
+"""Hugging Face in and out: LlamaForCausalLM through `hpcllm convert` both ways (either rope
+form, tied or not, one file or shards, fp32 or bf16), tokenizer folders with their own BOS and
+EOS (Llama 3's, Mistral's) through prepare, convert and generate, and runs without a tokenizer
+(exported back, sampled from ids). Every reference is transformers' own model, run here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from datasets_fixtures import full_stream, split_docs
+from mpirun import REPO
+
+import hpcllm
+from hpcllm.convert import from_hf, to_hf
+from hpcllm.datasets.shards import load_manifest
+from hpcllm.datasets.tokenizer import load_tokenizer
+from hpcllm.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "hpcllm", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def hf_llama(folder, *, tied: bool = False, **save) -> torch.nn.Module:
+    """Save a random tiny LlamaForCausalLM (GQA, Llama 3.1 rope scaling, norm weights moved off
+    1) into ``folder``; return it in eval mode."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rope_scaling=dict(ROPE_SCALING),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(1 if tied else 0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Larger weights than the init's, so that logits are far from 0; the norms off 1.
+            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
+    model.save_pretrained(folder, **save)
+    return model
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """fp32: the largest difference within 1e-5 of the largest logit."""
+    scale = theirs.abs().max().item()
+    assert scale > 1.0  # logits that could differ
+    assert (ours - theirs).abs().max().item() <= 1e-5 * scale
+
+
+IDS = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def rewrite_rope(folder, form: str) -> None:
+    """Rewrite config.json's rotary settings in ``form``: "parameters" (transformers 5's
+    rope_parameters) or "theta+scaling" (transformers 4's and the hub's Llama 3.1 files)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    params = config.pop("rope_parameters", None) or {
+        **(config.pop("rope_scaling", None) or {"rope_type": "default"}),
+        "rope_theta": config.get("rope_theta", 10000.0),
+    }
+    config.pop("rope_theta", None)
+    config.pop("rope_scaling", None)
+    if form == "parameters":
+        config["rope_parameters"] = params
+    else:
+        config["rope_theta"] = params.pop("rope_theta")
+        config["rope_scaling"] = params if params.get("rope_type") != "default" else None
+    path.write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_imports_and_exports_with_transformers_logits(tmp_path, tied):
+    reference = hf_llama(tmp_path / "hf", tied=tied)
+    expected = logits(reference, IDS)
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    model = hpcllm.load_model(tmp_path / "run")
+    assert model.cfg.arch == "llama" and model.cfg.tie_embeddings is tied
+    assert model.cfg.n_kv_heads == 2 and model.cfg.rope_scaling == 4.0
+    assert_same_logits(logits(model, IDS), expected)
+    # The other form of the rope settings reads the same.
+    for form in ("theta+scaling", "parameters"):
+        rewrite_rope(tmp_path / "hf", form)
+        from_hf(tmp_path / "hf", tmp_path / f"run-{form}")
+        assert_same_logits(logits(hpcllm.load_model(tmp_path / f"run-{form}"), IDS), expected)
+    # Out again: transformers reads the folder and gives the same logits.
+    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["rope_theta"] == 10000.0 and written["rope_scaling"]["rope_type"] == "llama3"
+    assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # kept from the import
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_same_logits(logits(again, IDS), expected)
+    assert ("lm_head.weight" in again.state_dict()) and (
+        again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    ) is tied
+
+
+def test_sharded_safetensors_in_and_out_and_bf16(tmp_path):
+    reference = hf_llama(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    expected = logits(reference, IDS)
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    assert_same_logits(logits(hpcllm.load_model(tmp_path / "run"), IDS), expected)
+    # Out in shards of at most 48 KiB (a larger tensor alone), with an index.
+    to_hf(tmp_path / "run", tmp_path / "out", max_shard_bytes=48 * 1024)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (tmp_path / "out" / "model.safetensors").exists()
+    assert len(index["weight_map"]) == len(reference.state_dict())
+    assert_same_logits(
+        logits(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval(), IDS),
+        expected,
+    )
+    # bf16 out: every tensor is the fp32 one rounded.
+    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "bf16"),
+        "--dtype", "bfloat16")  # fmt: skip
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+
+    to_hf(tmp_path / "run", tmp_path / "fp16", dtype="float16")
+    for dtype, folder in [(torch.bfloat16, "bf16"), (torch.float16, "fp16")]:
+        half = load_file(str(tmp_path / folder / "model.safetensors"))
+        for name, value in reference.state_dict().items():
+            assert torch.equal(half[name], value.to(dtype)), (folder, name)
+
+
+def test_imports_refuse_what_the_family_cannot_hold_in_one_line(tmp_path):
+    hf_llama(tmp_path / "hf")
+    original = (tmp_path / "hf" / "config.json").read_text()
+    for change, words in [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not read"),
+        ({"attention_bias": True}, "attention_bias true"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
+        ({"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads"),
+        ({"intermediate_size": 128}, r"tensor blocks.0.mlp.gate.weight: shape \(96, 64\)"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
+        ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
+    ]:
+        config = json.loads(original)
+        config.pop("rope_parameters", None)
+        config["rope_theta"] = 10000.0
+        for key, value in change.items():
+            if value is None:
+                config.pop(key)
+            else:
+                config[key] = value
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UserError, match=words):
+            from_hf(tmp_path / "hf", tmp_path / "run")
+        assert not (tmp_path / "run").exists()  # nothing half-written
+    (tmp_path / "hf" / "config.json").write_text(original)
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    result = cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"),
+                 check=False)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "has no model.safetensors" in result.stderr
+
+
+# --- tokenizers ---------------------------------------------------------------------------
+
+
+def llama3_tokenizer(folder, texts) -> None:
+    """Write a Llama-3-style tokenizer folder: byte-level BPE, <|begin_of_text|> added by the
+    post-processor, <|end_of_text|> named as EOS only by tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", bos)],
+    )
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 131072,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def mistral_tokenizer(folder, texts) -> None:
+    """Write a Mistral-style folder: <s> and </s> as added-token objects, add_bos_token true,
+    no post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    token = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": {"content": "<s>", **token},
+        "eos_token": {"content": "</s>", **token},
+        "tokenizer_class": "LlamaTokenizer",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "style, bos, eos",
+    [("llama3", "<|begin_of_text|>", "<|end_of_text|>"), ("mistral", "<s>", "</s>")],
+)
+def test_prepare_with_a_tokenizer_folder_writes_its_bos_and_eos(tmp_path, style, bos, eos):
+    from datasets_fixtures import TEXTS
+
+    make = llama3_tokenizer if style == "llama3" else mistral_tokenizer
+    make(tmp_path / "tok", TEXTS)
+    tok = load_tokenizer(tmp_path / "tok")
+    assert (tok.bos_token, tok.eos_token) == (bos, eos)
+    out = tmp_path / "data"
+    result = cli("prepare", "--input", *_corpus(tmp_path), "--out", str(out),
+                 "--tokenizer", str(tmp_path / "tok"), "--quiet")  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"]["bos_id"] == tok.bos_id
+    assert manifest["tokenizer"]["eos_id"] == tok.eos_id
+    assert (out / "tokenizer_config.json").read_bytes() == (
+        tmp_path / "tok" / "tokenizer_config.json"
+    ).read_bytes()
+    # Every document is BOS, its ids, EOS: the stream is exactly that, in corpus order.
+    docs = split_docs(json.loads((tmp_path / "docs.json").read_text()), 0.01)["train"]
+    expected = [i for text in docs for i in [tok.bos_id, *tok.encode_batch([text])[0], tok.eos_id]]
+    assert full_stream(out).tolist() == expected
+    assert np.count_nonzero(full_stream(out) == tok.eos_id) == len(docs)
+    # The dump gives the documents back (no BOS in the text).
+    dumped = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "inspect", str(out), "--dump", "train"],
+        capture_output=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    assert dumped == "".join(text + "\n<|endoftext|>\n" for text in docs).encode()
+    assert result.returncode == 0
+    # A manifest whose tokenizer_config.json was changed is refused.
+    (out / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(UserError, match="tokenizer_config.json does not match"):
+        load_manifest(out)
+
+
+def _corpus(tmp_path) -> list[str]:
+    from datasets_fixtures import make_corpus
+
+    inputs, docs = make_corpus(tmp_path / "corpus")
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    return inputs
+
+
+def test_tokenizers_without_a_known_eos_are_one_line(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    plain = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    plain.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserError, match="no end-of-text token .*name it as eos_token"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(UserError, match="names eos_token '</s>', which the tokenizer lacks"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path / "empty")
+    # Llama 3's EOS without a config is found by name; no BOS is guessed.
+    plain.add_special_tokens(["<|end_of_text|>"])
+    plain.save(str(tmp_path / "bare.json"))
+    found = load_tokenizer(tmp_path / "bare.json")
+    assert found.eos_token == "<|end_of_text|>" and found.bos_id is None
+
+
+def test_convert_and_generate_take_a_tokenizer_folder_with_its_bos(tmp_path):
+    from datasets_fixtures import TEXTS
+
+    llama3_tokenizer(tmp_path / "tok", TEXTS)
+    tok = load_tokenizer(tmp_path / "tok")
+    reference = hf_llama(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "hf" / name).write_bytes((tmp_path / "tok" / name).read_bytes())
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    assert (tmp_path / "run" / "tokenizer_config.json").is_file()
+    prompt = "def f(x):"
+    text = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", prompt,
+               "--tokens", "6", "--temperature", "0").stdout  # fmt: skip
+    # transformers' greedy continuation of BOS + the prompt's ids, decoded.
+    ids = torch.tensor([[tok.bos_id, *tok.encode_batch([prompt])[0]]])
+    greedy = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_id)
+    new = greedy[0, ids.shape[1] :].tolist()
+    new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new
+    assert text == prompt + tok.decode(new) + "\n"
+    # The export carries the tokenizer, which transformers loads with the same BOS and EOS.
+    to_hf(tmp_path / "run", tmp_path / "out")
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (loaded.bos_token, loaded.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert loaded("def")["input_ids"][0] == tok.bos_id
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+    # An imported list of EOS ids that holds the tokenizer's (Llama 3 Instruct's) is kept.
+    imported = json.loads((tmp_path / "run" / "hf_config.json").read_text())
+    imported.update(bos_token_id=tok.bos_id, eos_token_id=[tok.eos_id, tok.eos_id + 1])
+    (tmp_path / "run" / "hf_config.json").write_text(json.dumps(imported))
+    to_hf(tmp_path / "run", tmp_path / "instruct")
+    config = json.loads((tmp_path / "instruct" / "config.json").read_text())
+    assert config["eos_token_id"] == [tok.eos_id, tok.eos_id + 1]
+
+
+def test_a_gpt2_import_without_a_tokenizer_exports_back_and_samples_ids(tmp_path):
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, eos_token_id=7
+    )
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "tokenizer.json").exists()
+    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"))
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    ids = IDS[:, :32]
+    torch.testing.assert_close(logits(again, ids), logits(reference, ids), rtol=0, atol=0)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 7
+    out = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "1,2,3",
+              "--tokens", "8", "--temperature", "0").stdout  # fmt: skip
+    greedy = reference.generate(
+        torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False, eos_token_id=7
+    )
+    assert out.strip() == ",".join(map(str, greedy[0].tolist()))
+    # GPT-2's positions are weights: it cannot train at another length.
+    result = cli("train", "--config", str(tmp_path / "run" / "config.yaml"),
+                 "--set", "model.seq_len=16", check=False)  # fmt: skip
+    assert result.returncode == 2 and "seq_len 32 vs 16" in result.stderr
+    # Text needs a tokenizer: one line saying how to get on without one.
+    result = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x",
+                 check=False)  # fmt: skip
+    assert result.returncode == 2 and "--prompt-ids" in result.stderr
+    bad = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "1,300",
+              check=False)  # fmt: skip
+    assert bad.returncode == 2 and "ids from 0 to 299" in bad.stderr
+
+
+def test_an_imported_llama_trains_at_a_shorter_length(stdlib, tmp_path):
+    # Rotary positions hold no weights: an import (which has read no data) may train at
+    # another seq_len than its max_position_embeddings; GPT-2's learned positions may not.
+    hf_llama(tmp_path / "hf")
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    result = cli("train", "--config", str(tmp_path / "run" / "config.yaml"), "--no-progress",
+                 "--set", f"data.path={stdlib}", "--set", "model.seq_len=32",
+                 "--set", "train.steps=2", "--set", "train.micro_batch_size=2",
+                 "--set", "train.eval_interval=0", "--set", "run.tensorboard=false")  # fmt: skip
+    assert "resumes from step 0" in result.stdout
+    assert hpcllm.load_model(tmp_path / "run").cfg.seq_len == 32
+
+
+def test_an_import_holds_one_source_tensor_at_a_time(tmp_path, monkeypatch):
+    # A bf16 checkpoint comes in a tensor at a time: each is converted to the fp32 training
+    # copy and dropped before the next is read, so the import never holds the source whole.
+    import gc
+    import weakref
+
+    from hpcllm import convert
+
+    reference = hf_llama(tmp_path / "hf-32")
+    reference.to(torch.bfloat16).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    alive: list[weakref.ref] = []
+    most = []
+    read = convert.HFWeights.get
+
+    def get(self, name):
+        gc.collect()
+        most.append(sum(ref() is not None for ref in alive))
+        tensor = read(self, name)
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(convert.HFWeights, "get", get)
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    assert len(most) == len(reference.state_dict()) and max(most) == 0
+    # And the bf16 values came in exactly (bf16 → fp32 is exact).
+    model = hpcllm.load_model(tmp_path / "run")
+    assert torch.equal(
+        model.blocks["1"].mlp.proj.weight,
+        reference.model.layers[1].mlp.down_proj.weight.float(),
+    )
