@@ -97,7 +97,7 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("collectives") / "result.json"
     args = ["--sizes", "8K,64K", "--iters", "3", "--warmup", "1", "--json", str(out)]
     result = run_mpi(
-        2, python("-m", "hpcllm.bench.collectives", *args), env=HVD_ENV, timeout=120
+        2, python("-m", "hpcllm", "bench", "collectives", *args), env=HVD_ENV, timeout=120
     ).check()
     return json.loads(out.read_text()), result
 
@@ -106,6 +106,7 @@ def two_ranks(tmp_path_factory):
 def test_every_collective_has_rows_or_a_reason_for_each_transport(two_ranks):
     report, _ = two_ranks
     assert report["world_size"] == 2
+    assert (report["nodes"], report["ranks_per_node"]) == (1, 2)  # one host: intra-node tables
     assert (report["device"], report["backend"]) == ("cpu", "gloo")
     assert {"torch", "mpi"} <= set(report["transports"])
     for skip in report["skipped"]:

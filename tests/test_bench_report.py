@@ -218,3 +218,50 @@ def test_comm_tables_are_checked_in_one_line(tables, words):
     with pytest.raises(UserError, match=words) as err:
         cluster_from_dict(raw, "c.yaml")
     assert "\n" not in str(err.value)
+
+
+def _between_nodes(nodes: int = 2, per_node: int = 2) -> dict:
+    """A collectives result as jobs/collectives.sh leaves it across nodes (numbers invented)."""
+    rows = [
+        {"collective": c, "transport": "torch", "bytes": b, "time_us": us, "busbw_gbps": bw}
+        for c in ("all_reduce", "send_recv")
+        for b, us, bw in ((8192, 30.0, 0.3), (1 << 30, 30000.0, 40.0))
+    ]
+    return {"world_size": nodes * per_node, "nodes": nodes, "ranks_per_node": per_node,
+            "rows": rows}  # fmt: skip
+
+
+def test_merge_adds_the_tables_measured_between_nodes(smoke, tmp_path):
+    import shutil
+
+    out = tmp_path / "report"
+    shutil.copytree(smoke[0] / "X", out)  # a whole one-node report (2 CPU ranks a node)
+    (tmp_path / "inter.json").write_text(json.dumps(_between_nodes()))
+    done = _hpcllm("bench", "report", "--out", str(out), "--merge", str(tmp_path / "inter.json"),
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    cluster = load_cluster(out / "cluster.yaml")
+    assert cluster.comm_tables["inter_node"] == {
+        "all_reduce": {8192: 0.3, 1 << 30: 40.0},
+        "send_recv": {8192: 0.3, 1 << 30: 40.0},
+    }
+    assert cluster.comm_tables["intra_node"]["all_reduce"]  # the node's own, kept
+    # The per-adapter constants: the bus bandwidth over the ranks per node, the smallest time.
+    assert (cluster.inter_node_gbps, cluster.inter_node_latency_us) == (20.0, 30.0)
+    text = (out / "cluster.yaml").read_text()
+    assert "measured between 2 nodes" in text
+    assert json.loads((out / "report.json").read_text())["inter_node"]["result"]["nodes"] == 2
+    # What cannot be merged is one line, exit 2, and the files stay as they were.
+    for result, words in [
+        (_between_nodes(nodes=1), "ran on one node"),
+        (_between_nodes(per_node=4), "ran 4 ranks per node on nodes of 2 GPUs"),
+        ({"rows": []}, "is not the JSON of hpcllm bench collectives"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps(result))
+        bad = _hpcllm("bench", "report", "--out", str(out), "--merge", str(tmp_path / "bad.json"),
+                      cwd=tmp_path)  # fmt: skip
+        assert bad.returncode == 2 and words in bad.stderr, bad.stderr
+        assert (out / "cluster.yaml").read_text() == text
+    empty = _hpcllm("bench", "report", "--out", str(tmp_path / "none"), "--merge",
+                    str(tmp_path / "inter.json"), cwd=tmp_path)  # fmt: skip
+    assert empty.returncode == 2 and "has no report.json" in empty.stderr

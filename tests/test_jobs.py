@@ -202,3 +202,55 @@ def test_nsys_wrapper_writes_one_report_per_rank_under_mpirun(tmp_path):
         assert "--trace=cuda,nvtx,mpi" in args and "--mpi-impl=openmpi" in args
         assert f"--output={tmp_path / 'reports'}/hpcllm-rank{rank}" in args
         assert not any(a.startswith("--capture-range") for a in args)  # not train: whole run
+
+
+COLLECTIVES_SH = REPO / "jobs" / "collectives.sh"
+
+
+def test_collectives_between_nodes_place_a_rank_on_every_gpu_then_merge(tmp_path):
+    # jobs/collectives.sh: NODES x GPUS_PER_NODE ranks through jobs/mpirun.sh's placement (or
+    # srun's), the benchmark's JSON in the report's raw/, then bench report --merge of it.
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=2\nc slots=2\n")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool in ("mpirun", "srun"):
+        (fake / tool).write_text(f"#!/bin/sh\ntouch {tmp_path / 'started'}\n")
+        (fake / tool).chmod(0o755)
+    environ = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "DRY_RUN": "1"}
+    report = tmp_path / "report"
+
+    def run(**env):
+        return subprocess.run(
+            [str(COLLECTIVES_SH), str(report), "--max-bytes", "64M"],
+            env={**environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    done = run(NODES="2", GPUS_PER_NODE="2", HOSTFILE=str(hostfile))
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout.splitlines()[0])
+    assert command[command.index("-np") + 1] == "4"
+    assert command[command.index("--map-by") + 1] == "ppr:2:node"
+    result = str(report / "raw" / "collectives-2-nodes.json")
+    assert command[-6:] == ["collectives", "--json", result, "--no-progress", "--max-bytes", "64M"]
+    assert _table(done.stdout.split("\n\nthen:")[0]) == {
+        0: ("a", 0, 0), 1: ("a", 1, 1), 2: ("b", 0, 0), 3: ("b", 1, 1)
+    }  # fmt: skip
+    merge = shlex.split(done.stdout.split("then:")[1])
+    assert merge[1:] == ["bench", "report", "--out", str(report), "--merge", result]
+    srun = run(LAUNCHER="srun", NODES="3", GPUS_PER_NODE="8")
+    assert srun.returncode == 0, srun.stderr
+    line = shlex.split(srun.stdout.splitlines()[0])
+    assert line[:4] == ["srun", "--mpi=pmix", "--nodes=3", "--ntasks-per-node=8"]
+    assert not (tmp_path / "started").exists(), "DRY_RUN started a launcher"
+    # One node measures no link between nodes; without a report there is nothing to add to.
+    assert run(NODES="1").returncode == 2
+    missing = subprocess.run(
+        [str(COLLECTIVES_SH), str(report)], env={**environ, "DRY_RUN": "0"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "has no report.json" in missing.stderr
+    assert not (tmp_path / "started").exists()

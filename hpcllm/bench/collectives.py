@@ -37,7 +37,7 @@ rank-valued buffers and its result is compared with what it must be (an all-redu
 holding each rank's number sums to n(n-1)/2; an all-to-all delivers part s of rank r as its
 part r of rank s, ...): a wrong call is skipped as a wrong result and gives no bandwidth.
 
-Run: ``mpirun -np N python -m hpcllm.bench.collectives [--sizes 8K,64K,1M | --min-bytes 8K
+Run: ``mpirun -np N hpcllm bench collectives [--sizes 8K,64K,1M | --min-bytes 8K
 --max-bytes 1G --factor 2] [--iters 20] [--warmup 5] [--transports torch,mpi,horovod]
 [--json PATH]``; rank 0 prints the table and writes the JSON.
 """
@@ -45,8 +45,10 @@ Run: ``mpirun -np N python -m hpcllm.bench.collectives [--sizes 8K,64K,1M | --mi
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
+import socket
 import statistics
 import sys
 import time
@@ -60,6 +62,7 @@ import torch
 
 from hpcllm.errors import UserError
 from hpcllm.observe import CaseProgress
+from hpcllm.plan.hardware import bus_factor
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 TRANSPORTS = ("torch", "mpi", "horovod")  # the order they run: Horovod's thread polls once started
@@ -73,17 +76,6 @@ MIN_ITERS = 3
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _WHAT = "hpcllm bench collectives"
-
-
-def bus_factor(collective: str, n: int) -> float:
-    """Return nccl-tests' busbw / algbw of ``collective`` on ``n`` ranks."""
-    if collective == "all_reduce":
-        return 2 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if collective == "send_recv":
-        return 1.0
-    raise ValueError(f"unknown collective {collective!r}; one of {', '.join(COLLECTIVES)}")
 
 
 def parse_size(text: str) -> int:
@@ -357,7 +349,8 @@ def run_collectives(
 
     ``transports`` (None: all of :data:`TRANSPORTS`) names those to run; one that is not
     present here is listed as skipped. ``progress`` False keeps rank 0 from reporting each
-    case on stderr. Returns the JSON's dict on rank 0, None on the others: world_size, device,
+    case on stderr. Returns the JSON's dict on rank 0, None on the others: world_size, nodes
+    (distinct hosts), ranks_per_node (the most on one), device,
     backend, transports (those that ran), skipped ({collective, transport, reason}), rows
     ({collective, transport, bytes, iters, time_us, algbw_gbps, busbw_gbps}), and horovod (what
     carried it and its settings) where Horovod ran.
@@ -409,10 +402,16 @@ def run_collectives(
                     del run  # its buffers, before the next size's
                 shown.done(f"{len(sizes)} sizes")
     gathered = comm.gather(local, root=0)
+    hosts = comm.gather(socket.gethostname(), root=0)
     if grid.rank != 0:
         return None
+    per_host = collections.Counter(hosts)
     return {
         "world_size": n,
+        # Where the ranks ran: one node (inside it: intra_node tables) or several (between
+        # nodes: inter_node tables, which hpcllm bench report --merge adds to a cluster file).
+        "nodes": len(per_host),
+        "ranks_per_node": max(per_host.values()),
         "device": torch.cuda.get_device_name(grid.device) if grid.device.type == "cuda" else "cpu",
         "backend": grid.backend,
         "transports": present,
@@ -517,7 +516,7 @@ def _size_arg(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Return the benchmark's command line (``python -m hpcllm.bench.collectives``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m hpcllm.bench.collectives",
+        prog="hpcllm bench collectives",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
 
 FORMAT = "hpcllm-report"
@@ -79,31 +80,109 @@ def write(out: Path, report: dict[str, Any]) -> None:
 # -- cluster.yaml ---------------------------------------------------------------------------
 
 
-def comm_tables(report: dict[str, Any]) -> dict[str, dict[str, dict[int, float]]]:
-    """Return ``{link kind: {collective: {bytes: bus GB/s}}}`` of torch.distributed's rows
-    (the transport the engines use), measured inside this node."""
-    data = _part(report, "collectives")
-    if not data:
-        return {}
+def _table_of(result: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Return ``{collective: {bytes: bus GB/s}}`` of a collectives result's torch.distributed
+    rows (the transport the engines use)."""
     table: dict[str, dict[int, float]] = {}
-    for row in data["result"]["rows"]:
-        if row["transport"] != "torch":
-            continue
-        table.setdefault(row["collective"], {})[int(row["bytes"])] = round(row["busbw_gbps"], 4)
-    return {"intra_node": table} if table else {}
+    for row in result["rows"]:
+        if row["transport"] == "torch":
+            table.setdefault(row["collective"], {})[int(row["bytes"])] = round(row["busbw_gbps"], 4)
+    return table
+
+
+def _inter_node(report: dict[str, Any]) -> dict[str, Any] | None:
+    """Return the collectives result measured between nodes (``--merge``), if any."""
+    merged = report.get("inter_node")
+    return merged["result"] if merged else None
+
+
+def comm_tables(report: dict[str, Any]) -> dict[str, dict[str, dict[int, float]]]:
+    """Return ``{link kind: {collective: {bytes: bus GB/s}}}``: inside this node from the
+    collectives part, between nodes from a merged multi-node run."""
+    tables = {}
+    data = _part(report, "collectives")
+    inside = _table_of(data["result"]) if data else {}
+    if inside:
+        tables["intra_node"] = inside
+    across = _table_of(_inter_node(report)) if _inter_node(report) else {}
+    if across:
+        tables["inter_node"] = across
+    return tables
+
+
+def _largest_and_smallest(result: dict[str, Any] | None) -> tuple[dict, dict] | None:
+    """Return the all-reduce rows of torch.distributed at the largest and smallest size."""
+    rows = [r for r in (result or {}).get("rows", []) if r["transport"] == "torch"]
+    reduce = sorted((r for r in rows if r["collective"] == "all_reduce"), key=lambda r: r["bytes"])
+    return (reduce[-1], reduce[0]) if reduce else None
 
 
 def _links(report: dict[str, Any], kind: str) -> tuple[list[float], list[bool]]:
-    """Return intra/inter bandwidth and latency, and whether each was measured here."""
+    """Return intra/inter bandwidth and latency, and whether each was measured here.
+
+    Between nodes the all-reduce ran on every GPU of each node, each with its adapter: the
+    per-adapter bandwidth (the constant's meaning) is its bus bandwidth / ranks per node.
+    """
     values = list(DATA_SHEET_LINKS.get(kind, OTHER_LINKS))
     measured = [False] * 4
     data = _part(report, "collectives")
-    rows = [r for r in data["result"]["rows"] if r["transport"] == "torch"] if data else []
-    reduce = sorted((r for r in rows if r["collective"] == "all_reduce"), key=lambda r: r["bytes"])
-    if reduce:
-        values[0], measured[0] = reduce[-1]["busbw_gbps"], True
-        values[2], measured[2] = reduce[0]["time_us"], True
+    inside = _largest_and_smallest(data["result"] if data else None)
+    if inside:
+        values[0], measured[0] = inside[0]["busbw_gbps"], True
+        values[2], measured[2] = inside[1]["time_us"], True
+    result = _inter_node(report)
+    across = _largest_and_smallest(result)
+    if across and result:
+        values[1], measured[1] = across[0]["busbw_gbps"] / result["ranks_per_node"], True
+        values[3], measured[3] = across[1]["time_us"], True
     return values, measured
+
+
+def gpus_per_node(report: dict[str, Any]) -> int:
+    """Return the GPUs of the node the report measured (the smoke report's 2 CPU ranks)."""
+    if report["smoke"]:
+        return 2
+    return max(1, len((_part(report, "environment") or {}).get("gpus") or []))
+
+
+def merge(out: Path, result_path: Path) -> dict[str, Any]:
+    """Add a collectives result measured between nodes (``hpcllm bench collectives --json``
+    across two or more nodes, one rank per GPU) to the report in ``out`` and rewrite its
+    files; return the report. A UserError for a result that cannot be merged."""
+    if not (out / "report.json").is_file():
+        raise UserError(
+            f"--merge adds to a report: {out} has no report.json; run hpcllm bench report "
+            f"--out {out} on one node first"
+        )
+    try:
+        result = json.loads(Path(result_path).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"--merge {result_path}: cannot read it ({err})") from None
+    if not isinstance(result, dict) or not {"rows", "nodes", "ranks_per_node"} <= set(result):
+        raise UserError(
+            f"--merge {result_path} is not the JSON of hpcllm bench collectives --json (of this "
+            "version, which records its nodes)"
+        )
+    if result["nodes"] < 2:
+        raise UserError(
+            f"--merge {result_path} ran on one node; --merge takes tables measured between "
+            "nodes (jobs/collectives.sh runs them across NODES nodes)"
+        )
+    report = json.loads((out / "report.json").read_text())
+    report["commands"] = [*report.get("commands", []), _command()]
+    per_node = gpus_per_node(report)
+    if result["ranks_per_node"] != per_node:
+        raise UserError(
+            f"--merge {result_path} ran {result['ranks_per_node']} ranks per node on nodes of "
+            f"{per_node} GPUs; run one rank per GPU on every GPU of each node"
+        )
+    report["inter_node"] = {
+        "result": result,
+        "from": str(result_path),
+        "at": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    write(out, report)
+    return report
 
 
 def cluster_yaml(report: dict[str, Any]) -> str:
@@ -115,11 +194,14 @@ def cluster_yaml(report: dict[str, Any]) -> str:
     fragment = (device or {}).get("fragment") or {}
     kind = fragment.get("gpu") or "h100-sxm"
     gpus = env.get("gpus") or []
-    per_node = max(1, len(gpus)) if not report["smoke"] else 2
+    per_node = gpus_per_node(report)
     name = gpus[0]["name"] if gpus else "cpu (smoke)"
     (intra, inter, intra_us, inter_us), measured = _links(report, str(kind))
 
     def mark(i: int, what: str) -> str:
+        if measured[i] and i in (1, 3):
+            nodes = report["inter_node"]["result"]["nodes"]
+            return f"  # measured between {nodes} nodes (bench report --merge): " + what
         if measured[i]:
             return "  # measured here: " + what
         return "  # data sheet, not measured: " + (
@@ -144,9 +226,10 @@ def cluster_yaml(report: dict[str, Any]) -> str:
     lines += [
         f"gpus_per_node: {per_node}",
         f"intra_node_gbps: {intra:.4g}" + mark(0, "all-reduce bus bandwidth, largest message"),
-        f"inter_node_gbps: {inter:.4g}" + mark(1, ""),
+        f"inter_node_gbps: {inter:.4g}"
+        + mark(1, "all-reduce bus bandwidth per GPU's adapter, largest message"),
         f"intra_node_latency_us: {intra_us:.4g}" + mark(2, "all-reduce time, smallest message"),
-        f"inter_node_latency_us: {inter_us:.4g}" + mark(3, ""),
+        f"inter_node_latency_us: {inter_us:.4g}" + mark(3, "all-reduce time, smallest message"),
     ]
     tables = comm_tables(report)
     if tables:

@@ -58,11 +58,19 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         choices=("hpcllm", "megatron-2021"),
         default="hpcllm",
         help="how the step runs: hpcllm (fp32 weights under autocast, flash attention, DDP "
-        "overlapping the backward) or megatron-2021 (the SC21 paper's: fp16 weights, unfused "
-        "attention, no overlap) [default: hpcllm]",
+        "overlapping the backward) or megatron-2021 (the SC21 paper's: fp16, unfused "
+        "attention, no overlap, no sequence parallelism, recompute full or none; flags that "
+        "contradict it are refused) [default: hpcllm]",
     )
     plan.add_argument(
         "--precision", choices=("bf16", "fp16", "fp32"), help="[default: the software's]"
+    )
+    plan.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split norms and dropout along the sequence [default: on when t > 1, where the "
+        "software has it]",
     )
     plan.add_argument(
         "--distributed-optimizer",
@@ -82,8 +90,6 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Search the layouts and print (or write) the best."""
-    import dataclasses
-
     from hpcllm import families
     from hpcllm.errors import UserError
     from hpcllm.plan import search
@@ -106,11 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
     model = Model(vocab=args.vocab or 51200, **shape)
     cluster = load_cluster(args.cluster, args.cluster_set)
-    software = Software.megatron_2021() if args.software == "megatron-2021" else Software()
-    if args.precision:
-        software = dataclasses.replace(software, precision=args.precision)
-    if args.distributed_optimizer:
-        software = dataclasses.replace(software, distributed_optimizer=True)
+    software = Software.named(args.software, args.precision, args.distributed_optimizer)
     fixed = search.Fixed(
         tp=args.tp,
         pp=args.pp,
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batch=args.micro_batch,
         schedule=args.schedule,
         recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
     )
     plan = search.search(model, args.gpus, args.global_batch, cluster, software, fixed)
     if args.json:

@@ -47,15 +47,17 @@ NCCL's protocol choice, congestion between jobs, and stragglers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcllm import families
 from hpcllm.config import BatchPlan, padded_vocab
 from hpcllm.parallel.pipeline.simulate import theory_bubble
-from hpcllm.plan.hardware import Cluster, gemm_efficiency
+from hpcllm.plan.hardware import Cluster, bus_factor, gemm_efficiency, latency_steps
+from hpcllm.user_error import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
+SOFTWARE = ("hpcllm", "megatron-2021")
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,12 @@ class Software:
     loss_bytes: tuple[int, int] = (4, 12)
     # HBM bytes per parameter of the step after the backward: gradient norm, clipping, Adam.
     optimizer_bytes: int = 40
+    # What the code can do at all: sequence parallelism, a distributed optimizer, these
+    # recomputations and precisions.
+    can_sequence_parallel: bool = True
+    can_distribute_optimizer: bool = True
+    recomputes: tuple[str, ...] = RECOMPUTE
+    precisions: tuple[str, ...] = ("bf16", "fp16", "fp32")
 
     @property
     def grad_accumulation_bytes(self) -> int:
@@ -155,11 +163,12 @@ class Software:
     def megatron_2021(cls) -> Software:
         """Return Megatron-LM's way in the SC21 paper.
 
-        fp16 weights and gradients, unfused attention, the data-parallel all-reduce after the
-        backward; the 1F1B and interleaved schedules only (zero-bubble came in 2023), the
-        interleaved one at p > 2 with v dividing the layers per stage, and p dividing the
-        layers (Megatron-LM refuses other layouts); PyTorch
-        1.8's ``F.linear`` on a 3-D input adds the q|k|v bias in a pass of its own; the
+        fp16 weights and gradients; no sequence parallelism or selective recomputation (both
+        came in 2022, Korthikanti et al.) and no distributed optimizer; unfused attention,
+        the data-parallel all-reduce after the backward; the 1F1B and interleaved schedules
+        only (zero-bubble came in 2023), the interleaved one at p > 2 with v dividing the
+        layers per stage, and p dividing the layers (Megatron-LM refuses other layouts);
+        PyTorch 1.8's ``F.linear`` on a 3-D input adds the q|k|v bias in a pass of its own; the
         vocabulary-parallel cross-entropy in fp32 (the logits cast, max, subtract, exp, sum
         and divide forward: 38 bytes per logit; the gradient formed in place and cast back:
         14); the fp16 optimizer's passes (main gradients from the fp16 ones, unscale and
@@ -177,7 +186,34 @@ class Software:
             separate_bias_pass=True,
             loss_bytes=(38, 14),
             optimizer_bytes=60,
+            can_sequence_parallel=False,
+            can_distribute_optimizer=False,
+            recomputes=("none", "full"),
+            precisions=("fp16",),
         )
+
+    @classmethod
+    def named(
+        cls, name: str, precision: str | None = None, distributed_optimizer: bool = False
+    ) -> Software:
+        """Return the software ``name`` (``hpcllm`` or ``megatron-2021``) with the precision and
+        distributed optimizer asked for; a UserError where that software had neither."""
+        if name not in SOFTWARE:
+            raise UserError(f"unknown software {name!r}; one of {', '.join(SOFTWARE)}")
+        software = cls.megatron_2021() if name == "megatron-2021" else cls.hpcllm()
+        if precision is not None:
+            if precision not in software.precisions:
+                raise UserError(
+                    f"--precision {precision}: {name} ran {', '.join(software.precisions)}"
+                )
+            software = replace(software, precision=precision)
+        if distributed_optimizer:
+            if not software.can_distribute_optimizer:
+                raise UserError(
+                    f"--distributed-optimizer: {name} had none (Megatron-LM's came in 2022)"
+                )
+            software = replace(software, distributed_optimizer=True)
+        return software
 
 
 @dataclass
@@ -231,10 +267,39 @@ def _memory_s(cluster: Cluster, nbytes: float) -> float:
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.memory_efficiency)
 
 
-def _ring_allreduce_s(nbytes: float, ranks: int, gbps: float, latency_us: float) -> float:
+def collective_s(
+    cluster: Cluster,
+    link: str,
+    collective: str,
+    nbytes: float,
+    ranks: int,
+    members: int = 1,
+    latency: bool = True,
+) -> float:
+    """Return the time of ``collective`` over ``ranks`` GPUs on ``link`` (``intra_node`` or
+    ``inter_node``), ``nbytes`` being nccl-tests' size (the all-reduced buffer, the gathered
+    output, the message sent).
+
+    From the cluster's measured table of that collective and link where it has one
+    (:meth:`Cluster.bus_time_s`, interpolated by size), else from its constant bandwidth and
+    latency (a ring: the bus factor's share of the bytes, plus a latency per step).
+    ``members``: how many GPUs of the group share each node, each with its own network
+    adapter, for a group across nodes: the constant is one adapter's bandwidth (times
+    ``members``); a table is measured with every GPU of each node in the job (times
+    ``members / gpus_per_node``). A send/recv crosses one adapter either way. ``latency``:
+    the constants' latency per step counted (a table's smallest size holds its own).
+    """
     if ranks <= 1:
         return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + 2 * (ranks - 1) * latency_us * 1e-6
+    factor = bus_factor(collective, ranks)
+    shared = link == "inter_node" and collective != "send_recv"
+    bus = cluster.bus_time_s(link, collective, nbytes)
+    if bus is not None:
+        return factor * bus * (cluster.gpus_per_node / members if shared else 1.0)
+    gbps, latency_us = cluster.link(link)
+    gbps *= members if shared else 1
+    steps = latency_steps(collective, ranks) if latency else 0
+    return factor * nbytes / (gbps * 1e9) + steps * latency_us * 1e-6
 
 
 def _spans_nodes(cluster: Cluster, ranks_apart: int, count: int) -> bool:
@@ -309,16 +374,28 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     # sequence parallelism, whose reduce-scatter leaves each rank its share of them).
     row_tokens = b * s / (t if layout.sequence_parallel else 1)
     bias_grads = _memory_s(cluster, (b * s * 7 * h / t + row_tokens * 2 * h) * e)
-    tp_f = 0.0
-    if t > 1:
-        gbps, latency = (
-            (cluster.inter_node_gbps, cluster.inter_node_latency_us)
-            if _spans_nodes(cluster, 1, t)
-            else (cluster.intra_node_gbps, cluster.intra_node_latency_us)
-        )
-        tp_f = 2 * _ring_allreduce_s(b * s * h * e, t, gbps, latency)
+    # Two all-reduces per layer; under sequence parallelism an all-gather and a
+    # reduce-scatter each (the same bytes on a ring).
+    link = "inter_node" if _spans_nodes(cluster, 1, t) else "intra_node"
+    pair = ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",) * 2
+    tp_f = sum(collective_s(cluster, link, op, b * s * h * e, t) for op in pair)
     # zb-h1's weight pass: the weight GEMMs and the bias gradients.
     return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm + bias_grads, bias_grads)
+
+
+def _dp_allreduce_s(cluster: Cluster, nbytes: float, t: int, d: int) -> float:
+    """Return the data-parallel all-reduce: a ring over the d replicas of each shard, t ranks
+    apart; across nodes each node holds gpus_per_node / t members of the ring, each with its
+    own adapter, and the ring is no faster than its links inside a node."""
+    if not _spans_nodes(cluster, t, d):
+        return collective_s(cluster, "intra_node", "all_reduce", nbytes, d)
+    members = max(1, cluster.gpus_per_node // t)
+    across = collective_s(cluster, "inter_node", "all_reduce", nbytes, d, members)
+    inside = collective_s(cluster, "intra_node", "all_reduce", nbytes, d, latency=False)
+    if cluster.bus_time_s("intra_node", "all_reduce", nbytes) is None:
+        # Every step of the ring waits on the network's latency too.
+        inside += latency_steps("all_reduce", d) * cluster.inter_node_latency_us * 1e-6
+    return max(across, inside)
 
 
 def _in_flight(layout: Layout, m: int) -> float:
@@ -395,16 +472,11 @@ def estimate(
     p2p = 0.0
     if p > 1:
         nbytes = b * s * h * e
-        remote = _spans_nodes(cluster, t * d, 2)
-        gbps, latency = (
-            (cluster.inter_node_gbps, cluster.inter_node_latency_us)
-            if remote
-            else (cluster.intra_node_gbps, cluster.intra_node_latency_us)
-        )
+        link = "inter_node" if _spans_nodes(cluster, t * d, 2) else "intra_node"
         split = t > 1 and (layout.scatter_gather or layout.sequence_parallel)
-        one = (nbytes / t if split else nbytes) / (gbps * 1e9) + latency * 1e-6
+        one = collective_s(cluster, link, "send_recv", nbytes / t if split else nbytes, 2)
         if split and not layout.sequence_parallel:  # the all-gather inside the node
-            one += (t - 1) / t * nbytes / (cluster.intra_node_gbps * 1e9)
+            one += collective_s(cluster, "intra_node", "all_gather", nbytes, t, latency=False)
         p2p = 2 * v * one
     # Each micro-batch's weight gradients are added into the step's (read both, write one).
     params = rank_parameters(model, layout)
@@ -422,23 +494,17 @@ def estimate(
     if p > 1:
         # The tied embedding's gradient, summed between the first and the last stage.
         far = _spans_nodes(cluster, (p - 1) * t * d, 2)
-        pp_exposed += _ring_allreduce_s(
+        pp_exposed += collective_s(
+            cluster,
+            "inter_node" if far else "intra_node",
+            "all_reduce",
             padded_vocab(model.vocab, t) * h / t * software.grad_bytes,
             2,
-            cluster.inter_node_gbps if far else cluster.intra_node_gbps,
-            cluster.inter_node_latency_us if far else cluster.intra_node_latency_us,
         )
     # Data parallelism: a ring over the d replicas of each shard, t ranks apart.
     dp_time = 0.0
     if d > 1:
-        if _spans_nodes(cluster, t, d):
-            # Each node holds gpus_per_node/t members of the ring, each with its own adapter.
-            members = max(1, cluster.gpus_per_node // t)
-            gbps = min(cluster.intra_node_gbps, cluster.inter_node_gbps * members)
-            latency = cluster.inter_node_latency_us
-        else:
-            gbps, latency = cluster.intra_node_gbps, cluster.intra_node_latency_us
-        dp_time = _ring_allreduce_s(params * software.grad_bytes, d, gbps, latency)
+        dp_time = _dp_allreduce_s(cluster, params * software.grad_bytes, t, d)
     hidden_dp = min(dp_time, stage_b) if software.dp_overlap else 0.0
     dp_exposed = dp_time - hidden_dp
     optimizer = _memory_s(

@@ -23,6 +23,7 @@ own network adapter (one per GPU on DGX systems).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -113,9 +114,51 @@ class Cluster:
         default_factory=dict, compare=False, hash=False
     )
 
+    def link(self, kind: str) -> tuple[float, float]:
+        """Return the constant (GB/s per GPU, latency µs) of a link kind (LINK_KINDS)."""
+        if kind == "inter_node":
+            return self.inter_node_gbps, self.inter_node_latency_us
+        return self.intra_node_gbps, self.intra_node_latency_us
+
+    def bus_time_s(self, kind: str, collective: str, nbytes: float) -> float | None:
+        """Return ``nbytes`` over the bus bandwidth the measured table of ``collective`` on
+        ``kind`` links gives at that size (None: no table): linear in the size between two
+        measured sizes (a latency plus a bandwidth between them), the smallest size's time
+        below it (latency-bound), the largest size's bandwidth above it."""
+        table = self.comm_tables.get(kind, {}).get(collective)
+        if not table:
+            return None
+        sizes = sorted(table)
+        if nbytes <= sizes[0]:
+            return sizes[0] / (table[sizes[0]] * 1e9)
+        if nbytes >= sizes[-1]:
+            return nbytes / (table[sizes[-1]] * 1e9)
+        upper = bisect.bisect_left(sizes, nbytes)
+        s0, s1 = sizes[upper - 1], sizes[upper]
+        t0, t1 = s0 / (table[s0] * 1e9), s1 / (table[s1] * 1e9)
+        return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+
 
 LINK_KINDS = ("intra_node", "inter_node")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def bus_factor(collective: str, ranks: int) -> float:
+    """Return nccl-tests' busbw / algbw of ``collective`` on ``ranks`` GPUs: 2(n-1)/n for
+    all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for send/recv."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; one of {', '.join(COLLECTIVES)}")
+    if collective == "send_recv":
+        return 1.0
+    share = (ranks - 1) / ranks
+    return 2 * share if collective == "all_reduce" else share
+
+
+def latency_steps(collective: str, ranks: int) -> int:
+    """Return the latency-bound steps of a ring ``collective`` on ``ranks`` GPUs."""
+    if collective == "send_recv":
+        return 1
+    return 2 * (ranks - 1) if collective == "all_reduce" else ranks - 1
 
 
 _REQUIRED = (

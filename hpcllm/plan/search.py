@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcllm.config import BatchPlan
-from hpcllm.plan.costs import RECOMPUTE, Estimate, Layout, Model, Software, estimate
+from hpcllm.plan.costs import Estimate, Layout, Model, Software, estimate
 from hpcllm.plan.hardware import Cluster
 from hpcllm.user_error import UserError
 
@@ -135,9 +135,12 @@ def layouts(
                 if not BatchPlan.divides(global_batch, b, d):
                     continue  # micro-batches of b on d replicas do not make the global batch
                 m = BatchPlan.of(global_batch, b, d).accumulation
-                sp = (t > 1) if fixed.sequence_parallel is None else fixed.sequence_parallel
+                sp = fixed.sequence_parallel
+                if sp is None:  # it saves memory at no cost in time, where the code has it
+                    sp = t > 1 and software.can_sequence_parallel
+                recomputes = software.recomputes if fixed.recompute is None else (fixed.recompute,)
                 for schedule, v in _schedules(p, m, model.layers, fixed, software):
-                    for recompute in RECOMPUTE if fixed.recompute is None else (fixed.recompute,):
+                    for recompute in recomputes:
                         yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1)
 
 
@@ -210,7 +213,14 @@ def search(
 
 
 def _check_software_layout(model: Model, fixed: Fixed, software: Software) -> None:
-    """Refuse, in one line, a fixed pipeline layout the software does not run."""
+    """Refuse, in one line, a fixed choice the software does not run."""
+    if fixed.recompute is not None and fixed.recompute not in software.recomputes:
+        raise UserError(
+            f"--recompute {fixed.recompute}: this software recomputes "
+            f"{' or '.join(software.recomputes)} only"
+        )
+    if fixed.sequence_parallel and not software.can_sequence_parallel:
+        raise UserError("--sequence-parallel: this software has no sequence parallelism")
     p, v = fixed.pp, fixed.vpp
     interleaved = fixed.schedule == "interleaved" or (v or 1) > 1
     if software.even_stages and p and model.layers % p:

@@ -1,8 +1,8 @@
 """``hpcllm bench TARGET``: one module per target, each with ``add_parser`` and ``run``.
 
-``kernels`` and ``device`` hand every word after their name to the benchmark's own parser
-(:func:`own_parser`), which argparse's sub-commands could not do for words that start with
-``-``.
+``kernels``, ``device`` and ``collectives`` hand every word after their name to the
+benchmark's own parser (:func:`own_parser`), which argparse's sub-commands could not do for
+words that start with ``-``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ TARGETS = (
     "dp",
     "sync",
     "allreduce",
+    "collectives",
     "pipeline",
     "kernels",
     "device",
@@ -36,8 +37,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 def own_parser(words: list[str]) -> Callable[[list[str]], int] | None:
     """Return the ``main(argv)`` that takes ``words[2:]`` when ``words`` run a target that
-    parses its own arguments (``bench kernels``, ``bench device``), else None."""
-    if words[:1] != ["bench"] or words[1:2] not in (["kernels"], ["device"]):
+    parses its own arguments (``bench kernels``, ``bench device``, ``bench collectives``),
+    else None."""
+    if words[:1] != ["bench"] or words[1:2] not in (["kernels"], ["device"], ["collectives"]):
         return None
     module = importlib.import_module(f"hpcllm.bench.{words[1]}")
     return module.main

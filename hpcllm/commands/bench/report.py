@@ -56,6 +56,13 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         help="repeat each benchmark less: about half the time, noisier ratios",
     )
     report.add_argument(
+        "--merge",
+        type=Path,
+        metavar="FILE",
+        help="run nothing: add FILE, hpcllm bench collectives --json measured between nodes "
+        "(jobs/collectives.sh), to --out's report and its cluster.yaml as inter_node tables",
+    )
+    report.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="every part on the CPU at toy sizes, to show each works (minutes)",
@@ -69,6 +76,15 @@ def run(args: argparse.Namespace) -> int:
 
     from hpcllm.bench import report
 
+    if args.merge is not None:
+        from hpcllm.bench import report_files
+        from hpcllm.errors import UserError
+
+        if args.parts or args.quick or args.cpu_smoke:
+            raise UserError("--merge runs nothing: it takes --out DIR only")
+        report_files.merge(args.out, args.merge)
+        print(f"merged {args.merge} into {args.out / 'cluster.yaml'} and the report")
+        return 0
     report.check_out(args.out)
     result = report.run(args.out, args.parts, args.cpu_smoke, float(args.timeout), args.quick)
     failed = [name for name, part in result["parts"].items() if part["status"] == "failed"]
