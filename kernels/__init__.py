@@ -267,3 +267,29 @@ def vocab_ce_backward(
     """
     args = (logits, labels, lse, grad, vocab_start, vocab_size)
     return _pick("vocab_ce_backward", logits, args, logits.numel() > 0)(*args)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Return RMSNorm over the last dimension: weight · x / sqrt(mean(x²) + eps), statistics
+    in fp32, in the promoted dtype of x and the weight (Llama's norm).
+
+    Rows wider than the kernel keeps in registers run the reference.
+    """
+    args = (x, weight, eps)
+    supported = x.numel() > 0 and x.shape[-1] <= LAYER_NORM_MAX_COLS
+    return _pick("rms_norm", x, args, supported)(*args)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Return SiLU(gate) · up, the SwiGLU MLP's activation, in their promoted dtype."""
+    args = (gate, up)
+    return _pick("swiglu", gate, args, gate.numel() > 0 and gate.shape == up.shape)(*args)
+
+
+def rotary(x: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Return x (batch, seq, heads, head_dim) rotated by the angles position × ``inv_freq``
+    (head_dim / 2 frequencies, Llama 3.1's scaled ones included), positions from ``offset``:
+    each half of a head pairs with the other. In x's dtype; the angles in fp32."""
+    args = (x, inv_freq, offset)
+    supported = x.numel() > 0 and x.dim() == 4 and x.shape[-1] == 2 * inv_freq.numel()
+    return _pick("rotary", x, args, supported)(*args)

@@ -22,7 +22,15 @@ from hpcllm.kernels import reference
 Timer = Callable[[str, str, Callable[[], object]], float]
 
 # Ops with a backward to time; the tensor-parallel cross-entropy parts are timed as called.
-DIFFERENTIABLE = ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
+DIFFERENTIABLE = (
+    "bias_gelu",
+    "bias_dropout_add",
+    "layer_norm",
+    "cross_entropy",
+    "rms_norm",
+    "swiglu",
+    "rotary",
+)
 
 
 def wall_clock_ms(

@@ -13,6 +13,11 @@ dtypes. The ops::
     hpcllm::cross_entropy(logits, labels, vocab_size) -> (loss, lse)
     hpcllm::vocab_ce_partials(logits, labels, vocab_start, vocab_size) -> (max, sumexp, target)
     hpcllm::vocab_ce_backward(logits, labels, lse, grad, vocab_start, vocab_size) -> dlogits
+    hpcllm::rms_norm(x, weight, eps) -> (y, rstd)
+    hpcllm::rms_norm_backward(dy, x, weight, rstd) -> (dx, dweight)
+    hpcllm::swiglu(gate, up) -> y
+    hpcllm::swiglu_backward(dy, gate, up) -> (dgate, dup)
+    hpcllm::rotary(x, inv_freq, offset, sign) -> y      (its backward: sign negated)
 
 A backward op returns an empty ``dbias`` where there is no bias (a custom op cannot return
 None). Dropout is functional: ``seed`` is a 0-d int64 CPU tensor drawn outside the op from
@@ -417,6 +422,179 @@ def _cross_entropy_grad(ctx: torch.autograd.function.FunctionCtx, grad: Tensor, 
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
 
 
+# ---------------------------------------------------------------- RMSNorm
+
+
+@torch.library.custom_op(
+    "hpcllm::rms_norm",
+    mutates_args=(),
+    device_types="cuda",
+    schema="(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+)
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _triton().rms_norm(x, weight, eps)
+
+
+@_rms_norm.register_kernel("cpu")
+def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if ops := _on_cpu():
+        return ops.rms_norm(x, weight, eps)
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1) + eps)
+    y = weight * (x32 * rstd.unsqueeze(-1)).to(x.dtype)
+    return y, rstd.reshape(-1)
+
+
+@_rms_norm.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(_row_count(x), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "hpcllm::rms_norm_backward",
+    mutates_args=(),
+    device_types="cuda",
+    schema="(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)",
+)
+def _rms_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    return _triton().rms_norm_backward(dy, x, weight, rstd)
+
+
+@_rms_norm_backward.register_kernel("cpu")
+def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    if ops := _on_cpu():
+        return ops.rms_norm_backward(dy, x, weight, rstd)
+    x32, dy32 = x.float(), dy.float()
+    r = rstd.reshape(*x.shape[:-1], 1)
+    n = x32 * r
+    wdy = weight.float() * dy32
+    dx = r * (wdy - n * (n * wdy).mean(-1, keepdim=True))
+    dw = (dy32 * n.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+@_rms_norm_backward.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple):
+    x, weight, _ = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_grad(ctx: torch.autograd.function.FunctionCtx, dy: Tensor, _: Tensor) -> tuple:
+    return (*torch.ops.hpcllm.rms_norm_backward(dy, *ctx.saved_tensors), None)
+
+
+_rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+@torch.library.custom_op(
+    "hpcllm::swiglu",
+    mutates_args=(),
+    device_types="cuda",
+    schema="(Tensor gate, Tensor up) -> Tensor",
+)
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return _triton().swiglu(gate, up)
+
+
+@_swiglu.register_kernel("cpu")
+def _(gate: Tensor, up: Tensor) -> Tensor:
+    if ops := _on_cpu():
+        return ops.swiglu(gate, up)
+    g = gate.float()
+    return (torch.nn.functional.silu(g) * up.float()).to(torch.promote_types(gate.dtype, up.dtype))
+
+
+@_swiglu.register_fake
+def _(gate: Tensor, up: Tensor) -> Tensor:
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@torch.library.custom_op(
+    "hpcllm::swiglu_backward",
+    mutates_args=(),
+    device_types="cuda",
+    schema="(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)",
+)
+def _swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return _triton().swiglu_backward(dy, gate, up)
+
+
+@_swiglu_backward.register_kernel("cpu")
+def _(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    if ops := _on_cpu():
+        return ops.swiglu_backward(dy, gate, up)
+    g, u, d = gate.float(), up.float(), dy.float()
+    s = torch.sigmoid(g)
+    return (d * u * s * (1 + g * (1 - s))).to(gate.dtype), (d * g * s).to(up.dtype)
+
+
+@_swiglu_backward.register_fake
+def _(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _swiglu_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple:
+    return torch.ops.hpcllm.swiglu_backward(dy, *ctx.saved_tensors)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+# ---------------------------------------------------------------- rotary positions
+
+
+@torch.library.custom_op(
+    "hpcllm::rotary",
+    mutates_args=(),
+    device_types="cuda",
+    schema="(Tensor x, Tensor inv_freq, SymInt offset, float sign) -> Tensor",
+)
+def _rotary(x: Tensor, inv_freq: Tensor, offset: int, sign: float) -> Tensor:
+    return _triton().rotary(x, inv_freq, offset, sign)
+
+
+@_rotary.register_kernel("cpu")
+def _(x: Tensor, inv_freq: Tensor, offset: int, sign: float) -> Tensor:
+    if ops := _on_cpu():
+        return ops.rotary(x, inv_freq, offset, sign)
+    return reference.rotary(x, inv_freq, offset, sign).contiguous()
+
+
+@_rotary.register_fake
+def _(x: Tensor, inv_freq: Tensor, offset: int, sign: float) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _rotary_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor):
+    _, inv_freq, offset, sign = inputs
+    ctx.save_for_backward(inv_freq)
+    ctx.offset, ctx.sign = offset, sign
+
+
+def _rotary_grad(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple:
+    # A rotation's transpose is the rotation back: the same op with the sine negated.
+    (inv_freq,) = ctx.saved_tensors
+    return torch.ops.hpcllm.rotary(dy, inv_freq, ctx.offset, -ctx.sign), None, None, None
+
+
+_rotary.register_autograd(_rotary_grad, setup_context=_rotary_setup)
+
+
 # ---------------------------------------------------------------- the dispatch's entry points
 
 
@@ -474,3 +652,18 @@ def vocab_ce_backward(
 ) -> Tensor:
     """Return ``hpcllm::vocab_ce_backward`` (see :func:`hpcllm.kernels.vocab_ce_backward`)."""
     return torch.ops.hpcllm.vocab_ce_backward(logits, labels, lse, grad, vocab_start, vocab_size)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Return ``hpcllm::rms_norm``'s output: RMSNorm, statistics in fp32."""
+    return torch.ops.hpcllm.rms_norm(x, weight, eps)[0]
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """Return ``hpcllm::swiglu``: SiLU(gate) · up."""
+    return torch.ops.hpcllm.swiglu(gate, up)
+
+
+def rotary(x: Tensor, inv_freq: Tensor, offset: int = 0) -> Tensor:
+    """Return ``hpcllm::rotary``: x (b, s, heads, d) rotated by its positions' angles."""
+    return torch.ops.hpcllm.rotary(x, inv_freq, offset, 1.0)

@@ -71,3 +71,40 @@ def vocab_ce_backward(
     d = (logits.float() - lse.unsqueeze(-1)).exp().masked_fill(padding, 0.0)
     d.scatter_add_(-1, local_labels.unsqueeze(-1), -inside.float().unsqueeze(-1))
     return (d * grad.float().reshape(-1, 1)).to(logits.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Return RMSNorm over the last dimension: weight · (x / sqrt(mean(x²) + eps)), the
+    statistics in fp32, the normalised row rounded to x's dtype before the weight."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Return SiLU(gate) · up, the SwiGLU MLP's activation (Shazeer, 2020)."""
+    return F.silu(gate) * up
+
+
+def rope_angles(
+    inv_freq: torch.Tensor, seq: int, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the cosines and sines (seq, head_dim) of positions offset … offset + seq - 1:
+    position × inv_freq in fp32, each frequency for both halves of a head."""
+    positions = torch.arange(offset, offset + seq, device=inv_freq.device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq.float())
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotary(
+    x: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0, sign: float = 1.0
+) -> torch.Tensor:
+    """Return x (b, s, heads, head_dim) rotated by its positions' angles: each half of a head
+    pairs with the other (Hugging Face's Llama convention). ``sign`` -1 rotates back."""
+    cos, sin = rope_angles(inv_freq, x.shape[1], offset)
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    if sign != 1.0:
+        sin = sin * sign
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin

@@ -290,3 +290,110 @@ def ce_backward(
         grad = tl.exp(x.to(tl.float32) - lse) - tl.where(cols == local, 1.0, 0.0)
         grad = tl.where(real, grad * g, 0.0)
         tl.store(dx_ptr + row * n_local + cols, grad.to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    """One row per program: rstd = 1/sqrt(mean(x²) + eps) in fp32; y = w · (x·rstd rounded to
+    x's dtype), as the reference rounds the normalised row before the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    raw = tl.load(x_ptr + row * n_cols + cols, mask=inside, other=0.0)
+    x = raw.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    normed = (x * rstd).to(raw.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n_cols + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=inside)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def rms_norm_bwd(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols, BLOCK: tl.constexpr
+):
+    """Persistent: program i takes rows i, i + P, ... and writes one partial row of dw.
+
+    With n = x·rstd: dx = rstd (w dy - n mean(n w dy)), dw = Σ dy n (n rounded as forward)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for row in range(pid, n_rows, programs):
+        start = tl.cast(row, tl.int64) * n_cols  # row: a Python int in the interpreter
+        raw = tl.load(x_ptr + start + cols, mask=inside, other=0.0)
+        x = raw.to(tl.float32)
+        dy = tl.load(dy_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        n = x * rstd
+        wdy = w * dy
+        dx = rstd * (wdy - n * (tl.sum(n * wdy, axis=0) / n_cols))
+        tl.store(dx_ptr + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+        dw += dy * n.to(raw.dtype).to(tl.float32)
+    tl.store(dw_part_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=inside)
+
+
+@triton.jit
+def swiglu_fwd(g_ptr, u_ptr, y_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = SiLU(g) · u = g · sigmoid(g) · u."""
+    _, offs, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_bwd(
+    dy_ptr,
+    g_ptr,
+    u_ptr,
+    dg_ptr,
+    du_ptr,
+    n_rows,
+    n_cols,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dg = dy · u · σ(g) (1 + g (1 - σ(g))), du = dy · g σ(g); SiLU recomputed from g."""
+    _, offs, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, BLOCK_R, BLOCK_C)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(
+        dg_ptr + offs, (dy * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask
+    )
+    tl.store(du_ptr + offs, (dy * g * s).to(du_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_fwd(
+    x_ptr,
+    f_ptr,
+    y_ptr,
+    n_rows,
+    heads,
+    seq,
+    offset,
+    sign,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rows of a (b, s, heads, d) tensor, d = 2·HALF: each half of a head pairs with the other
+    (Hugging Face's convention). Row r is at position (r // heads) mod s + offset; its angles
+    are position × inv_freq in fp32. y1 = x1 cos - x2 sin·sign, y2 = x2 cos + x1 sin·sign:
+    sign -1 rotates back (the backward)."""
+    rows = tl.cast(tl.program_id(0), tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < HALF)
+    position = ((rows // heads) % seq + offset).to(tl.float32)
+    freq = tl.load(f_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    angle = position[:, None] * freq[None, :]
+    cos, sin = tl.cos(angle), tl.sin(angle) * sign
+    first = rows[:, None] * (2 * HALF) + cols[None, :]
+    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + first, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + first + HALF, (x2 * cos + x1 * sin).to(y_ptr.dtype.element_ty), mask=mask)

@@ -365,3 +365,80 @@ def vocab_ce_backward(
         num_warps=_row_warps(block),
     )
     return dx
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (RMSNorm(x) in the promoted dtype of x and the weight, fp32 1/rms per row)."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    y = _new(x2.shape, torch.promote_types(x.dtype, weight.dtype), x.device)
+    rstd = _new((n_rows,), torch.float32, x.device)
+    block = triton.next_power_of_2(n_cols)
+    tk.rms_norm_fwd[(n_rows,)](
+        x2, weight.contiguous(), y, rstd, n_cols, eps, BLOCK=block, num_warps=_row_warps(block)
+    )
+    return y.view(x.shape), rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (dx in x's dtype, dweight in the weight's) of :func:`rms_norm`."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    dy2 = dy.reshape(x2.shape).contiguous()
+    dx = _new(x2.shape, x2.dtype, x2.device)
+    block = triton.next_power_of_2(n_cols)
+    warps = _row_warps(block)
+    programs = _persistent_programs(x.device, warps, n_rows)
+    dw_part = _new((programs, n_cols), torch.float32, x2.device)
+    tk.rms_norm_bwd[(programs,)](
+        dy2, x2, weight.contiguous(), rstd, dx, dw_part, n_rows, n_cols, BLOCK=block,
+        num_warps=warps,
+    )  # fmt: skip
+    return dx.view(x.shape), dw_part.sum(dim=0).to(weight.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Return SiLU(gate) · up in their promoted dtype."""
+    g2, u2 = _rows(gate), _rows(up)
+    y = _new(g2.shape, torch.promote_types(gate.dtype, up.dtype), gate.device)
+    block_r, block_c, row_tiles, col_tiles = _tiles(*g2.shape)
+    tk.swiglu_fwd[(row_tiles, col_tiles)](
+        g2, u2, y, *g2.shape, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_POINTWISE_WARPS
+    )
+    return y.view(gate.shape)
+
+
+def swiglu_backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (dgate in gate's dtype, dup in up's) of :func:`swiglu`."""
+    g2, u2 = _rows(gate), _rows(up)
+    dy2 = dy.reshape(g2.shape).contiguous()
+    dg = _new(g2.shape, gate.dtype, gate.device)
+    du = _new(g2.shape, up.dtype, up.device)
+    block_r, block_c, row_tiles, col_tiles = _tiles(*g2.shape)
+    tk.swiglu_bwd[(row_tiles, col_tiles)](
+        dy2, g2, u2, dg, du, *g2.shape, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=_POINTWISE_WARPS,
+    )  # fmt: skip
+    return dg.view(gate.shape), du.view(up.shape)
+
+
+def rotary(x: torch.Tensor, inv_freq: torch.Tensor, offset: int, sign: float) -> torch.Tensor:
+    """Return x (b, s, heads, d) rotated by position × inv_freq (``sign`` -1: back), in x's
+    dtype; positions start at ``offset``."""
+    b, s, heads, d = x.shape
+    x2 = x.contiguous().view(-1, d)
+    y = _new(x2.shape, x.dtype, x.device)
+    half = d // 2
+    block_h = triton.next_power_of_2(half)
+    block_r = max(1, _TILE // (2 * block_h))
+    tk.rotary_fwd[(triton.cdiv(x2.shape[0], block_r),)](
+        x2, inv_freq.float().contiguous(), y, x2.shape[0], heads, s, offset, sign, HALF=half,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=_POINTWISE_WARPS,
+    )  # fmt: skip
+    return y.view(x.shape)

@@ -242,6 +242,86 @@ def test_layer_norm_and_its_gradients_match_the_reference(ops, shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rms_norm_and_its_gradients_match_the_reference(ops, shape, dtype):
+    # The reference rounds the normalised row to x's dtype before the fp32 weight, as the
+    # kernel does: compared on the same inputs, they differ by a rounding of that dtype.
+    gen = torch.Generator().manual_seed(11)
+    x = leaf(torch.randn(shape, generator=gen) * 2 + 3, dtype)
+    w = leaf(torch.randn(shape[-1], generator=gen))
+    y = ops.rms_norm(x, w, 1e-6)
+    assert y.dtype == torch.promote_types(dtype, torch.float32) and y.shape == x.shape
+    x_ref = leaf(x.detach().clone(), dtype)
+    ref = reference.rms_norm(x_ref, w, 1e-6)
+    close(y, ref, dtype)
+    dy = dev(torch.randn(shape, generator=gen))
+    dx, dw = grads(y, (x, w), dy)
+    ref_dx, ref_dw = grads(ref, (x_ref, w), dy)
+    assert dx.dtype == dtype and dw.dtype == torch.float32
+    close(dx, ref_dx, dtype, scale_atol=RTOL[dtype])
+    close(dw, ref_dw, dtype, scale_atol=RTOL[dtype])  # summed over rows from fp32 values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_swiglu_and_its_gradients_match_the_reference(ops, shape, dtype):
+    gen = torch.Generator().manual_seed(12)
+    gate = leaf(torch.randn(shape, generator=gen) * 3, dtype)
+    up = leaf(torch.randn(shape, generator=gen), dtype)
+    y = ops.swiglu(gate, up)
+    assert y.dtype == dtype and y.shape == gate.shape
+    g32, u32 = leaf(gate.detach().float()), leaf(up.detach().float())
+    ref = reference.swiglu(g32, u32)
+    close(y, ref)
+    dy = dev(torch.randn(shape, generator=gen)).to(dtype)
+    dgate, dup = grads(y, (gate, up), dy)
+    ref_dgate, ref_dup = grads(ref, (g32, u32), dy.float())
+    close(dgate, ref_dgate)
+    close(dup, ref_dup)
+
+
+def _llama31_inv_freq(head_dim: int) -> torch.Tensor:
+    """Llama 3.1's scaled rotary frequencies for one head (factor 8, low 1, high 4, 32 long)."""
+    from hpcllm.model.llama import rope_frequencies
+
+    cfg = ModelConfig(
+        arch="llama", preset=None, n_layer=1, n_head=1, d_model=head_dim, seq_len=64,
+        rope_theta=500000.0, rope_scaling=8.0, rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0, rope_original_seq_len=32,
+    )  # fmt: skip
+    return rope_frequencies(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("shape", "offset"), [((2, 5, 3, 8), 0), ((1, 17, 2, 64), 0), ((3, 33, 1, 6), 7)], ids=str
+)
+def test_rotary_and_its_gradient_match_the_reference(ops, shape, offset, dtype):
+    # (batch, seq, heads, head_dim), positions from offset, Llama 3.1's scaled frequencies.
+    gen = torch.Generator().manual_seed(13)
+    inv_freq = dev(_llama31_inv_freq(shape[-1]))
+    assert len(set(inv_freq.tolist())) == shape[-1] // 2  # scaled, unscaled and blended
+    x = leaf(torch.randn(shape, generator=gen) * 2, dtype)
+    y = ops.rotary(x, inv_freq, offset)
+    assert y.dtype == dtype and y.shape == x.shape
+    x32 = leaf(x.detach().float())
+    ref = reference.rotary(x32, inv_freq, offset)
+    close(y, ref, scale_atol=max(RTOL[dtype] / 10, 1e-6))  # angles up to 39 rad: cos, sin ulps
+    dy = dev(torch.randn(shape, generator=gen)).to(dtype)
+    (dx,) = grads(y, (x,), dy)
+    (ref_dx,) = grads(ref, (x32,), dy.float())
+    close(dx, ref_dx, scale_atol=max(RTOL[dtype] / 10, 1e-6))
+    # A rotation keeps each pair's length: the kernel's, in fp32, to rounding.
+    if dtype == torch.float32:
+        norms = (y.detach() ** 2).reshape(-1, 2, shape[-1] // 2).sum(1)
+        want = (x.detach() ** 2).reshape(-1, 2, shape[-1] // 2).sum(1)
+        torch.testing.assert_close(norms, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 17), (7, 96), (33, 257), (5, 1000), (3, 5000)], ids=str)
 def test_cross_entropy_and_its_gradient_match_the_reference(ops, shape, dtype):
     rows, cols = shape
@@ -431,6 +511,13 @@ cases = [
      dict(BLOCK=1024)),
     (tk.ce_partials, [bf, "*i64", f32, f32, f32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
     (tk.ce_backward, [bf, "*i64", f32, f32, bf, i32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
+    (tk.rms_norm_fwd, [f32, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
+    (tk.rms_norm_fwd, [bf, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
+    (tk.rms_norm_bwd, [f32, bf, f32, f32, bf, f32, i32, i32, C], dict(BLOCK=1024)),
+    (tk.swiglu_fwd, [bf, bf, bf, i32, i32, C, C], tile),
+    (tk.swiglu_bwd, [bf, bf, bf, bf, bf, i32, i32, C, C], tile),
+    (tk.rotary_fwd, [bf, f32, bf, i32, i32, i32, i32, "fp32", C, C, C],
+     dict(HALF=64, BLOCK_R=32, BLOCK_H=64)),
 ]
 for fn, types, consts in cases:
     source = ASTSource(fn, dict(zip(fn.arg_names, types, strict=True)), constexprs=consts)
@@ -451,7 +538,7 @@ def test_kernels_compile_for_an_h100_without_one():
         capture_output=True,
         timeout=300,
     )
-    assert out.returncode == 0 and out.stdout.strip() == "8", out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.strip() == "14", out.stderr[-3000:]
 
 
 def _small(**kw):
@@ -461,9 +548,14 @@ def _small(**kw):
 
 
 def _gpt_step(fused, precision=torch.float32, **cfg):
+    return _model_step(lambda: GPT(_small(**cfg), 100, seed=3), fused, precision)
+
+
+def _model_step(build, fused, precision=torch.float32):
+    """Return (loss, gradients by name) of one training step of ``build()``'s model."""
     kernels.set_enabled(fused)
     try:
-        model = GPT(_small(**cfg), 100, seed=3).to(DEVICE).train()
+        model = build().to(DEVICE).train()
         gen = torch.Generator().manual_seed(1)
         ids = dev(torch.randint(0, 100, (3, 16), generator=gen))
         labels = dev(torch.randint(0, 100, (3, 16), generator=gen))
@@ -476,7 +568,9 @@ def _gpt_step(fused, precision=torch.float32, **cfg):
         kernels.set_enabled(True)
 
 
-def _count_calls(ops, monkeypatch):
+def _count_calls(
+    ops, monkeypatch, names=("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
+):
     calls = {}
 
     def counting(name, fn):
@@ -486,7 +580,7 @@ def _count_calls(ops, monkeypatch):
 
         return counted
 
-    for name in ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy"):
+    for name in names:
         monkeypatch.setattr(ops, name, counting(name, getattr(ops, name)))
     return calls
 
@@ -528,6 +622,88 @@ def test_dropout_masks_replay_under_full_recomputation(ops):
     assert loss != no_dropout  # dropout did act
 
 
+def _llama_cfg(**kw):
+    cfg = dict(
+        arch="llama", preset=None, n_layer=2, n_head=4, n_kv_heads=2, d_model=32, seq_len=16,
+        ffn_size=48, rope_scaling=4.0, rope_original_seq_len=8, dropout=0.0,
+        tie_embeddings=False,
+    )  # fmt: skip
+    cfg.update(kw)
+    return ModelConfig(**cfg)
+
+
+def _llama_step(fused, precision=torch.float32):
+    from hpcllm.model.llama import Llama
+
+    return _model_step(lambda: Llama(_llama_cfg(), 100, seed=3), fused, precision)
+
+
+@pytest.mark.gpu
+def test_llama_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
+    names = ("rms_norm", "swiglu", "rotary", "bias_dropout_add", "cross_entropy")
+    calls = _count_calls(ops, monkeypatch, names)
+    kernels.reset_implementations_used()
+    loss, grads_fused = _llama_step(True)
+    # 2 blocks: 5 RMSNorms (2 a block, the final one), 2 SwiGLUs, q and k rotated in each.
+    assert calls == {
+        "rms_norm": 5, "swiglu": 2, "rotary": 4, "bias_dropout_add": 4, "cross_entropy": 1
+    }  # fmt: skip
+    assert {k: v for k, v in kernels.implementations_used().items() if v == "triton"}.keys() >= {
+        "rms_norm", "swiglu", "rotary"
+    }  # fmt: skip
+    ref_loss, ref_grads = _llama_step(False)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in grads_fused.items():
+        torch.testing.assert_close(
+            grad, ref_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.gpu
+def test_llama_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
+    loss, grads_fused = _llama_step(True, torch.bfloat16)
+    ref_loss, ref_grads = _llama_step(False, torch.bfloat16)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=0.0)
+    fused = torch.cat([g.flatten() for g in grads_fused.values()])
+    ref = torch.cat([ref_grads[n].flatten() for n in grads_fused])
+    assert (fused - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", ["off", "on", "auto"], ids=["references", "custom-ops", "auto"])
+def test_compiled_llama_block_traces_in_one_graph_and_matches_eager(ops, fused):
+    """torch.compile(fullgraph=True) of one Llama block (GQA, scaled rope) with the three
+    Llama ops: no graph break, one graph for two blocks, eager's outputs and gradients."""
+    from hpcllm.model.llama import LlamaBlock
+
+    auto = fused == "auto"
+    kernels.set_enabled(
+        fused != "off",
+        choose=auto,
+        timer=lambda op, impl, run: 1.0 if impl == "triton" else 2.0,
+        compiled_reference=auto,
+    )
+    try:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cfg = _llama_cfg(d_model=64, seq_len=32)
+        block = LlamaBlock(cfg, None, torch.Generator().manual_seed(0)).to(DEVICE)
+        x = leaf(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1)))
+        kernels.reset_implementations_used()
+        out, grads_compiled = _block_step(torch.compile(block, fullgraph=True), x)
+        ran = ("rms_norm", "rotary", "swiglu", "bias_dropout_add") if fused == "on" else ()
+        assert kernels.implementations_used() == dict.fromkeys(ran, "triton")
+        second = LlamaBlock(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)
+        _block_step(torch.compile(second, fullgraph=True), x)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        ref_out, ref_grads = _block_step(block, x)
+        torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+        for got, want in zip(grads_compiled, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        kernels.set_enabled(True)
+
+
 def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -552,10 +728,10 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
+    every_op = ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy", "rms_norm",
+                "swiglu", "rotary")  # fmt: skip
     assert [(r["op"], r["pass"]) for r in result["ops"]] == [
-        (op, p)
-        for op in ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
-        for p in ("fwd", "fwd+bwd")
+        (op, p) for op in every_op for p in ("fwd", "fwd+bwd")
     ]
     assert all(r["max_error"] < 0.05 and r["triton_ms"] > 0 for r in result["ops"])
     losses = [r["first_loss"] for r in result["training"]]
@@ -575,6 +751,8 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     # The whole model compiled: inductor's code, but for the cross-entropy kernel.
     assert triton_ops["torch.compile + auto"] == ["cross_entropy"]
     assert "| cross_entropy | fwd+bwd |" in run.stdout and "| kernels on |" in run.stdout
+    for op in ("rms_norm", "swiglu", "rotary"):  # the Llama ops' rows
+        assert f"| {op} | fwd |" in run.stdout and f"| {op} | fwd+bwd |" in run.stdout
 
 
 def _custom_op_cases(dtype, with_bias):
@@ -597,7 +775,18 @@ def _custom_op_cases(dtype, with_bias):
     # Backward ops have no derivative of their own: their inputs do not require grad.
     x_, w_, b_ = x.detach(), w.detach(), b.detach()
     bias_ = None if bias is None else bias.detach()
-    return [
+    _, rms_rstd = torch.ops.hpcllm.rms_norm(x.detach(), w.detach(), 1e-6)
+    q = rand(2, 5, 3, 8, grad=True)
+    inv_freq = torch.tensor([1.0, 0.3, 0.01, 0.0001])
+    llama = [
+        (op.rms_norm, (x, w, 1e-6)),
+        (op.rms_norm_backward, (rand(2, 5, h, dt=torch.float32), x_, w_, rms_rstd)),
+        (op.swiglu, (x, rand(2, 5, h, grad=True))),
+        (op.swiglu_backward, (rand(2, 5, h), x_, rand(2, 5, h))),
+        (op.rotary, (q, inv_freq, 3, 1.0)),
+        (op.rotary, (q.detach(), inv_freq, 0, -1.0)),
+    ]
+    return llama + [
         (op.bias_gelu, (x, bias)),
         (op.bias_gelu_backward, (rand(2, 5, h), x_, bias_)),
         (op.bias_dropout_add, (x, bias, residual, 0.3, seed)),

@@ -202,11 +202,11 @@ TRAIN = [
 BANNERS: dict[str, str] = {}  # each run folder's rank-0 output
 
 
-def _train(np: int, data, run, *layout: str, steps: int = 4) -> list[float]:
+def _train(np: int, data, run, *layout: str, steps: int = 4, env=None) -> list[float]:
     args = ["-m", "hpcllm", "train", "--no-progress"]
     for item in [*TRAIN, f"data.path={data}", f"run.dir={run}", f"train.steps={steps}", *layout]:
         args += ["--set", item]
-    result = run_mpi(np, python(*args), timeout=300).check()
+    result = run_mpi(np, python(*args), timeout=300, env=env).check()
     BANNERS[str(run)] = result.rank_stdout.get(0, result.stdout) + result.rank_stderr.get(0, "")
     return [r["loss"] for r in read_metrics(run)]
 
@@ -292,6 +292,26 @@ def test_llama_tiny_trains_alike_under_every_data_parallel_engine(stdlib, tmp_pa
     ]:
         got = _train(2, stdlib, tmp_path / "-".join(engine).replace("=", "_"), *engine)
         assert got == pytest.approx(whole, rel=1e-5), engine
+
+
+@pytest.mark.mpi
+def test_llama_tiny_trains_alike_with_its_fused_kernels(stdlib, tmp_path):
+    # RMSNorm, SwiGLU and the rotation as Triton kernels (on the CPU under Triton's
+    # interpreter, which fused_kernels: on requires there) against the torch references, at
+    # t = 1 and at t = 2 with sequence parallelism. Short runs: the interpreter is slow.
+    short = ["train.global_batch_size=4", "train.eval_iters=1"]
+    for name, np, layout in [
+        ("t1", 1, []),
+        ("t2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ]:
+        off = _train(np, stdlib, tmp_path / f"{name}-off", *layout, *short,
+                     "model.fused_kernels=off", steps=2)  # fmt: skip
+        on = _train(np, stdlib, tmp_path / f"{name}-on", *layout, *short,
+                    "model.fused_kernels=on", steps=2, env={"TRITON_INTERPRET": "1"})  # fmt: skip
+        assert on == pytest.approx(off, rel=1e-5), name
+        ran = re.search(r"fused kernels \(Triton\): (.*)", BANNERS[str(tmp_path / f"{name}-on")])
+        assert ran and {"rms_norm", "rotary", "swiglu"} <= set(ran.group(1).split(", ")), name
+        assert "fused kernels" not in BANNERS[str(tmp_path / f"{name}-off")]
 
 
 @pytest.mark.mpi

@@ -56,6 +56,7 @@ class Sizes:
     hidden: int
     vocab: int  # the tokenizer's; the logits are padded to a multiple of 128
     model: dict[str, Any]  # ModelConfig keys of the end-to-end model
+    heads: int  # attention heads (the rotary op's)
 
     @property
     def rows(self) -> int:
@@ -65,14 +66,32 @@ class Sizes:
     def padded_vocab(self) -> int:
         return -(-self.vocab // 128) * 128
 
+    @property
+    def swiglu_width(self) -> int:
+        """Return a Llama MLP's width at this hidden size: Meta's rule, 2/3 of 4h rounded up
+        to a multiple of 256 (768 → 2048, 2048 → 5632)."""
+        return -(-int(8 * self.hidden / 3) // 256) * 256
+
 
 # Op shapes; the training steps run at the first.
 GPU_SIZES = [
     Sizes(
-        "gpt2-124m", batch=16, seq_len=1024, hidden=768, vocab=50257, model={"preset": "gpt2-124m"}
+        "gpt2-124m",
+        batch=16,
+        seq_len=1024,
+        hidden=768,
+        vocab=50257,
+        model={"preset": "gpt2-124m"},
+        heads=12,
     ),
     Sizes(
-        "gpt2-1.3b", batch=4, seq_len=2048, hidden=2048, vocab=50257, model={"preset": "gpt2-1.3b"}
+        "gpt2-1.3b",
+        batch=4,
+        seq_len=2048,
+        hidden=2048,
+        vocab=50257,
+        model={"preset": "gpt2-1.3b"},
+        heads=16,
     ),
 ]
 SMOKE_SIZES = Sizes(
@@ -82,6 +101,7 @@ SMOKE_SIZES = Sizes(
     hidden=32,
     vocab=300,
     model={"preset": None, "n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16},
+    heads=4,
 )
 
 
@@ -97,7 +117,17 @@ class OpCase:
 
 
 # The ops _op_cases returns, in its order; known before their inputs are made, to count cases.
-OPS = ("bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy")
+# The Llama family's three (RMSNorm, SwiGLU, rotary) run at the same hidden size, with
+# Llama's MLP width and the shapes' heads.
+OPS = (
+    "bias_gelu",
+    "bias_dropout_add",
+    "layer_norm",
+    "cross_entropy",
+    "rms_norm",
+    "swiglu",
+    "rotary",
+)
 
 
 def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
@@ -115,7 +145,7 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
     ln_w, ln_b = rand(h), rand(h)
     logits = rand(rows, v, dtype=torch.bfloat16, scale=2.0)
     labels = torch.randint(0, sizes.vocab, (rows,), generator=gen, device=device)
-    return [
+    gpt2 = [
         OpCase(
             "bias_gelu",
             lambda fn, _: fn(fc, bias_ffn),
@@ -144,6 +174,50 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
             [logits],
             fwd_bytes=2 * rows * v,
             bwd_bytes=2 * 2 * rows * v,
+        ),
+    ]
+    return gpt2 + _llama_cases(sizes, rand, residual, ln_w, device)
+
+
+def _llama_cases(
+    sizes: Sizes, rand: Callable[..., torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+    device: torch.device,
+) -> list[OpCase]:  # fmt: skip
+    """Return the Llama ops' cases: RMSNorm on the fp32 residual stream, SwiGLU and the
+    rotation on bf16 matmul outputs (q: batch, seq, heads, head_dim; Llama 3.1's scaling)."""
+    from hpcllm.config import ModelConfig
+    from hpcllm.model.llama import rope_frequencies
+
+    rows, h, f = sizes.rows, sizes.hidden, sizes.swiglu_width
+    gate, up = rand(rows, f, dtype=torch.bfloat16), rand(rows, f, dtype=torch.bfloat16)
+    q = rand(sizes.batch, sizes.seq_len, sizes.heads, h // sizes.heads, dtype=torch.bfloat16)
+    rope = ModelConfig(
+        arch="llama", preset=None, n_layer=1, n_head=sizes.heads, d_model=h,
+        seq_len=sizes.seq_len, rope_theta=500000.0, rope_scaling=8.0,
+        rope_original_seq_len=max(2, sizes.seq_len // 4),
+    )  # fmt: skip
+    inv_freq = rope_frequencies(rope).to(device)
+    return [
+        OpCase(
+            "rms_norm",
+            lambda fn, _: fn(residual, weight, 1e-5),
+            [residual, weight],
+            fwd_bytes=2 * 4 * rows * h,
+            bwd_bytes=3 * 4 * rows * h,
+        ),
+        OpCase(
+            "swiglu",
+            lambda fn, _: fn(gate, up),
+            [gate, up],
+            fwd_bytes=3 * 2 * rows * f,  # read gate and up, write y
+            bwd_bytes=5 * 2 * rows * f,  # read dy, gate, up; write dgate, dup
+        ),
+        OpCase(
+            "rotary",
+            lambda fn, _: fn(q, inv_freq, 0),
+            [q],
+            fwd_bytes=2 * 2 * rows * h,
+            bwd_bytes=2 * 2 * rows * h,
         ),
     ]
 

@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if summary.get("val_loss") is not None:
             print(f"validation loss {summary['val_loss']:.4f}")
+        if summary.get("fused_kernels"):
+            print(f"fused kernels (Triton): {', '.join(summary['fused_kernels'])}")
         run_rate = summary.get("run_tokens_per_s")
         if run_rate is not None:
             print(f"run mean {run_rate:.0f} tokens/s (every log interval but the first)")

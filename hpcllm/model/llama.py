@@ -11,6 +11,8 @@ whose checkpoints then need no permutation); Llama 3.1's scaling divides the low
 by ``rope_scaling``, keeps the high ones and blends those between (Meta's Llama 3.1 release).
 With fewer key/value heads than tensor-parallel ranks, each rank keeps the one head its query
 heads use; the ranks sharing a head sum its gradient (:mod:`hpcllm.parallel.data.finalize`).
+RMSNorm, the SwiGLU activation and the rotation are :mod:`hpcllm.kernels` ops: fused Triton
+kernels where ``model.fused_kernels`` enables them, their torch references elsewhere.
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ class RMSNorm(nn.Module):
             mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -70,13 +70,6 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
     scaled = (1 - blend) * inv / factor + blend * inv
     return scaled.float()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Return x (b, heads, s, d) rotated by the angles whose cosines and sines are given
-    (s, d): each half of the head pairs with the other."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 class ReplicatedHeadLinear(nn.Module):
@@ -152,12 +145,10 @@ class LlamaAttention(Attention):
         # checkpoint (which holds no buffers) must still have them.
         self.inv_freq = tuple(rope_frequencies(cfg).tolist())
 
-    def angles(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the cosines and sines (s, head_dim) of positions 0 … s-1."""
-        inv = torch.tensor(self.inv_freq, device=device, dtype=torch.float32)
-        angles = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+    def rotary(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x (b, s, heads, head_dim) rotated by positions 0 … s-1 (the fused op)."""
+        inv = torch.tensor(self.inv_freq, device=x.device, dtype=torch.float32)
+        return kernels.rotary(x, inv)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with dropout_rng(self.group, self.dropout, self.training):
@@ -176,16 +167,10 @@ class LlamaAttention(Attention):
         """Return (output, None): the projections have no bias."""
         q = self.q(x)  # (b, s, heads/t · d): the whole sequence, even under SP
         b, s, _ = q.shape
-        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k, v = (
-            part(x).view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
-            for part in (self.k, self.v)
-        )
-        cos, sin = self.angles(s, x.device)
-        q, k = (
-            rotate(q, cos.to(q.dtype), sin.to(q.dtype)),
-            rotate(k, cos.to(k.dtype), sin.to(k.dtype)),
-        )
+        # Rotated in (b, s, heads, d), the projections' own layout, then heads first for SDPA.
+        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim)).transpose(1, 2)
+        k = self.rotary(self.k(x).view(b, s, self.local_kv, self.head_dim)).transpose(1, 2)
+        v = self.v(x).view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         if self.selective and self.training:
             y = self._recomputed_core(q, k, v)
         else:
@@ -214,7 +199,7 @@ class SwiGLU(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
+        return self.proj(kernels.swiglu(self.gate(x), self.up(x)))
 
 
 class LlamaBlock(nn.Module):

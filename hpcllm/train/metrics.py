@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.amp import GradScaler
 
-from hpcllm import observe, watchdog
+from hpcllm import kernels, observe, watchdog
 from hpcllm.config import Config, batch_plan
 from hpcllm.files import atomic_write
 from hpcllm.flops import model_step_flops
@@ -325,5 +325,9 @@ class Metrics:
             world_size=self.grid.world_size,
             global_batch=self.global_batch,
             run_dir=str(Path(self.cfg.run.dir)),
+            # The ops that ran a Triton kernel (model.fused_kernels), on this rank.
+            fused_kernels=sorted(
+                op for op, impl in kernels.implementations_used().items() if impl == "triton"
+            ),
         )
         return summary
