@@ -190,6 +190,22 @@ def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = Tru
     return fn
 
 
+def in_range(x: torch.Tensor) -> bool:
+    """Return whether an op on ``x`` is marked with an NVTX range: on a GPU, outside compiled
+    graphs (a range cannot be traced; Nsight shows a compiled graph's kernels by name)."""
+    return x.is_cuda and not torch.compiler.is_compiling()
+
+
+def _call(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = True) -> Any:
+    """Run the implementation of ``op`` :func:`_pick` chooses, in an NVTX range ``hpcllm.OP``
+    for Nsight Systems where :func:`in_range` says so."""
+    fn = _pick(op, x, args, supported)
+    if not in_range(x):
+        return fn(*args)
+    with torch.cuda.nvtx.range(f"hpcllm.{op}"):
+        return fn(*args)
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Return GeLU(x + bias), tanh approximation (GPT-2's ``gelu_new``).
 
@@ -197,7 +213,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     would cast it to anyway).
     """
     args = (x, bias)
-    return _pick("bias_gelu", x, args, x.numel() > 0)(*args)
+    return _call("bias_gelu", x, args, x.numel() > 0)
 
 
 def bias_dropout_add(
@@ -205,7 +221,7 @@ def bias_dropout_add(
 ) -> torch.Tensor:
     """Return residual + dropout(x + bias); with p = 0 or not training, residual + x + bias."""
     args = (x, bias, residual, p, training)
-    return _pick("bias_dropout_add", x, args, x.numel() > 0)(*args)
+    return _call("bias_dropout_add", x, args, x.numel() > 0)
 
 
 def layer_norm(
@@ -217,7 +233,7 @@ def layer_norm(
     """
     args = (x, weight, bias, eps)
     supported = x.numel() > 0 and x.shape[-1] <= LAYER_NORM_MAX_COLS
-    return _pick("layer_norm", x, args, supported)(*args)
+    return _call("layer_norm", x, args, supported)
 
 
 def cross_entropy(
@@ -229,7 +245,7 @@ def cross_entropy(
     logits this way saves the copy that slicing them would cost in backward.
     """
     args = (logits, labels, vocab_size)
-    return _pick("cross_entropy", logits, args, labels.numel() > 0)(*args)
+    return _call("cross_entropy", logits, args, labels.numel() > 0)
 
 
 def vocab_ce_partials(
@@ -248,7 +264,7 @@ def vocab_ce_partials(
         lse = M + log(total);  loss = lse - target
     """
     args = (logits, labels, vocab_start, vocab_size)
-    return _pick("vocab_ce_partials", logits, args, logits.numel() > 0)(*args)
+    return _call("vocab_ce_partials", logits, args, logits.numel() > 0)
 
 
 def vocab_ce_backward(
@@ -266,7 +282,7 @@ def vocab_ce_backward(
     ``grad`` the per-row loss gradient, shape (rows,) or a scalar (for a mean: g / rows).
     """
     args = (logits, labels, lse, grad, vocab_start, vocab_size)
-    return _pick("vocab_ce_backward", logits, args, logits.numel() > 0)(*args)
+    return _call("vocab_ce_backward", logits, args, logits.numel() > 0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -277,13 +293,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     args = (x, weight, eps)
     supported = x.numel() > 0 and x.shape[-1] <= LAYER_NORM_MAX_COLS
-    return _pick("rms_norm", x, args, supported)(*args)
+    return _call("rms_norm", x, args, supported)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Return SiLU(gate) · up, the SwiGLU MLP's activation, in their promoted dtype."""
     args = (gate, up)
-    return _pick("swiglu", gate, args, gate.numel() > 0 and gate.shape == up.shape)(*args)
+    return _call("swiglu", gate, args, gate.numel() > 0 and gate.shape == up.shape)
 
 
 def rotary(x: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -292,4 +308,4 @@ def rotary(x: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0) -> torch.Te
     each half of a head pairs with the other. In x's dtype; the angles in fp32."""
     args = (x, inv_freq, offset)
     supported = x.numel() > 0 and x.dim() == 4 and x.shape[-1] == 2 * inv_freq.numel()
-    return _pick("rotary", x, args, supported)(*args)
+    return _call("rotary", x, args, supported)

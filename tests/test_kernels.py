@@ -660,6 +660,30 @@ def test_llama_training_step_with_kernels_equals_the_reference(ops, monkeypatch)
 
 
 @pytest.mark.gpu
+def test_every_op_runs_in_an_nvtx_range_named_for_it(ops, monkeypatch):
+    # On a GPU each op is an NVTX range "hpcllm.OP" for Nsight Systems; here the predicate is
+    # forced on and torch's NVTX call recorded.
+    import contextlib
+
+    opened = []
+
+    @contextlib.contextmanager
+    def record(name):
+        opened.append(name)
+        yield
+
+    on_gpu_eagerly = kernels.in_range
+    assert not on_gpu_eagerly(torch.ones(1))  # the CPU: no ranges
+    monkeypatch.setattr(torch.cuda.nvtx, "range", record)
+    monkeypatch.setattr(kernels, "in_range", lambda x: True)
+    _llama_step(True)
+    _gpt_step(True)
+    names = ("rms_norm", "swiglu", "rotary", "bias_dropout_add", "cross_entropy", "bias_gelu",
+             "layer_norm")  # fmt: skip
+    assert set(opened) == {f"hpcllm.{op}" for op in names}
+
+
+@pytest.mark.gpu
 def test_llama_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     loss, grads_fused = _llama_step(True, torch.bfloat16)
     ref_loss, ref_grads = _llama_step(False, torch.bfloat16)
@@ -711,7 +735,9 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
         [
             sys.executable,
             "-m",
-            "hpcllm.bench.kernels",
+            "hpcllm",
+            "bench",
+            "kernels",
             "--cpu-smoke",
             "--iters",
             "1",
