@@ -227,3 +227,67 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
     expected = dict(reference.named_parameters())
     for name, param in chunks[0].named_parameters():
         assert torch.allclose(param.grad, expected[name].grad, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.parametrize(("arch", "preset"), [("gpt2", "tiny"), ("llama", "llama-tiny")])
+def test_cached_generation_gives_the_uncached_tokens(arch, preset):
+    from hpcllm.model import build
+    from hpcllm.model.gpt import KVCache
+
+    cfg = load_config(None, [f"model.arch={arch}", f"model.preset={preset}", "model.dropout=0"])
+
+    def build_varied(model_cfg):
+        # Weights far from the init's, so that greedy sampling does not settle on one token.
+        model = build(model_cfg, 300).eval()
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+        return model
+
+    model = build_varied(cfg.model)
+    assert cfg.model.seq_len == 128
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    cached = model.generate(ids, 100, temperature=0, kv_cache=True)
+    assert torch.equal(cached, model.generate(ids, 100, temperature=0, kv_cache=False))
+    assert cached.shape == (1, 120) and len(set(cached[0, 20:].tolist())) > 10  # not one token
+    # Past seq_len the window slides as without the cache, which is rebuilt from it.
+    cfg.model.seq_len = 32
+    short = build_varied(cfg.model)
+    assert torch.equal(
+        short.generate(ids, 40, temperature=0, kv_cache=True),
+        short.generate(ids, 40, temperature=0, kv_cache=False),
+    )
+    # The cache holds each block's key/value heads once (GQA: the shared ones).
+    cache = KVCache(cfg.model.n_layer, 128)
+    logits = model.decode(ids, cache)
+    kv = cfg.model.n_kv_heads or cfg.model.n_head
+    head_dim = cfg.model.d_model // cfg.model.n_head
+    assert cache.layers[0].keys.shape == (1, kv, 20, head_dim) and cache.length == 20
+    torch.testing.assert_close(logits[:, -1], model(ids)[:, -1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one new token at a time"):
+        model.decode(ids[:, :2], cache)
+
+
+def test_bench_generate_checks_the_tokens_and_times_both(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "generate.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "bench", "generate", "--prompt", "4", "--tokens", "8",
+         "--repeats", "2", "--seq-len", "16", "--json-out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [r["model"] for r in result["rows"]] == ["tiny", "llama-tiny"]
+    for row in result["rows"]:
+        assert row["same_tokens"] and len(row["cached_runs_s"]) == len(row["uncached_runs_s"]) == 2
+        assert row["speedup"] == row["uncached_s"] / row["cached_s"]
+    assert "| llama-tiny | 4 | 128 |" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "bench", "generate", "--models", "gpt5"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "gpt5 is no family's preset" in bad.stderr

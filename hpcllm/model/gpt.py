@@ -39,6 +39,64 @@ def tp_size(group: Any) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
+class LayerCache:
+    """One block's keys and values of the tokens generated so far, (b, kv heads, tokens, d):
+    under grouped-query attention the shared heads, once. Room for ``capacity`` tokens is
+    taken at the first tokens, so each new token is written in place, not concatenated."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0  # tokens cached: the next one's position
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Return the cached keys (b, kv heads, length, d), or None before the first token."""
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' keys and values after the cached ones; return all of them."""
+        new = k.shape[2]
+        if self.length + new > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} tokens; {self.length + new} asked")
+        if self._k is None:
+            b, heads, _, d = k.shape
+            self._k = k.new_empty(b, heads, self.capacity, d)
+            self._v = v.new_empty(b, heads, self.capacity, d)
+        assert self._v is not None
+        self._k[:, :, self.length : self.length + new] = k
+        self._v[:, :, self.length : self.length + new] = v
+        self.length += new
+        return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, gqa: bool = False
+) -> torch.Tensor:
+    """Return causal attention of the new tokens' q over the cached keys and values and their
+    own: a whole prompt at once (nothing cached yet), or one token after the cache."""
+    past = cache.length
+    if past and q.shape[2] != 1:
+        raise ValueError("after the cached tokens, attention takes one new token at a time")
+    k, v = cache.extend(k, v)
+    # One query after the cache sees every key; a prompt is causal.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=past == 0, enable_gqa=gqa)
+
+
+class KVCache:
+    """Every block's :class:`LayerCache`: what :meth:`GPT.decode` keeps between tokens, room
+    for ``capacity`` tokens (``model.seq_len``)."""
+
+    def __init__(self, layers: int, capacity: int) -> None:
+        self.layers = [LayerCache(capacity) for _ in range(layers)]
+
+    @property
+    def length(self) -> int:
+        """Return how many tokens are cached."""
+        return self.layers[0].length if self.layers else 0
+
+
 def dropout_rng(group: Any, p: float, training: bool) -> Any:
     """The tensor-parallel stream for a dropout over split activations, when it drops."""
     return tp_rng(group if p > 0 and training else None)
@@ -116,16 +174,21 @@ class Attention(nn.Module):
         return checkpoint(self._core, q, k, v, use_reentrant=False)
 
     def forward(
-        self, x: torch.Tensor, add_bias: bool = False
+        self, x: torch.Tensor, add_bias: bool = False, cache: LayerCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return (output, bias): the output projection's bias added to it (then None) or not."""
+        """Return (output, bias): the output projection's bias added to it (then None) or not.
+
+        With ``cache`` (generation) x holds the new tokens, which attend to the cached ones.
+        """
         qkv = self.qkv(x)  # (b, s, 3h/t): the whole sequence, even under sequence parallelism
         b, s, _ = qkv.shape
         q, k, v = (
             part.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
             for part in qkv.chunk(3, dim=-1)
         )
-        if self.selective and self.training:
+        if cache is not None:
+            y = cached_attention(q, k, v, cache)
+        elif self.selective and self.training:
             # Korthikanti et al.: the attention core holds the s² activations and is cheap to
             # recompute; keeping everything else stored costs little memory.
             y = self._recomputed_core(q, k, v)
@@ -201,10 +264,10 @@ class Block(nn.Module):
         if sp:
             mark_sequence_parallel(self.attn.proj.bias, self.mlp.proj.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         # Fused kernels take the biases; the torch path adds them in the matmuls.
         add_bias = not kernels.fused(x)
-        out, bias = self.attn(self.ln1(x), add_bias)
+        out, bias = self.attn(self.ln1(x), add_bias, cache)
         with dropout_rng(self.rng_group, self.dropout, self.training):
             x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
         out, bias = self.mlp(self.ln2(x), add_bias)
@@ -312,14 +375,15 @@ class GPT(nn.Module):
         ):
             return F.dropout(x, self.cfg.dropout, self.training)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s).
+    def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Return token + position embeddings (after dropout) for ``ids`` of shape (b, s), at
+        positions from ``offset`` (the tokens cached before them).
 
         Under sequence parallelism, those of this rank's part of the sequence.
         """
         s = ids.shape[1]
-        self.check_length(s)
-        pos = torch.arange(s, device=ids.device)
+        self.check_length(offset + s)
+        pos = torch.arange(offset, offset + s, device=ids.device)
         if self.sequence_parallel:
             t = tp_size(self.tp_group)
             pos = pos.chunk(t)[torch.distributed.get_rank(self.tp_group)]
@@ -385,6 +449,15 @@ class GPT(nn.Module):
         seq = self.cfg.seq_len // t if self.sequence_parallel else self.cfg.seq_len
         return (micro_batch_size, seq, self.cfg.d_model)
 
+    def decode(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Return the logits (b, 1, vocabulary) of the last of ``ids`` (b, s), read after the
+        tokens ``cache`` holds, and add theirs to it: a prompt into an empty cache, or one
+        token at a time. The whole model only (one stage, t = 1), in eval mode."""
+        hidden = self.embed(ids, offset=cache.length)
+        for block, layer in zip(self.blocks.values(), cache.layers, strict=True):
+            hidden = block(hidden, layer)
+        return self.head(hidden[:, -1:])
+
     @torch.no_grad()
     def generate(
         self,
@@ -393,10 +466,26 @@ class GPT(nn.Module):
         temperature: float = 0.8,
         top_k: int | None = 50,
         gen: torch.Generator | None = None,
+        kv_cache: bool = True,
     ) -> torch.Tensor:
-        """Return ``ids`` extended by ``new_tokens`` sampled tokens."""
+        """Return ``ids`` extended by ``new_tokens`` sampled tokens.
+
+        With ``kv_cache`` each block keeps the keys and values of the tokens so far, and each
+        new token runs through the model alone. Past ``model.seq_len`` tokens the window of
+        the last ``seq_len`` slides, as without the cache, and the cache is rebuilt from it;
+        the tokens are the uncached path's (temperature 0: the same argmax).
+        """
+        window = self.cfg.seq_len
+        cache = KVCache(len(self.blocks), window) if kv_cache else None
+        pending = ids[:, -window:]
         for _ in range(new_tokens):
-            logits = self(ids[:, -self.cfg.seq_len :])[:, -1, :].float()
+            if cache is None:
+                logits = self(ids[:, -window:])
+            else:
+                if cache.length + pending.shape[1] > window:  # slide: rebuild from the window
+                    cache, pending = KVCache(len(self.blocks), window), ids[:, -window:]
+                logits = self.decode(pending, cache)
+            logits = logits[:, -1, :].float()
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -406,6 +495,7 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
             ids = torch.cat([ids, nxt], dim=1)
+            pending = nxt
         return ids
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from hpcllm import kernels
 from hpcllm.config import ModelConfig
 from hpcllm.families.llama import ffn_size, kv_heads
-from hpcllm.model.gpt import GPT, Attention, dropout_rng, tp_size
+from hpcllm.model.gpt import GPT, Attention, LayerCache, cached_attention, dropout_rng, tp_size
 from hpcllm.parallel.pipeline.zero_bubble import linear
 from hpcllm.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -145,10 +145,11 @@ class LlamaAttention(Attention):
         # checkpoint (which holds no buffers) must still have them.
         self.inv_freq = tuple(rope_frequencies(cfg).tolist())
 
-    def rotary(self, x: torch.Tensor) -> torch.Tensor:
-        """Return x (b, s, heads, head_dim) rotated by positions 0 … s-1 (the fused op)."""
+    def rotary(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Return x (b, s, heads, head_dim) rotated by positions offset … offset + s - 1 (the
+        fused op)."""
         inv = torch.tensor(self.inv_freq, device=x.device, dtype=torch.float32)
-        return kernels.rotary(x, inv)
+        return kernels.rotary(x, inv, offset)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with dropout_rng(self.group, self.dropout, self.training):
@@ -162,16 +163,22 @@ class LlamaAttention(Attention):
             )
 
     def forward(
-        self, x: torch.Tensor, add_bias: bool = False
+        self, x: torch.Tensor, add_bias: bool = False, cache: LayerCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return (output, None): the projections have no bias."""
+        """Return (output, None): the projections have no bias. With ``cache`` (generation) x
+        holds the new tokens, at the positions after the cached ones; the cache keeps the
+        shared key/value heads, once."""
         q = self.q(x)  # (b, s, heads/t · d): the whole sequence, even under SP
         b, s, _ = q.shape
+        offset = 0 if cache is None else cache.length
         # Rotated in (b, s, heads, d), the projections' own layout, then heads first for SDPA.
-        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim)).transpose(1, 2)
-        k = self.rotary(self.k(x).view(b, s, self.local_kv, self.head_dim)).transpose(1, 2)
+        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim), offset).transpose(1, 2)
+        k = self.k(x).view(b, s, self.local_kv, self.head_dim)
+        k = self.rotary(k, offset).transpose(1, 2)
         v = self.v(x).view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
-        if self.selective and self.training:
+        if cache is not None:
+            y = cached_attention(q, k, v, cache, gqa=self.local_kv != self.local_heads)
+        elif self.selective and self.training:
             y = self._recomputed_core(q, k, v)
         else:
             y = self._core(q, k, v)
@@ -218,8 +225,8 @@ class LlamaBlock(nn.Module):
         self.dropout = cfg.dropout
         self.rng_group = group if sp else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        out, _ = self.attn(self.norm1(x), cache=cache)
         with dropout_rng(self.rng_group, self.dropout, self.training):
             x = kernels.bias_dropout_add(out, None, x, self.dropout, self.training)
         out = self.mlp(self.norm2(x))
@@ -271,10 +278,11 @@ class Llama(GPT):
             if not self.tied:
                 self.lm_head = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, **vocab)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Return the token embeddings (after dropout) of ``ids`` (b, s); no positions (the
-        attention rotates q and k). Under sequence parallelism, this rank's part."""
-        self.check_length(ids.shape[1])
+        attention rotates q and k, from ``offset``). Under sequence parallelism, this rank's
+        part."""
+        self.check_length(offset + ids.shape[1])
         return self.dropout_embedding(self.wte(ids))
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

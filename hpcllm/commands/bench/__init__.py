@@ -23,6 +23,7 @@ TARGETS = (
     "pipeline",
     "kernels",
     "device",
+    "generate",
     "report",
 )
 

@@ -1,0 +1,104 @@
+"""``hpcllm bench generate``: sampling with and without the KV cache, on random weights.
+
+Per model (a preset of either family, at ``--seq-len``), one prompt of ``--prompt`` random
+token ids and ``--tokens`` new tokens at temperature 0, by :meth:`hpcllm.model.gpt.GPT.generate`
+with ``kv_cache`` on and off, in alternating runs; each side's figure is the median of
+``--repeats`` runs. The cached tokens must be the uncached ones (the run fails otherwise), and
+the speed-up is the uncached median over the cached one. Torch runs ``--threads`` threads.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcllm.config import load_config
+from hpcllm.errors import UserError
+from hpcllm.files import atomic_write
+
+
+def bench_model(
+    preset: str, prompt: int, tokens: int, seq_len: int, repeats: int, vocab: int
+) -> dict[str, Any]:
+    """Return one model's cached and uncached times (median seconds) and whether the tokens
+    agree."""
+    from hpcllm import families
+    from hpcllm.model import build
+
+    family = families.preset_family(preset)
+    if family is None:
+        known = ", ".join(families.presets())
+        raise UserError(f"--models: {preset} is no family's preset ({known})")
+    sets = [f"model.arch={family}", f"model.preset={preset}", f"model.seq_len={seq_len}"]
+    cfg = load_config(None, [*sets, "model.dropout=0"]).model
+    model = build(cfg, vocab).eval()
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    outputs: dict[bool, torch.Tensor] = {}
+    for r in range(repeats):
+        for cached in (True, False) if r % 2 == 0 else (False, True):
+            began = time.perf_counter()
+            outputs[cached] = model.generate(ids, tokens, temperature=0, kv_cache=cached)
+            runs[cached].append(time.perf_counter() - began)
+    same = torch.equal(outputs[True], outputs[False])
+    if not same:
+        raise UserError(f"{preset}: the cached tokens differ from the uncached ones")
+    cached, uncached = statistics.median(runs[True]), statistics.median(runs[False])
+    return {
+        "model": preset,
+        "family": family,
+        "layers": cfg.n_layer,
+        "d_model": cfg.d_model,
+        "cached_s": cached,
+        "uncached_s": uncached,
+        "cached_runs_s": runs[True],
+        "uncached_runs_s": runs[False],
+        "speedup": uncached / cached,
+        "same_tokens": same,
+    }
+
+
+def run(
+    models: list[str], prompt: int, tokens: int, seq_len: int, repeats: int, threads: int
+) -> dict[str, Any]:
+    """Return every model's row (see the module docstring)."""
+    torch.set_num_threads(threads)
+    vocab = 512
+    return {
+        "torch": torch.__version__,
+        "threads": threads,
+        "prompt": prompt,
+        "tokens": tokens,
+        "seq_len": seq_len,
+        "repeats": repeats,
+        "vocab": vocab,
+        "rows": [bench_model(m, prompt, tokens, seq_len, repeats, vocab) for m in models],
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """Return the result as a table."""
+    lines = [
+        f"torch {result['torch']}, {result['threads']} threads: {result['tokens']} tokens after "
+        f"a {result['prompt']}-token prompt, seq_len {result['seq_len']}, temperature 0; "
+        f"medians of {result['repeats']} runs each",
+        "",
+        "| model | layers | d_model | uncached s | KV cache s | speed-up | same tokens |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['d_model']} | {r['uncached_s']:.3f} "
+            f"| {r['cached_s']:.3f} | {r['speedup']:.2f}x | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """Write the result as JSON, whole or not at all."""
+    atomic_write(path, json.dumps(result, indent=2) + "\n")
