@@ -33,10 +33,10 @@ from hpcllm.datasets.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer, lo
 from hpcllm.errors import UserError
 from hpcllm.files import honour_umask, new_folder
 from hpcllm.model import build
+from hpcllm.train.run_dir import IMPORTED_CONFIG
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-IMPORTED_CONFIG = "hf_config.json"  # in a run folder: the config.json it was imported from
 # transformers 4's default shard size for save_pretrained.
 MAX_SHARD_BYTES = 5 * 1024**3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,28 +226,6 @@ def _tokenizer(given: Path | None, folder: Path, vocab: int) -> Tokenizer | None
     return tok
 
 
-def special_ids(run_dir: Path, tok: Tokenizer | None) -> dict[str, Any]:
-    """Return a run's ``bos_token_id`` and ``eos_token_id``: those of the config.json it was
-    imported from when they agree with its tokenizer (Llama 3 Instruct's list of EOS ids,
-    say), else its tokenizer's, else the imported ones, else none."""
-    imported: dict[str, Any] = {}
-    path = Path(run_dir) / IMPORTED_CONFIG
-    if path.is_file():
-        hf = json.loads(path.read_text())
-        imported = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id")}
-    if tok is None:
-        return imported
-    if tok.eos_id in stop_ids(imported):
-        return imported
-    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-
-
-def stop_ids(special: dict[str, Any]) -> set[int]:
-    """Return the ids that end a generation: ``special``'s ``eos_token_id`` (one, or a list)."""
-    eos = special.get("eos_token_id")
-    return set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
-
-
 def _shards(model: nn.Module, dtype: torch.dtype, limit: int) -> list[list[tuple]]:
     """Return the export's tensors, (ours, theirs, transpose), grouped into files of at most
     ``limit`` bytes each (a larger tensor alone)."""
@@ -314,7 +292,7 @@ def to_hf(
     """
     from safetensors import SafetensorError
 
-    from hpcllm.generate import load_model
+    from hpcllm.generate import load_model, special_ids
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

@@ -3,6 +3,7 @@ which samples text from a prompt with it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,11 @@ from torch import nn
 
 from hpcllm.config import Config
 from hpcllm.datasets.synthetic import trained_on_synthetic
-from hpcllm.datasets.tokenizer import load_tokenizer
+from hpcllm.datasets.tokenizer import Tokenizer, load_tokenizer
 from hpcllm.errors import UserError
 from hpcllm.model import build
 from hpcllm.train import reshard
+from hpcllm.train.run_dir import IMPORTED_CONFIG
 
 
 def load_model(
@@ -105,8 +107,6 @@ def generate(
     model, tok = load_run_model(
         run_dir, step=step, allow_unverified=allow_unverified, tokenizer=tokenizer
     )
-    from hpcllm.convert import special_ids, stop_ids
-
     ids = tok.with_bos(tok.encode_batch([prompt])[0]) or [tok.eos_id]
     opts = {"temperature": temperature, "top_k": top_k, "seed": seed}
     new = _sample(model, ids, tokens, opts)
@@ -133,8 +133,6 @@ def generate_ids(
     Sampling stops after the run's EOS id (its tokenizer's, or the imported config.json's),
     which ends the list.
     """
-    from hpcllm.convert import special_ids, stop_ids
-
     model = load_model(run_dir, step, allow_unverified)
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
     if not prompt_ids or bad:
@@ -149,3 +147,25 @@ def generate_ids(
     new = _sample(model, prompt_ids, tokens, opts)
     ends = [i for i, token in enumerate(new) if token in stops]
     return prompt_ids + (new[: ends[0] + 1] if ends else new)
+
+
+def special_ids(run_dir: Path, tok: Tokenizer | None) -> dict[str, Any]:
+    """Return a run's ``bos_token_id`` and ``eos_token_id``: those of the config.json it was
+    imported from when they agree with its tokenizer (Llama 3 Instruct's list of EOS ids,
+    say), else its tokenizer's, else the imported ones, else none."""
+    imported: dict[str, Any] = {}
+    path = Path(run_dir) / IMPORTED_CONFIG
+    if path.is_file():
+        hf = json.loads(path.read_text())
+        imported = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id")}
+    if tok is None:
+        return imported
+    if tok.eos_id in stop_ids(imported):
+        return imported
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+
+
+def stop_ids(special: dict[str, Any]) -> set[int]:
+    """Return the ids that end a generation: ``special``'s ``eos_token_id`` (one, or a list)."""
+    eos = special.get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else set() if eos is None else {eos}

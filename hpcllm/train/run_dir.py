@@ -36,7 +36,8 @@ EXCLUSIVE_LOCK = ".hpcllm.lock.excl"
 # The files beside the checkpoints that say what a run's token ids mean: its tokenizer (and a
 # Hugging Face tokenizer's BOS/EOS), the synthetic-data record, the config.json of a Hugging
 # Face import (its BOS/EOS ids when it came without a tokenizer). A re-cut carries them.
-MEANING_FILES = ("tokenizer.json", "tokenizer_config.json", "synthetic-data.json", "hf_config.json")
+IMPORTED_CONFIG = "hf_config.json"  # the config.json of a Hugging Face import
+MEANING_FILES = ("tokenizer.json", "tokenizer_config.json", "synthetic-data.json", IMPORTED_CONFIG)
 
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
