@@ -590,3 +590,81 @@ def _dgx_raw() -> dict:
     import yaml
 
     return yaml.safe_load(DGX_A100.read_text())
+
+
+# -- the Llama family ---------------------------------------------------------------------------
+
+
+def _meta_rank_parameters(preset: str, vocab: int, t: int, p: int, v: int) -> float:
+    """Return the parameters the first pipeline rank holds at (t, p, v), counted from the
+    model built on the meta device: its stage's tensors, each cut over t as the family's rule
+    says (the vocabulary padded to 128·t; a key/value head kept whole where t exceeds them)."""
+    import torch
+
+    from hpcllm import families
+    from hpcllm.config import load_config, padded_vocab
+    from hpcllm.model import build
+    from hpcllm.model.stages import split_layers
+
+    cfg = load_config(None, ["model.arch=llama", f"model.preset={preset}"]).model
+    family = families.get("llama")
+    kv = cfg.n_kv_heads
+    stages = split_layers(cfg.n_layer, p * v)
+    total = 0.0
+    for chunk in range(v):  # the first rank's chunks: stages 0, p, 2p, ...
+        stage = chunk * p
+        with torch.device("meta"):
+            model = build(cfg, vocab, layers=stages[stage], pre=stage == 0,
+                          post=stage == p * v - 1)  # fmt: skip
+        for name, param in model.named_parameters():
+            rule = family.rule(name)
+            n = param.numel()
+            if rule.padded:
+                n = padded_vocab(vocab, t) * param.shape[1]
+            if rule.split is None:
+                total += n
+            elif rule.grad == "kv-replicas" and kv % t:
+                total += n / kv  # one whole head on each rank
+            else:
+                total += n / t
+    return total
+
+
+def test_plan_llama3_8b_counts_the_weights_the_model_has_at_its_layout():
+    done = _plan("--model", "llama3-8b", "--gpus", "64", "--global-batch", "512",
+                 "--cluster", str(REPO / "jobs" / "clusters" / "dgx-h100.yaml"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    header = "llama: 32 layers, hidden 4096, 32 heads (8 key/value), MLP 14336"
+    assert done.stdout.startswith(header)
+    assert "vocab 128256 (8.03 B parameters)" in done.stdout  # the preset's vocabulary
+    as_json = _plan("--model", "llama3-8b", "--gpus", "64", "--global-batch", "512",
+                    "--cluster", str(REPO / "jobs" / "clusters" / "dgx-h100.yaml"), "--json",
+                    "--top", "3")  # fmt: skip
+    for best in json.loads(as_json.stdout)["layouts"]:
+        t, p, v = best["tp"], best["pp"], best["vpp"]
+        built = _meta_rank_parameters("llama3-8b", 128256, t, p, v)
+        parts = best["memory_parts_gb"]  # hpcllm: fp32 weights and gradients, Adam's 2 moments
+        for part, nbytes in (("weights", 4), ("gradients", 4), ("optimizer", 8)):
+            assert parts[part] * 1e9 / nbytes == pytest.approx(built, rel=0.02), (part, t, p, v)
+    # --vocab overrides the preset's; a gpt2 preset still plans with 51,200.
+    other = _plan("--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--vocab",
+                  "32000", "--cluster", str(DGX_A100), "--top", "1")  # fmt: skip
+    assert "vocab 32000" in other.stdout
+    gpt = _plan("--model", "gpt2-1.3b", "--gpus", "8", "--global-batch", "64", "--cluster",
+                str(DGX_A100), "--top", "1")  # fmt: skip
+    assert gpt.stdout.startswith("gpt2: 24 layers") and "vocab 51200" in gpt.stdout
+
+
+def test_the_llama_spec_prices_gqa_swiglu_and_an_untied_head():
+    cluster = load_cluster(DGX_A100)
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, recompute="none", sequence_parallel=True)
+    base = dict(layers=8, hidden=2048, heads=16, seq=2048, vocab=32000, arch="llama", ffn=5632)
+    gqa = estimate(Model(**base, kv_heads=4, tied=False), layout, cluster, Software(), 64)
+    mha = estimate(Model(**base, kv_heads=16, tied=False), layout, cluster, Software(), 64)
+    # Fewer key/value heads: fewer weights and activations, less time.
+    assert gqa.memory_parts_gb["weights"] < mha.memory_parts_gb["weights"]
+    assert gqa.memory_parts_gb["activations"] < mha.memory_parts_gb["activations"]
+    assert gqa.step_time_s < mha.step_time_s
+    # Untied: no embedding gradient crosses the pipeline; tied: it does.
+    tied = estimate(Model(**base, kv_heads=4, tied=True), layout, cluster, Software(), 64)
+    assert tied.time_parts_s["pp"] > gqa.time_parts_s["pp"]

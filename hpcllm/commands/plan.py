@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from hpcllm.commands.args import positive
 
@@ -26,7 +27,12 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "  hpcllm plan --layers 96 --hidden 12288 --heads 96 --seq 2048 --gpus 1536 "
         "--global-batch 2304 --cluster jobs/clusters/dgx-a100.yaml --recompute full --json",
     )
-    plan.add_argument("--model", metavar="PRESET", help="a model preset (model.preset's values)")
+    plan.add_argument(
+        "--model",
+        metavar="PRESET",
+        help="a model preset of either family (model.preset's values: its sizes, key/value "
+        "heads, MLP width and vocabulary)",
+    )
     plan.add_argument("--layers", type=positive, metavar="L", help="transformer layers")
     plan.add_argument("--hidden", type=positive, metavar="H", help="hidden size")
     plan.add_argument("--heads", type=positive, metavar="A", help="attention heads")
@@ -35,7 +41,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--vocab",
         type=positive,
         metavar="V",
-        help="vocabulary [default: 51200; --write-config writes it only when given]",
+        help="vocabulary [default: the preset's (128256 for Llama 3), else 51200; "
+        "--write-config writes it only when given]",
     )
     plan.add_argument("--global-batch", type=positive, required=True, metavar="B")
     plan.add_argument("--gpus", type=positive, required=True, metavar="N")
@@ -88,29 +95,40 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     plan.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Search the layouts and print (or write) the best."""
+def _model(args: argparse.Namespace) -> Any:
+    """Return the planner's Model: a preset of either family (with its key/value heads, MLP
+    width, tying and vocabulary), its sizes overridden by --layers ... --seq, or those alone
+    (GPT-2's shape); the vocabulary --vocab, else the preset's, else 51,200."""
     from hpcllm import families
+    from hpcllm.config import load_config
     from hpcllm.errors import UserError
-    from hpcllm.plan import search
-    from hpcllm.plan.costs import Model, Software
-    from hpcllm.plan.hardware import load_cluster
+    from hpcllm.plan.costs import Model
 
     shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
-    if args.model is not None:
-        presets = families.get("gpt2").presets  # the sizes --layers ... --seq can give
-        if args.model not in presets:
-            raise UserError(
-                f"unknown --model {args.model}; the planner's presets (the gpt2 family): "
-                f"{', '.join(presets)}"
-            )
-        preset = presets[args.model]
-        given = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
-        shape = {k: v if v is not None else preset[given[k]] for k, v in shape.items()}
-    missing = [k for k, v in shape.items() if v is None]
-    if missing:
-        raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
-    model = Model(vocab=args.vocab or 51200, **shape)
+    given = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
+    if args.model is None:
+        missing = [k for k, v in shape.items() if v is None]
+        if missing:
+            raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
+        return Model(vocab=args.vocab or 51200, **shape)
+    arch = families.preset_family(args.model)
+    if arch is None:
+        raise UserError(f"unknown --model {args.model}; presets: {', '.join(families.presets())}")
+    sizes = [f"model.{given[k]}={v}" for k, v in shape.items() if v is not None]
+    cfg = load_config(None, [f"model.arch={arch}", f"model.preset={args.model}", *sizes]).model
+    extra = families.get(arch).shape_extra(cfg)  # key/value heads, MLP width, tying
+    vocab = args.vocab or cfg.vocab_size or 51200
+    shape = {k: getattr(cfg, given[k]) for k in shape}
+    return Model(vocab=vocab, arch=arch, **shape, **extra)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search the layouts and print (or write) the best."""
+    from hpcllm.plan import search
+    from hpcllm.plan.costs import Software
+    from hpcllm.plan.hardware import load_cluster
+
+    model = _model(args)
     cluster = load_cluster(args.cluster, args.cluster_set)
     software = Software.named(args.software, args.precision, args.distributed_optimizer)
     fixed = search.Fixed(

@@ -96,10 +96,10 @@ class Family:
     parameters: Callable[[Shape], int]
     # One layer's parameters: (split over t, whole on every tp rank).
     layer_parameters: Callable[[Shape], tuple[int, int]]
-    # The first stage's parameters outside the layers at t (embeddings), and the last's
-    # (what follows the layers; a tied output layer is the embedding, counted once).
+    # The first stage's parameters outside the layers on one rank at t (embeddings), and the
+    # last's (what follows the layers; a tied output layer is the embedding, counted once).
     first_parameters: Callable[[Shape, int], float]
-    last_parameters: Callable[[Shape], int]
+    last_parameters: Callable[[Shape, int], float]
     # Bytes of activations one layer keeps per token and per (2-byte) hidden value, as
     # Korthikanti et al. count them: (shape, t, sequence_parallel, flash) -> factor of s·b·h.
     activation_factor: Callable[[Shape, int, bool, bool], float]
@@ -118,6 +118,12 @@ class Family:
     # Whether a weight's shape depends on model.seq_len (GPT-2's learned positions do;
     # rotary positions do not, so such a model may train at another length).
     seq_in_weights: bool = True
+    # The planner's pointwise traffic of one layer besides its norms and residual adds:
+    # values read and written per token by the ops split over t (the MLP's activation, and
+    # Llama's rotation of q and k), at tensor-parallel size t: (shape, t) -> values.
+    split_pointwise_values: Callable[[Shape, int], float] = lambda shape, t: 8 * shape.hidden / t
+    # Whether the linear layers have biases (their gradients: a reduction in the backward).
+    biases: bool = True
     # Whether the output layer is tied to the embedding, by the model config (the rules'
     # ``first+last`` tensors are tied only then).
     ties: Callable[[Any], bool] = lambda _model: True

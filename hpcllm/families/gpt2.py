@@ -58,8 +58,9 @@ def first_parameters(shape: Shape, t: int) -> float:
     return rows * shape.hidden / t + shape.seq * shape.hidden
 
 
-def last_parameters(shape: Shape) -> int:
-    """Return the last stage's parameters after its layers: the final LayerNorm."""
+def last_parameters(shape: Shape, t: int) -> float:
+    """Return the last stage's parameters after its layers on one tp rank: the final
+    LayerNorm (the output layer is the embedding)."""
     return 2 * shape.hidden
 
 

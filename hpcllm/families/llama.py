@@ -160,10 +160,13 @@ def first_parameters(shape: Shape, t: int) -> float:
     return rows * shape.hidden / t
 
 
-def last_parameters(shape: Shape) -> int:
-    """Return the last stage's parameters after its layers: the final norm, and the output
-    layer when it is not tied to the embedding."""
-    return shape.hidden + (0 if shape.tied else shape.vocab * shape.hidden)
+def last_parameters(shape: Shape, t: int) -> float:
+    """Return the last stage's parameters after its layers on one tp rank: the final norm,
+    and the output layer when it is not tied to the embedding (padded to 128·t rows, split)."""
+    if shape.tied:
+        return shape.hidden
+    rows = -(-shape.vocab // (128 * t)) * 128 * t
+    return shape.hidden + rows * shape.hidden / t
 
 
 def activation_factor(shape: Shape, t: int, sequence_parallel: bool, flash: bool) -> float:
@@ -195,6 +198,13 @@ def layer_gemms(rows: int, shape: Shape, t: int) -> list[tuple[int, int, int]]:
         (rows, f // t, h),  # up
         (rows, h, f // t),  # down
     ]
+
+
+def split_pointwise_values(shape: Shape, t: int) -> float:
+    """Return the values per token the SwiGLU activation (gate and up read, product written:
+    3f) and the rotation of q and k (each read and written) move on one tp rank."""
+    f = shape.ffn or 4 * shape.hidden
+    return (3 * f + 2 * (shape.hidden + _kv(shape))) / t
 
 
 def check(model: Any, tp: int) -> None:
@@ -400,6 +410,8 @@ LLAMA = register(
         hf_config=hf_config,
         model_keys_of_hf=model_keys_of_hf,
         seq_in_weights=False,
+        split_pointwise_values=split_pointwise_values,
+        biases=False,
         ties=lambda model: bool(model.tie_embeddings),
         check=check,
         shape_extra=lambda model: {

@@ -243,7 +243,7 @@ def rank_parameters(model: Model, layout: Layout) -> float:
     t, family, shape = layout.tp, model.family, model.shape
     layers = layout.vpp * math.ceil(model.layers / (layout.pp * layout.vpp))
     split, whole = family.layer_parameters(shape)
-    final = family.last_parameters(shape) if layout.pp == 1 else 0
+    final = family.last_parameters(shape, t) if layout.pp == 1 else 0
     return layers * (split / t + whole) + family.first_parameters(shape, t) + final
 
 
@@ -361,11 +361,14 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
         permute = _memory_s(cluster, 2 * b * s * h / t * e)
         attention_f = bmm + _memory_s(cluster, scores * (4 * e + 1)) + permute
         attention_b = 2 * bmm + _memory_s(cluster, scores * (5 * e + 1)) + 2 * permute
-    # LayerNorms and bias-dropout-adds (replicated over tp unless sequence-parallel), and the
-    # bias-GeLU on the 4h/t MLP activation: values read and written, plus dropout masks.
+    # Norms and dropout-residual adds (replicated over tp unless sequence-parallel), and the
+    # family's split pointwise ops (GPT-2's bias-GeLU on 4h/t; Llama's SwiGLU and rotation):
+    # values read and written, plus dropout masks.
     replicated = b * s * h / (t if layout.sequence_parallel else 1)
     elementwise = _memory_s(
-        cluster, replicated * (2 * 2 * e + 2 * (3 * e + 1)) + 4 * b * s * h / t * 2 * e
+        cluster,
+        replicated * (2 * 2 * e + 2 * (3 * e + 1))
+        + b * s * model.family.split_pointwise_values(model.shape, t) * e,
     )
     if software.separate_bias_pass:  # the q|k|v output read and written once more
         elementwise += _memory_s(cluster, 2 * b * s * 3 * h / t * e)
@@ -374,6 +377,8 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     # sequence parallelism, whose reduce-scatter leaves each rank its share of them).
     row_tokens = b * s / (t if layout.sequence_parallel else 1)
     bias_grads = _memory_s(cluster, (b * s * 7 * h / t + row_tokens * 2 * h) * e)
+    if not model.family.biases:
+        bias_grads = 0.0
     # Two all-reduces per layer; under sequence parallelism an all-gather and a
     # reduce-scatter each (the same bytes on a ring).
     link = "inter_node" if _spans_nodes(cluster, 1, t) else "intra_node"
@@ -491,7 +496,7 @@ def estimate(
     else:
         bubble = 0.0
     pp_exposed = m * p2p
-    if p > 1:
+    if p > 1 and model.tied:
         # The tied embedding's gradient, summed between the first and the last stage.
         far = _spans_nodes(cluster, (p - 1) * t * d, 2)
         pp_exposed += collective_s(

@@ -276,11 +276,22 @@ def to_json(plan: Plan, top: int) -> dict[str, Any]:
     }
 
 
+def _family_sizes(model: Model) -> str:
+    """Return the sizes beyond GPT-2's a model has: its key/value heads, its MLP width."""
+    extra = ""
+    if model.kv_heads and model.kv_heads != model.heads:
+        extra += f" ({model.kv_heads} key/value)"
+    if model.ffn and model.ffn != 4 * model.hidden:
+        extra += f", MLP {model.ffn}"
+    return extra + ("" if model.tied else ", untied output layer")
+
+
 def render(plan: Plan, top: int) -> str:
     """Return the ranked table, the memory of the best, and why the next layouts lost."""
     c = plan.cluster
     lines = [
-        f"{plan.model.layers} layers, hidden {plan.model.hidden}, {plan.model.heads} heads, "
+        f"{plan.model.arch}: {plan.model.layers} layers, hidden {plan.model.hidden}, "
+        f"{plan.model.heads} heads{_family_sizes(plan.model)}, "
         f"seq {plan.model.seq}, vocab {plan.model.vocab} "
         f"({plan.model.parameters() / 1e9:.2f} B parameters); global batch "
         f"{plan.global_batch} on {plan.gpus} x {c.gpu.name} ({c.gpus_per_node} per node, "
@@ -339,11 +350,16 @@ def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | N
     lay = plan.ranked[0].layout
     m = plan.model
     cfg = Config()
+    cfg.model.arch = m.arch
     sizes = {"n_layer": m.layers, "n_head": m.heads, "d_model": m.hidden, "seq_len": m.seq}
-    cfg.model.preset = preset if PRESETS.get(preset or "") == sizes else None
+    named = PRESETS.get(preset or "", {})
+    cfg.model.preset = preset if {k: named.get(k) for k in sizes} == sizes else None
     if cfg.model.preset is None:
         for key, value in sizes.items():
             setattr(cfg.model, key, value)
+        if m.arch != "gpt2":  # the family's own sizes (a preset would carry them)
+            cfg.model.n_kv_heads, cfg.model.ffn_size = m.kv_heads, m.ffn
+            cfg.model.tie_embeddings = m.tied
     cfg.model.seq_len = m.seq
     cfg.model.vocab_size = vocab_size
     cfg.model.recompute = lay.recompute
