@@ -92,3 +92,62 @@ def test_plain_gpt_counts_nanogpts_parameters_and_starts_uniform():
     loss.backward()
     optimizer.step()
     assert model(ids, ids.roll(-1, dims=1)).item() < loss.item()
+
+
+def test_cpu_smoke_with_a_llama_model_in_an_empty_folder(tmp_path):
+    # --model picks the family (at the smoke size with --cpu-smoke): plain Llama against
+    # hpcllm's, on synthetic data, with nothing but the JSON written where it runs.
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "step.json"
+    sets = [arg for key in [*TINY, "model.n_kv_heads=1"] for arg in ("--set", key)]
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "bench", "step", "--cpu-smoke", "--model", "llama-tiny",
+         *sets, "--steps", "1", "--rounds", "2", "--warmup", "1", "--loop-steps", "3",
+         "--json-out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.json"]
+    (shape,) = json.loads(out.read_text())["shapes"]
+    assert (shape["model"], shape["arch"], shape["n_layer"], shape["d_model"]) == (
+        "llama-tiny", "llama", 1, 32
+    )  # fmt: skip
+    rows = {r["key"]: r for r in shape["rows"]}
+    assert {"plain_eager", "hpcllm", "hpcllm_kernels_off", "hpcllm_loop"} <= set(rows)
+    assert all(r["step_ms"] > 0 and r["tflops"] > 0 for r in rows.values())
+    assert "cpu-smoke (llama-tiny): llama, 1 layers" in done.stdout
+    assert "| plain eager |" in done.stdout and "| hpcllm step (as configured) |" in done.stdout
+
+
+def test_plain_llama_computes_hpcllms_llama():
+    # The same function, so the same FLOPs: hpcllm's Llama's weights in the plain model give
+    # its loss (GQA, Llama 3.1's scaled rope, untied head).
+    from hpcllm.bench.plain_llama import PlainLlama
+    from hpcllm.config import load_config
+    from hpcllm.families.llama import ffn_size
+    from hpcllm.model.llama import Llama, rope_frequencies
+
+    cfg = load_config(None, ["model.arch=llama", "model.preset=llama-tiny", "model.dropout=0"])
+    m = cfg.model
+    ours = Llama(m, 512, seed=3).eval()
+    plain = PlainLlama(512, m.n_layer, m.n_head, m.n_kv_heads, m.d_model, ffn_size(m),
+                       m.seq_len, rope_frequencies(m), eps=m.layer_norm_eps).eval()  # fmt: skip
+    names = {"wte": "embed", "norm_f": "norm", "norm1": "input_norm", "norm2": "post_norm",
+             "attn.q": "attn.q_proj", "attn.k": "attn.k_proj", "attn.v": "attn.v_proj",
+             "attn.proj": "attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+             "mlp.proj": "mlp.down_proj"}  # fmt: skip
+    state = {}
+    for name, value in ours.state_dict().items():
+        for a, b in names.items():
+            name = name.replace(f".{a}.", f".{b}.") if f".{a}." in name else name
+        head = name.split(".")[0]
+        state[names.get(head, head) + name[len(head) :]] = value
+    plain.load_state_dict(state)
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in ours.parameters())
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids, ids.roll(-1, 1)), ours(ids, ids.roll(-1, 1)))

@@ -302,11 +302,22 @@ def kernels(ctx: Context) -> Outcome:
     return Outcome("done", data={"result": result, "tables": _stdout_tables(ctx, "kernels")})
 
 
-def _step_runs(ctx: Context) -> list[tuple[str, str, str | None]]:
-    """Return (shape, variant, model.compile) of each ``bench step`` run."""
+# The Llama run: a preset at a shape's micro-batch and sequence length (bench step --model).
+LLAMA_STEP = ("gpt2-1.3b", "llama3.2-1b")  # mb 4, seq 2048
+SMOKE_LLAMA_STEP = ("cpu-smoke", "llama-tiny")
+
+
+def _step_runs(ctx: Context) -> list[tuple[str, str, str | None, str | None]]:
+    """Return (shape, variant, model.compile, --model) of each ``bench step`` run: GPT-2 at
+    each shape and compile variant, then Llama as configured."""
     if ctx.smoke:
-        return [("cpu-smoke", "as configured", None), ("cpu-smoke", "compile none", "none")]
-    return [(s, name, mode) for s in STEP_GOALS for name, mode in COMPILE_VARIANTS]
+        return [
+            ("cpu-smoke", "as configured", None, None),
+            ("cpu-smoke", "compile none", "none", None),
+            (*SMOKE_LLAMA_STEP[:1], "as configured", None, SMOKE_LLAMA_STEP[1]),
+        ]
+    runs = [(s, name, mode, None) for s in STEP_GOALS for name, mode in COMPILE_VARIANTS]
+    return [*runs, (LLAMA_STEP[0], "as configured", None, LLAMA_STEP[1])]
 
 
 def step(ctx: Context) -> Outcome:
@@ -315,20 +326,23 @@ def step(ctx: Context) -> Outcome:
         return Outcome("skipped", "no GPU")
     shapes: dict[str, Any] = {}
     failures = []
-    for shape, variant, mode in _step_runs(ctx):
-        tag = f"step-{shape}-{variant.replace(' ', '-')}"
+    for shape, variant, mode, model in _step_runs(ctx):
+        key = shape if model is None else f"{model} at {shape}"
+        tag = f"step-{key.replace(' ', '-')}-{variant.replace(' ', '-')}"
         out = ctx.raw / f"{tag}.json"
         argv = _hpcllm("bench", "step", "--shapes", shape, "--json-out", str(out))
+        argv += ["--model", model] if model else []
         argv += ["--cpu-smoke", "--rounds", "2", "--loop-steps", "4"] if ctx.smoke else []
         argv += ["--rounds", "2", "--loop-steps", "6"] if ctx.quick and not ctx.smoke else []
         argv += ["--set", f"model.compile={mode}"] if mode else []
-        _say(f"  step: {shape}, {variant}")
+        _say(f"  step: {key}, {variant}")
         err = _run(ctx, tag, argv)
         if err:
-            failures.append(f"{shape} {variant}: {err}")
+            failures.append(f"{key} {variant}: {err}")
             continue
         result = json.loads(out.read_text())["shapes"][0]
-        entry = shapes.setdefault(shape, {"variants": {}, "goal": STEP_GOALS.get(shape)})
+        goal = STEP_GOALS.get(shape) if model is None else None
+        entry = shapes.setdefault(key, {"variants": {}, "goal": goal})
         entry["variants"][variant] = result
         entry["rows"] = step_summary(entry["variants"])
         ctx.keep("step", {"shapes": shapes})

@@ -1,9 +1,12 @@
-"""``hpcllm bench step``: hpcllm's training step against GPT-2 written in plain PyTorch.
+"""``hpcllm bench step``: hpcllm's training step against the same model in plain PyTorch.
 
 Per shape, one process holds hpcllm's :class:`~hpcllm.train.trainer.Trainer` (the config as
-given) and :class:`~hpcllm.bench.plain_gpt.PlainGPT` (nanoGPT's model and loop: AdamW fused
-on CUDA, autocast, clipping, no project code), and times in alternating blocks of steps, so
-that a drifting machine hits every side alike:
+given) and the plain model of its family: :class:`~hpcllm.bench.plain_gpt.PlainGPT`
+(nanoGPT's model and loop: AdamW fused on CUDA, autocast, clipping, no project code) or
+:class:`~hpcllm.bench.plain_llama.PlainLlama`. The shapes are GPT-2 models; ``model`` (``--model
+PRESET``) puts a preset of either family at a shape's micro-batch and sequence length (with
+cpu-smoke: its family at the smoke size). It times in alternating blocks of steps, so that a
+drifting machine hits every side alike:
 
 - plain eager, and plain under ``torch.compile`` (default mode; the same module and weights);
 - hpcllm's ``train_step`` as configured, and with fused kernels off (the same trainer, the
@@ -41,7 +44,9 @@ import torch
 
 from hpcllm import kernels
 from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
+from hpcllm.bench.plain_llama import PlainLlama
 from hpcllm.config import Config, load_config
+from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
 from hpcllm.flops import model_step_flops
 from hpcllm.observe import CaseProgress, peak_tflops
@@ -80,6 +85,33 @@ SHAPES: dict[str, list[str]] = {
     ],
 }
 
+# What a shape sets when --model picks the model: the micro-batch and sequence length.
+BATCH_KEYS = ("model.seq_len=", "train.micro_batch_size=")
+# The smoke size of a family, for --cpu-smoke --model PRESET (Llama: GQA, 2 query heads a
+# key/value head).
+SMOKE_FAMILY = {"llama": ["model.n_kv_heads=2"]}
+
+
+def shape_overrides(shape: str, model: str | None) -> list[str]:
+    """Return the config overrides of ``shape``; with ``model`` (a preset of either family)
+    the preset's model at the shape's micro-batch and sequence length, or, for cpu-smoke, the
+    preset's family at the smoke size."""
+    if model is None:
+        return list(SHAPES[shape])
+    from hpcllm import families
+
+    family = families.preset_family(model)
+    if family is None:
+        raise UserError(f"--model {model} is no family's preset ({', '.join(families.presets())})")
+    if shape == "cpu-smoke":
+        return [f"model.arch={family}", *SHAPES[shape], *SMOKE_FAMILY.get(family, [])]
+    batch = [item for item in SHAPES[shape] if item.startswith(BATCH_KEYS)]
+    vocab = (
+        [] if families.get(family).presets[model].get("vocab_size") else ["model.vocab_size=50257"]
+    )
+    return [f"model.arch={family}", f"model.preset={model}", *vocab, *batch]
+
+
 ROWS = {
     "plain_eager": "plain eager",
     "plain_compile": "plain + torch.compile",
@@ -106,6 +138,20 @@ def _triton_ops() -> list[str]:
     return sorted(op for op, impl in kernels.implementations_used().items() if impl == "triton")
 
 
+def plain_model(cfg: Config, vocab: int) -> torch.nn.Module:
+    """Return the plain PyTorch model of ``cfg``'s family and sizes (the vocabulary padded)."""
+    m = cfg.model
+    if m.arch == "llama":
+        from hpcllm.families.llama import ffn_size, kv_heads
+        from hpcllm.model.llama import rope_frequencies
+
+        return PlainLlama(
+            vocab, m.n_layer, m.n_head, kv_heads(m), m.d_model, ffn_size(m), m.seq_len,
+            rope_frequencies(m), bool(m.tie_embeddings), m.layer_norm_eps, cfg.train.seed,
+        )  # fmt: skip
+    return PlainGPT(vocab, m.n_layer, m.n_head, m.d_model, m.seq_len, m.dropout, cfg.train.seed)
+
+
 def _plain_step(
     cfg: Config, vocab: int, device: torch.device, batches: list[tuple[Any, Any]], compile: bool
 ) -> tuple[Callable[[], None], Callable[[], None] | None]:
@@ -113,9 +159,8 @@ def _plain_step(
 
     Both run the same module and optimizer, so the weights keep training whichever runs.
     """
-    m, train = cfg.model, cfg.train
-    model = PlainGPT(vocab, m.n_layer, m.n_head, m.d_model, m.seq_len, m.dropout, train.seed)
-    model = model.to(device).train()
+    train = cfg.train
+    model = plain_model(cfg, vocab).to(device).train()
     optimizer = plain_optimizer(model, train.lr, train.weight_decay)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[train.precision]
     scaler = torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
@@ -242,8 +287,34 @@ def _model_flops(cfg: Config, padded_vocab: int) -> float:
     return model_step_flops(cfg.model, cfg.train.micro_batch_size, padded_vocab)
 
 
+def _shape_config(
+    name: str,
+    model: str | None,
+    config: Path | None,
+    overrides: list[str],
+    precision: str,
+    scratch: str,
+) -> Config:
+    """Return the trainer's config for one shape (and model), in ``scratch``."""
+    return load_config(
+        config,
+        [
+            *shape_overrides(name, model),
+            *overrides,
+            f"train.precision={precision}",
+            "train.global_batch_size=null",  # one micro-batch per step, as the plain loop
+            "train.eval_interval=0",
+            "train.eval_iters=1",
+            f"run.dir={scratch}",
+            "run.resume=none",
+            "run.tensorboard=false",
+        ],
+    )
+
+
 def bench_shape(
     name: str,
+    model: str | None,
     config: Path | None,
     overrides: list[str],
     precision: str,
@@ -255,20 +326,7 @@ def bench_shape(
 ) -> dict[str, Any]:
     """Return one shape's rows (see the module docstring) and what they were measured on."""
     with tempfile.TemporaryDirectory(prefix="hpcllm-bench-step-") as scratch:
-        cfg = load_config(
-            config,
-            [
-                *SHAPES[name],
-                *overrides,
-                f"train.precision={precision}",
-                "train.global_batch_size=null",  # one micro-batch per step, as the plain loop
-                "train.eval_interval=0",
-                "train.eval_iters=1",
-                f"run.dir={scratch}",
-                "run.resume=none",
-                "run.tensorboard=false",
-            ],
-        )
+        cfg = _shape_config(name, model, config, overrides, precision, scratch)
         m = cfg.model
         _say(f"{name}: building hpcllm's trainer")
         with Trainer(cfg) as trainer:
@@ -343,6 +401,8 @@ def bench_shape(
             row["vs_plain_eager_cpu_time"] = rows[0]["cpu_ms"] / row["cpu_ms"]
     return {
         "shape": name,
+        "model": model,
+        "arch": m.arch,
         "n_layer": m.n_layer,
         "n_head": m.n_head,
         "d_model": m.d_model,
@@ -373,8 +433,11 @@ def run(
     rounds: int = 6,
     warmup: int = 2,
     loop_steps: int = 20,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """Return the benchmark's results for each shape (see the module docstring)."""
+    """Return the benchmark's results for each shape (see the module docstring); ``model``
+    (a preset of either family) picks the model the shapes then size by micro-batch and
+    sequence length."""
     cuda = torch.cuda.is_available()
     precision = precision or ("bf16" if cuda else "fp32")
     compile = cuda if compile is None else compile
@@ -390,6 +453,7 @@ def run(
         "rounds": rounds,
         "warmup": warmup,
         "overrides": list(overrides or []),
+        "model": model,
         "shapes": [],
     }
     with CaseProgress(len(shapes), "hpcllm bench step") as progress:
@@ -397,6 +461,7 @@ def run(
             progress.start(name)
             shape = bench_shape(
                 name,
+                model,
                 config,
                 list(overrides or []),
                 precision,
@@ -430,7 +495,9 @@ def render(result: dict[str, Any]) -> str:
         v = s["vocab"]
         lines += [
             "",
-            f"{s['shape']}: {s['n_layer']} layers, d {s['d_model']}, {s['n_head']} heads, "
+            f"{s['shape']}{' (' + s['model'] + ')' if s.get('model') else ''}: "
+            f"{s.get('arch', 'gpt2')}, {s['n_layer']} layers, d {s['d_model']}, "
+            f"{s['n_head']} heads, "
             f"seq {s['seq_len']} x mb {s['micro_batch_size']} = {s['tokens_per_step']} tokens "
             f"per step, {s['flops_per_step'] / 1e12:.3g} TFLOP per step (both sides), "
             f"{s['torch_threads']} torch threads",

@@ -1,5 +1,5 @@
-"""``hpcllm bench step``: hpcllm's training step against GPT-2 in plain PyTorch, eager and
-compiled."""
+"""``hpcllm bench step``: hpcllm's training step against the same model (GPT-2 or Llama) in
+plain PyTorch, eager and compiled."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         default=None,
         help="[default: gpt2-124m (seq 1024, mb 16) and gpt2-1.3b (seq 2048, mb 4); "
         "cpu-smoke with --cpu-smoke]",
+    )
+    step.add_argument(
+        "--model",
+        metavar="PRESET",
+        help="the model, a preset of either family (llama3.2-1b, llama-tiny, gpt2-124m, ...); "
+        "--shapes then set its micro-batch and sequence length, and with --cpu-smoke the "
+        "preset's family runs at the smoke size [default: the shapes' GPT-2 models]",
     )
     step.add_argument(
         "--cpu-smoke",
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         args.rounds or (10 if args.cpu_smoke else 6),
         args.warmup,
         loop_steps,
+        model=args.model,
     )
     print(step.render(result))
     if args.json_out is not None:

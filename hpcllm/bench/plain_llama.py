@@ -1,0 +1,115 @@
+"""The Llama baseline of ``hpcllm bench step``: Llama as a user would write it in plain PyTorch.
+
+Pre-RMSNorm blocks (``nn.RMSNorm``), rotary positions from cos/sin tables built once (each
+half of a head paired with the other, Hugging Face's convention), grouped-query attention
+through ``scaled_dot_product_attention(enable_gqa=True)``, a SwiGLU MLP, no biases, an output
+layer tied to the embedding or not. Its rotary frequencies are given (the benchmark passes the
+ones hpcllm's model uses, Llama 3.1's scaling included), so that both sides compute the same
+function; nothing else of hpcllm is in it. AdamW as for the GPT-2 baseline
+(:func:`hpcllm.bench.plain_gpt.plain_optimizer`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-second, first), dim=-1) * sin.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = n_head, n_kv_heads, d_model // n_head
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q = self.q_proj(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class _MLP(nn.Module):
+    def __init__(self, d_model: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, ffn, bias=False)
+        self.up_proj = nn.Linear(d_model, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, n_kv_heads: int, ffn: int, eps: float) -> None:
+        super().__init__()
+        self.input_norm = nn.RMSNorm(d_model, eps=eps)
+        self.attn = _Attention(d_model, n_head, n_kv_heads)
+        self.post_norm = nn.RMSNorm(d_model, eps=eps)
+        self.mlp = _MLP(d_model, ffn)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_norm(x))
+
+
+class PlainLlama(nn.Module):
+    """Llama in plain PyTorch; ``forward(ids, targets)`` returns the mean cross-entropy."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        n_layer: int,
+        n_head: int,
+        n_kv_heads: int,
+        d_model: int,
+        ffn: int,
+        seq_len: int,
+        inv_freq: torch.Tensor,
+        tie_embeddings: bool = False,
+        eps: float = 1e-5,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(
+            _Block(d_model, n_head, n_kv_heads, ffn, eps) for _ in range(n_layer)
+        )
+        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq.float())
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for name, param in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+            elif param.dim() >= 2:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        cos, sin = self.cos[:s], self.sin[:s]
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
