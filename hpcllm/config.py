@@ -10,6 +10,7 @@ adds what needs the world size.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -72,6 +73,34 @@ def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
 
 _Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that names a key twice: YAML would keep the last silently; a config refuses."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"{_show(key)} is given twice, on lines {first} and {second}")
+        self.key, self.first, self.second = key, first, second
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    """Return a mapping, refusing a key given twice (a section or a key of one)."""
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # the base constructor says what is wrong with such a key
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise DuplicateKeyError(key, seen[key], line)
+        seen[key] = line
+    return loader.construct_mapping(node, deep=True)
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
 
 
 def load_yaml(text: str) -> Any:
@@ -587,15 +616,39 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
     raise UserError(f"{section}.{key} must be {names}, got {_show(value)}")
 
 
+def _nearest(word: Any, names: list[str], prefix: str = "") -> str:
+    """Return " (did you mean PREFIX+NAME?)" for the name ``word`` most likely misspells."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
 def _apply(cfg: Config, section: Any, key: Any, value: Any) -> None:
     sections = [f.name for f in dataclasses.fields(Config)]
     if not isinstance(section, str) or section not in sections:
-        raise UserError(f"unknown config section {_name(section)}; sections: {', '.join(sections)}")
+        raise UserError(
+            f"unknown config section {_name(section)}{_nearest(section, sections)}; sections: "
+            f"{', '.join(sections)}"
+        )
     part = getattr(cfg, section)
     names = [f.name for f in dataclasses.fields(part)]
     if not isinstance(key, str) or key not in names:
-        raise UserError(f"unknown key {section}.{_name(key)}; {section} keys: {', '.join(names)}")
+        raise UserError(
+            f"unknown key {section}.{_name(key)}{_nearest(key, names, section + '.')}; "
+            f"{section} keys: {', '.join(names)}"
+        )
+    value = _expand_path(section, key, value, type(part))
     setattr(part, key, _coerce(section, key, value, type(part)))
+
+
+def _expand_path(section: str, key: str, value: Any, owner: type) -> Any:
+    """Return a path's value with ``~`` and ``$VARS`` expanded (the keys whose form is a
+    folder or a file path), as a shell would; anything else as it is."""
+    form = next(f for f in dataclasses.fields(owner) if f.name == key).metadata.get("form")
+    if not isinstance(value, str) or not form or "path" not in form and "folder" not in form:
+        return value
+    return os.path.expandvars(os.path.expanduser(value))
 
 
 def _apply_sections(cfg: Config, raw: Any, where: str) -> None:
@@ -625,6 +678,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 def _read_yaml_file(path: Path) -> Any:
     """Return the data of the YAML file ``path``; a UserError if it is not UTF-8 YAML."""
     try:
+        if path.is_dir():
+            inside = path / "config.yaml"
+            hint = f"; {inside} is one (a run folder's)" if inside.is_file() else ""
+            raise UserError(f"config file {path} is a folder, not a YAML file{hint}")
         if not path.is_file():
             raise UserError(f"config file {path} does not exist")
         data = path.read_bytes()
@@ -639,6 +696,8 @@ def _read_yaml_file(path: Path) -> Any:
         ) from None
     try:
         return load_yaml(text)
+    except DuplicateKeyError as err:
+        raise UserError(f"{path}: {err}; give each key once") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

@@ -290,6 +290,19 @@ def to_hf(
     not at all, its files with the user's umask. The tokenizer: ``tokenizer``, else the run's
     (a run without one, imported so, is written without one).
     """
+    return export_hf(run_dir, out_dir, step, allow_unverified, dtype, tokenizer, max_shard_bytes)[0]
+
+
+def export_hf(
+    run_dir: Path,
+    out_dir: Path,
+    step: int | None = None,
+    allow_unverified: bool = False,
+    dtype: str = "float32",
+    tokenizer: Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> tuple[Path, int]:
+    """Return (:func:`to_hf`'s folder, the step of the checkpoint it wrote)."""
     from safetensors import SafetensorError
 
     from hpcllm.generate import load_model, special_ids
@@ -310,4 +323,4 @@ def to_hf(
                 (partial / CONFIG_FILE).write_text(tok.hf_config(model.cfg.seq_len))
     except (OSError, SafetensorError) as err:  # safetensors reports a full disk its own way
         raise UserError(f"writing {out_dir} failed: {err}") from None
-    return Path(out_dir)
+    return Path(out_dir), model.checkpoint_step

@@ -32,11 +32,12 @@ class Evaluation:
     perplexity: float
     samples: int
     tokens: int
+    step: int  # the checkpoint's (the newest that verifies, or the one asked for)
 
     def line(self) -> str:
         """Return the result as the one line ``hpcllm evaluate`` prints."""
         return (
-            f"loss {self.loss:.4f}  perplexity {self.perplexity:.2f}  "
+            f"step {self.step}: loss {self.loss:.4f}  perplexity {self.perplexity:.2f}  "
             f"({self.samples} samples, {self.tokens} tokens)"
         )
 
@@ -87,4 +88,6 @@ def evaluate(
         batches.close()
     loss = (total / iters).item()
     samples = BatchPlan(reader.micro_batch_size, iters, 1).samples_per_rank
-    return Evaluation(loss, math.exp(min(loss, 700.0)), samples, samples * cfg.seq_len)
+    return Evaluation(
+        loss, math.exp(min(loss, 700.0)), samples, samples * cfg.seq_len, model.checkpoint_step
+    )

@@ -42,11 +42,21 @@ def merged_model(folder: Path, *, verified: bool = False) -> tuple[nn.Module, Co
     Any layout: tensor-parallel slices and pipeline stages are merged in memory.
     ``verified``: :func:`hpcllm.train.reshard.select` checked the folder already.
     """
+    from hpcllm.train.checkpoint import step_of
+
     cfg, vocab, weights = reshard.whole_model_state(folder, verified=verified)
     with torch.device("meta"):
         model = build(cfg.model, vocab)
     model.load_state_dict(weights, assign=True)
+    model.checkpoint_step = step_of(folder)  # which checkpoint: the commands say it
     return model.eval(), cfg
+
+
+def say_step(model: nn.Module) -> None:
+    """Say on stderr which checkpoint's step a command samples from (stdout is the sample)."""
+    import sys
+
+    print(f"hpcllm: sampling from step {model.checkpoint_step}", file=sys.stderr, flush=True)
 
 
 def load_run_model(
@@ -107,6 +117,7 @@ def generate(
     model, tok = load_run_model(
         run_dir, step=step, allow_unverified=allow_unverified, tokenizer=tokenizer
     )
+    say_step(model)
     ids = tok.with_bos(tok.encode_batch([prompt])[0]) or [tok.eos_id]
     opts = {"temperature": temperature, "top_k": top_k, "seed": seed}
     new = _sample(model, ids, tokens, opts)
@@ -134,6 +145,7 @@ def generate_ids(
     which ends the list.
     """
     model = load_model(run_dir, step, allow_unverified)
+    say_step(model)
     bad = [i for i in prompt_ids if not 0 <= i < model.vocab_size]
     if not prompt_ids or bad:
         raise UserError(

@@ -1,7 +1,8 @@
 """Any value for any key ends in a valid config or one UserError, never another exception.
 
 Hypothesis draws configs, as ``--set section.key=value`` strings and as YAML files (or bytes
-that are no YAML at all): known and unknown keys; text, integers from 0 and negative to past
+that are no YAML at all): known, unknown and misspelt keys, keys and sections given twice,
+paths with ``~`` and environment variables; text, integers from 0 and negative to past
 64 bits, floats with nan and infinity, booleans, YAML's special words, lists, mappings. Each
 goes in-process through ``load_config`` and then ``preflight`` for world sizes 1 to 8, as
 ``hpcllm train`` would run them, and through ``startup_warnings`` when it passes. Sizes are
@@ -82,7 +83,11 @@ def _plausible(section: str, name: str) -> st.SearchStrategy[str]:
         return st.sampled_from(["1", "2", "3", "4", "8", "16", "0", "-1", "null"])
     if "float" in kind:
         return st.sampled_from(["0", "0.1", "0.9", "1", "1e-3", "6e-4", "1e-8", "-1", ".nan"])
-    return st.sampled_from(["runs/fuzz", "data/stdlib", "tiny", "null", "/proc/x", ""])
+    # Paths as a shell user types them: ~ and environment variables, set or not.
+    return st.sampled_from(
+        ["runs/fuzz", "data/stdlib", "tiny", "null", "/proc/x", "", "~/runs/x", "~nobody9/x",
+         "$HOME/runs", "${HPCLLM_FUZZ_UNSET}/x", "~", "$"]
+    )  # fmt: skip
 
 
 @st.composite
@@ -94,6 +99,8 @@ def set_texts(draw: st.DrawFn) -> str:
     if how == 1:
         return draw(st.sampled_from([*SECTIONS, "x"])) + "." + draw(TEXT) + "=1"
     section, name = draw(st.sampled_from(KEYS))
+    if how == 2:  # a misspelt key or section: a letter dropped, doubled or swapped
+        return f"{_misspelt(draw, section)}.{_misspelt(draw, name)}=1"
     if how < 24:
         value = draw(_plausible(section, name))
     elif how < 30:
@@ -105,6 +112,19 @@ def set_texts(draw: st.DrawFn) -> str:
     return f"{section}.{name}={value}"
 
 
+def _misspelt(draw: st.DrawFn, word: str) -> str:
+    """Return ``word`` with one letter dropped, doubled or swapped with the next (or as is)."""
+    at = draw(st.integers(0, len(word) - 1))
+    how = draw(st.integers(0, 3))
+    if how == 0:
+        return word[:at] + word[at + 1 :]
+    if how == 1:
+        return word[:at] + word[at] + word[at:]
+    if how == 2 and at + 1 < len(word):
+        return word[:at] + word[at + 1] + word[at] + word[at + 2 :]
+    return word
+
+
 def _yaml_text(value: object) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("\n...\n")
 
@@ -112,7 +132,7 @@ def _yaml_text(value: object) -> str:
 @st.composite
 def config_files(draw: st.DrawFn) -> bytes:
     """Return a config file's bytes: sections of keys, or YAML junk, or bytes that are not text."""
-    how = draw(st.integers(0, 5))
+    how = draw(st.integers(0, 6))
     if how == 0:
         return draw(st.binary(max_size=64))
     if how == 1:
@@ -127,6 +147,12 @@ def config_files(draw: st.DrawFn) -> bytes:
         # A key's value as a user writes it: YAML's special words, unquoted.
         section, name = draw(st.sampled_from(KEYS))
         text += f"\n{section}:\n  {name}: {draw(st.sampled_from(YAML_WORDS))}\n"
+    if how == 4:
+        # A key given twice in one section, or a section given twice.
+        section, name = draw(st.sampled_from(KEYS))
+        twice = f"  {name}: 1\n  {name}: 2\n" if draw(st.booleans()) else f"  {name}: 1\n"
+        again = f"{section}:\n  {name}: 3\n" if draw(st.booleans()) else ""
+        text = f"{section}:\n{twice}{again}"
     return text.encode("utf-8", "surrogatepass")
 
 

@@ -3,6 +3,7 @@ run with one line, the weights and the newest checkpoint still finite."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,9 @@ def test_a_diverging_run_skips_bad_steps_then_stops_with_its_weights_finite(
         ],
     )
     with Trainer(cfg) as trainer:
-        with pytest.raises(UserError, match=r"training diverged: the last 3 steps \(to step"):
+        with pytest.raises(
+            UserError, match=r"training diverged: the last 3 steps \(to step"
+        ) as error:
             trainer.run(progress=False)
         assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
         stopped = trainer.step
@@ -65,3 +68,10 @@ def test_a_diverging_run_skips_bad_steps_then_stops_with_its_weights_finite(
     assert int(newest.name.split("_")[1]) < stopped
     shard = checkpoint.load_shard(newest, 0, 0, 1, 1)
     assert all(torch.isfinite(v).all() for v in shard["model"].values())
+    # The message is true: it names the newest checkpoint (saved at every step here, some
+    # during the streak), and it advises bf16 only to an fp16 run.
+    message = str(error.value)
+    named = re.search(r"checkpoint(?: of step| is of step) (\d+)", message)
+    assert named and int(named.group(1)) == checkpoint.step_of(newest), message
+    assert "no checkpoint was written" not in message
+    assert ("bf16 instead of fp16" in message) == (precision == "fp16")

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--to-hf takes --checkpoint RUN_DIR [--step N], not a layout")
         if args.checkpoint is None:
             raise UserError("--to-hf needs --checkpoint RUN_DIR")
-        out = convert.to_hf(
+        out, step = convert.export_hf(
             args.checkpoint,
             args.to_hf,
             step=args.step,
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype or "float32",
             tokenizer=args.tokenizer,
         )
-        print(f"wrote {out}")
+        print(f"wrote {out} from step {step}")
     else:
         if args.dtype is not None or args.tokenizer is not None:
             raise UserError("--dtype and --tokenizer go with --to-hf or --from-hf")
@@ -141,5 +141,7 @@ def run(args: argparse.Namespace) -> int:
             allow_unverified=args.allow_unverified,
             **axes,
         )
-        print(f"wrote {out}")
+        from hpcllm.train import checkpoint
+
+        print(f"wrote {out}, step {checkpoint.step_of(checkpoint.latest(out))}")
     return 0

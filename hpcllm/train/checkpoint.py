@@ -643,8 +643,12 @@ def resumable(
     warn: Warn,
     allow_unverified: bool = False,
     opt_in: str = "set run.allow_unverified=true",
+    acting: str = "resuming from",
 ) -> Path | None:
     """Return the newest checkpoint folder that verifies, None if the run has no checkpoint.
+
+    ``acting`` says what the caller does with it in the warnings ("resuming from"; "reading"
+    for the commands that only read a run).
 
     The newest checkpoint without a manifest is refused (:func:`refuse_unverified`, naming
     ``opt_in``) unless ``allow_unverified``; then it is taken, with a warning.
@@ -666,14 +670,14 @@ def resumable(
         if verdict.status == "unverified":
             if not allow_unverified:
                 raise refuse_unverified(folder, opt_in)
-            warn(f"checkpoint {folder} has no manifest; resuming from it unchecked, as asked")
+            warn(f"checkpoint {folder} has no manifest; {acting} it unchecked, as asked")
         try:
             pointed = _latest_name(root)
         except ValueError as err:
-            warn(f"{err}; resuming from the newest checkpoint that verifies")
+            warn(f"{err}; {acting} the newest checkpoint that verifies, {folder.name}")
         else:
             if pointed not in (None, folder.name):
-                warn(f"{root / LATEST} names {pointed}; resuming from {folder.name}")
+                warn(f"{root / LATEST} names {pointed}; {acting} {folder.name}")
         return folder
     if folders:
         raise UserError(
@@ -895,8 +899,10 @@ def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
     if saved_vocab not in (None, vocab_size):
         different.append(f"vocabulary {saved_vocab} vs {vocab_size}")
     if different:
+        run_dir = Path(folder).parent.parent
         raise UserError(
             f"{folder} holds another model ({', '.join(different)}); train "
-            f"with --config {folder / 'config.yaml'} (and your data.path), or "
-            "set run.resume=none to start over"
+            f"with --config {folder / 'config.yaml'} (and your data.path), name another "
+            f"run.dir, or start over here with --set run.resume=none --set run.overwrite=true "
+            f"(which moves {run_dir} aside, whole)"
         )

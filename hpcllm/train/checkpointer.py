@@ -161,9 +161,9 @@ class Checkpointer:
                     synthetic.record_run(self.run_dir, manifest)
                 elif self.resume_from is None or not tokenizer.is_file():
                     record.unlink(missing_ok=True)
-                    shutil.copy(manifest.tokenizer_path, tokenizer)
+                    shutil.copyfile(manifest.tokenizer_path, tokenizer)  # the umask's mode
                     if manifest.tokenizer_config_path is not None:
-                        shutil.copy(manifest.tokenizer_config_path, config)
+                        shutil.copyfile(manifest.tokenizer_config_path, config)
                     else:
                         config.unlink(missing_ok=True)
 

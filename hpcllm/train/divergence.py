@@ -19,9 +19,20 @@ from hpcllm.train.state import TrainState
 class DivergenceGuard:
     """Counts a run's skipped steps; says when ``max_bad_steps`` came in a row."""
 
-    def __init__(self, max_bad_steps: int, scaler: GradScaler, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_bad_steps: int,
+        scaler: GradScaler,
+        device: torch.device,
+        precision: str = "fp32",
+        last_saved: int | None = None,
+    ) -> None:
         self.max_bad_steps = max_bad_steps
         self.scaler = scaler
+        self.precision = precision
+        # The step of the newest checkpoint (the one resumed from, then each save's): what
+        # the message tells the user to resume from.
+        self.last_saved = last_saved
         self._pending = torch.zeros((), dtype=torch.int64, device=device)
         self._streak = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -51,10 +62,18 @@ class DivergenceGuard:
         streak, limit = int(self._streak), self.max_bad_steps
         if streak < limit:
             return None
+        good = state.step - streak
+        if self.last_saved is None:
+            saved = "no checkpoint was written"
+        elif self.last_saved >= good:  # saved during the streak: the skips changed nothing
+            saved = f"the checkpoint of step {self.last_saved} holds them"
+        else:
+            saved = f"the newest checkpoint is of step {self.last_saved}"
+        fixes = "a lower train.lr, more train.warmup_steps or train.grad_clip"
+        if self.precision == "fp16":  # bf16's range does not overflow where fp16's does
+            fixes += ", or bf16 instead of fp16"
         return (
             f"training diverged: the last {streak} steps (to step {state.step}) had a "
             f"non-finite loss or gradient and were skipped (train.max_bad_steps is {limit}); "
-            f"the weights are still those of step {state.step - streak}, and no checkpoint "
-            "was written since. Resume with a lower train.lr, more train.warmup_steps or "
-            "train.grad_clip, or bf16 instead of fp16"
+            f"the weights are still those of step {good}, and {saved}. Resume with {fixes}"
         )

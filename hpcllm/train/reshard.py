@@ -511,7 +511,7 @@ def select(run_dir: Path, step: int | None = None, allow_unverified: bool = Fals
         raise UserError(f"{run_dir} has no checkpoint (no checkpoints/step_*)")
     if step is None:
         folder = checkpoint.resumable(
-            run_dir, checkpoint.stderr_warning, allow_unverified, UNVERIFIED_FLAG
+            run_dir, checkpoint.stderr_warning, allow_unverified, UNVERIFIED_FLAG, "reading"
         )
         assert folder is not None  # there are folders: resumable returns one or raises
         return folder

@@ -133,7 +133,14 @@ class Trainer:
             cfg, self.grid, self.parallelized, self.scaler, self.global_batch, self.padded_vocab
         )
         self.profiler = ProfilerWindow(train.profile_steps, self.device)
-        self.guard = DivergenceGuard(train.max_bad_steps, self.scaler, self.device)
+        resumed = self.checkpointer.resume_from is not None
+        self.guard = DivergenceGuard(
+            train.max_bad_steps,
+            self.scaler,
+            self.device,
+            train.precision,
+            last_saved=self.state.step if resumed else None,
+        )
         self.runner = ScheduleRunner(cfg, self.grid, self.parallelized, self.accumulation)
         self.stepper = choose_step(self.runner, self.guard, self.global_batch, self.grad_hooks)
         self.checkpointer.write_run_dir(self.manifest)
@@ -260,7 +267,10 @@ class Trainer:
         diverged = self.guard.check(self.state)
         if diverged:
             raise UserError(diverged)
-        return self.checkpointer.save(self.state, self.global_batch, final)
+        folder = self.checkpointer.save(self.state, self.global_batch, final)
+        if folder is not None:
+            self.guard.last_saved = self.state.step
+        return folder
 
     def write_timeline(self) -> Path | None:
         """Write this rank's last recorded pipeline step to RUN_DIR/timeline/ (atomically)."""
