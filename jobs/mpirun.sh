@@ -9,7 +9,8 @@
 # a node, so Megatron's rank order keeps each tensor-parallel group inside one node); rank r
 # uses GPU r mod GPUS_PER_NODE of its node. Without a GPU, ranks may outnumber cores: the
 # script oversubscribes and gives each rank one thread. DRY_RUN=1 prints the mpirun command
-# and the rank -> host -> GPU table, and starts nothing.
+# and the rank -> host -> GPU table, and starts nothing. A TERM or INT to this script stops the
+# job the way SIGUSR1 does (every rank saves), and the script returns after the save.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -85,4 +86,16 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 
-exec mpirun "${args[@]}" "$HPCLLM" "$@"
+# A TERM or INT to this script (kill, a scheduler, Ctrl-C) becomes SIGUSR1 to mpirun, which
+# forwards it to every rank: they save a checkpoint and exit 75 (stopped, resume me). mpirun
+# itself would forward a TERM and kill the ranks 2 s later, in the middle of a large save.
+# The script returns only when mpirun has, so after the save.
+mpirun "${args[@]}" "$HPCLLM" "$@" &
+launcher=$!
+trap 'echo "hpcllm: stopping: SIGUSR1 to the ranks, which save a checkpoint" >&2; kill -USR1 "$launcher" 2>/dev/null' TERM INT
+status=0
+while true; do
+  wait "$launcher" && status=0 || status=$?
+  kill -0 "$launcher" 2>/dev/null || break # wait returns early when a trapped signal comes
+done
+exit "$status"

@@ -254,3 +254,44 @@ def test_collectives_between_nodes_place_a_rank_on_every_gpu_then_merge(tmp_path
     )  # fmt: skip
     assert missing.returncode == 2 and "has no report.json" in missing.stderr
     assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.mpi
+def test_sigterm_to_the_launcher_returns_after_every_rank_saved(tmp_path):
+    # A TERM to jobs/mpirun.sh (kill, a scheduler) stops the job as SIGUSR1 does: the ranks
+    # save, exit 75, and the script returns after that. mpirun alone would kill the ranks 2 s
+    # after forwarding a TERM, in the middle of this model's save (about 0.7 GB of weights and
+    # Adam moments).
+    import signal
+    import time
+
+    from hpcllm.train import checkpoint
+
+    run = tmp_path / "run"
+    sets = ["model.preset=null", "model.n_layer=8", "model.n_head=12", "model.d_model=768",
+            "model.seq_len=32", "model.vocab_size=512", "data.synthetic=true",
+            "train.micro_batch_size=1", "train.steps=100000", "train.log_interval=1",
+            "train.eval_interval=0", "train.save_interval=0", "run.tensorboard=false",
+            f"run.dir={run}"]  # fmt: skip
+    args = [arg for item in sets for arg in ("--set", item)]
+    environ = {**os.environ, "NP": "2", "HPCLLM": str(Path(sys.executable).parent / "hpcllm")}
+    proc = subprocess.Popen(
+        [str(MPIRUN_SH), "train", "--no-progress", *args], env=environ,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]  # stopped after saving: resume me
+    alive = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True)
+    assert alive.stdout.strip() == "", "a rank outlived the launcher"
+    newest = checkpoint.latest(run)
+    assert newest is not None and checkpoint.verify(newest).status == "ok"
+    assert not list((run / "checkpoints").glob(".*partial*"))
