@@ -379,6 +379,12 @@ class RunConfig:
     timeout_s: float = key(
         600.0, "seconds a collective may hang before the job aborts", ABOVE_ZERO, WEEK
     )
+    startup_timeout_s: float = key(
+        1800.0,
+        "seconds start-up and step 1 may take (MPI, rendezvous, compiling) before the job ends",
+        COUNT_OR_NEVER,
+        WEEK,
+    )
     tensorboard: bool = key(True, "write TensorBoard events")
     reshard: bool = key(False, "resume a checkpoint of another layout (t, p, v) by re-cutting it")
     allow_unverified: bool = key(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from hpcllm import startup
 from hpcllm.errors import UserError
 from hpcllm.launcher import Launch, detect_launcher, start_mpi
 
@@ -416,6 +417,7 @@ def init(
             for variable, (value, _) in settings.items():
                 os.environ.setdefault(variable, value)  # read by MPI_Init, which comes next
             _APPLIED_MPI.update(settings)
+        startup.phase("MPI start")
         MPI = start_mpi()
         world_comm = MPI.COMM_WORLD
         if world_comm.Get_size() != launch.world_size or world_comm.Get_rank() != launch.rank:
@@ -436,6 +438,7 @@ def init(
         if world_comm is None:
             store = dist.HashStore()
         else:
+            startup.phase("torch rendezvous")
             _, _, store = _rendezvous(world_comm, launch, timeout or timedelta(seconds=600))
         _STARTED.append(True)
         dist.init_process_group(
@@ -448,6 +451,7 @@ def init(
         )
 
     groups = _torch_groups(layout, launch.rank, backend, timeout)
+    startup.phase("set-up")
     comms = _mpi_comms(world_comm, layout, launch.rank) if world_comm is not None else {}
     tp_rank, pp_rank, dp_rank = layout.coords(launch.rank)
     return Grid(

@@ -23,7 +23,7 @@ LAYERS = [
     # __init__: __version__, and load_model resolved on first use (LAZY_EXPORTS)
     ("package", ["hpcllm"]),
     ("user error", ["hpcllm.user_error"]),
-    ("launcher", ["hpcllm.launcher", "hpcllm.files"]),
+    ("launcher", ["hpcllm.launcher", "hpcllm.files", "hpcllm.startup"]),
     ("errors", ["hpcllm.errors", "hpcllm.watchdog"]),
     ("topology", ["hpcllm.topology"]),
     ("config", ["hpcllm.config", "hpcllm.flops", "hpcllm.families"]),

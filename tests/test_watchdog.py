@@ -249,3 +249,31 @@ def test_a_phase_that_computes_too_gets_its_allowance_and_progress_resets_the_cl
         assert aborts.called.wait(5)  # past timeout plus allowance: stuck
     dog.stop()
     assert aborts.codes == [1] and "train step (step=5)" in dog.fired
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("phase", ["MPI start", "torch rendezvous"])
+def test_a_rank_stopped_during_start_up_ends_the_job_naming_the_phase(tmp_path, phase):
+    # MPI's start holds the GIL until every rank joins, so no thread can watch it: the watcher
+    # process forked before it does. Rank 1 stops itself (SIGSTOP) as it enters the phase.
+    import time
+
+    from mpirun import python, run_mpi
+
+    allowance = 10
+    args = ["-m", "hpcllm", "train", "--no-progress"]
+    for item in ["data.synthetic=true", "model.vocab_size=512", f"run.dir={tmp_path / 'run'}",
+                 f"run.startup_timeout_s={allowance}", "train.steps=2"]:  # fmt: skip
+        args += ["--set", item]
+    started = time.monotonic()
+    result = run_mpi(2, python(*args), timeout=120, env={"HPCLLM_STOP_AT": f"{phase}:1"})
+    took = time.monotonic() - started
+    assert result.returncode != 0 and took < allowance + 10, took
+    said = [
+        (rank, line)
+        for rank, stream in result.rank_stderr.items()
+        for line in stream.splitlines()
+        if "start-up stalled" in line
+    ]
+    assert len(said) == 1, said  # the first watcher to give up says it, once
+    assert f"is in {phase}; ranks not heard from: 1 (stopped in {phase})" in said[0][1]

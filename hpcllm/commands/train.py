@@ -120,7 +120,15 @@ def run(args: argparse.Namespace) -> int:
         from hpcllm.errors import UserError
 
         raise UserError("--world-size goes with --print-config; the launcher sets a run's")
-    from hpcllm import observe
+    from hpcllm import observe, startup
+    from hpcllm.errors import UserError
+    from hpcllm.launcher import detect_launcher
+
+    try:  # before MPI starts: the start-up watcher must not wait on it
+        launch = detect_launcher()
+        startup.begin(cfg.run.dir, cfg.run.startup_timeout_s, launch.rank, launch.world_size)
+    except UserError:
+        pass  # srun without PMI: the trainer says so, on rank 0 alone
     from hpcllm.train.trainer import Trainer
 
     with Trainer(cfg) as trainer:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcllm import kernels, observe, topology, watchdog
+from hpcllm import kernels, observe, startup, topology, watchdog
 from hpcllm.config import Config, batch_plan, padded_vocab
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.synthetic import load_data
@@ -313,6 +313,7 @@ class Trainer:
         metrics.open(self.banner(), state, last, progress)
         batches = iter(self.reader)
         dog: watchdog.Watchdog | None = None
+        startup.phase("step 1")
         stopped_by: str | None = None
         # Phases that compute or write as well as wait may take up to twice their longest so
         # far on top of run.timeout_s before the watchdog calls them stuck.
@@ -332,6 +333,7 @@ class Trainer:
                 longest_step = max(longest_step, time.monotonic() - started)
                 self.profiler.after_step(state.step)
                 if dog is None:  # armed once the first step has compiled and autotuned
+                    startup.done()  # the start-up watcher's part is over
                     dog = watchdog.start(self.cfg.run.timeout_s, self.grid.rank, self.run_dir)
                 diverged = self.guard.check(state) if outcome.synced else None
                 if diverged:  # log the step that ends the run (every rank: it gathers)
