@@ -86,11 +86,25 @@ def nvtx_range(name: str) -> Iterator[None]:
         yield
 
 
+def _warn_stderr(message: str) -> None:
+    print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
+
+
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl, and mirrors it to TensorBoard."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool,
+        start_step: int = 0,
+        on_failure: str = "fail",
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        # A write that fails (a full disk): "fail" ends the run in one line, "warn" says so
+        # once and goes on without that output (run.save_failure).
+        self.on_failure, self.warn = on_failure, warn or _warn_stderr
         # Keep what the run logged up to the step it resumes from; a run that died after its
         # last checkpoint logged steps it is about to run again. The kept lines replace the
         # file in one rename, so a crash here loses nothing.
@@ -100,8 +114,8 @@ class MetricsLog:
             else []
         )
         atomic_write(self.path, "".join(json.dumps(record) + "\n" for record in kept))
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-        self._tb = None
+        self._file: Any = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._tb: Any = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -109,17 +123,39 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """Record one step's metrics."""
-        self._file.write(json.dumps(record) + "\n")
+        if self._file is not None:
+            try:
+                self._file.write(json.dumps(record) + "\n")
+            except OSError as err:
+                self._failed(str(self.path), err)
+                self._file = None
         if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
+            try:
+                for key, value in record.items():
+                    if isinstance(value, int | float) and key != "step":
+                        self._tb.add_scalar(key, value, record["step"])
+            except OSError as err:  # TensorBoard's writer thread raises it at the next call
+                self._failed("the TensorBoard events", err)
+                self._tb = None
+
+    def _failed(self, what: str, err: OSError) -> None:
+        message = f"writing {what} failed: {err.strerror or err}"
+        if self.on_failure != "warn":
+            from hpcllm.user_error import UserError
+
+            raise UserError(f"{message}; free space there, or set run.save_failure=warn")
+        self.warn(f"{message}; the run goes on without it (run.save_failure: warn)")
 
     def close(self) -> None:
-        """Flush and close both outputs."""
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Flush and close both outputs (a failure to, as a failed write)."""
+        for output in (self._file, self._tb):
+            if output is None:
+                continue
+            try:
+                output.close()
+            except OSError as err:
+                self._failed(str(self.path) if output is self._file else "TensorBoard", err)
+        self._file = self._tb = None
 
 
 def read_metrics(run_dir: Path, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:

@@ -241,6 +241,12 @@ class Checkpointer:
             return None
         chunks, optimizer, scaler, engine = self._objects()
         self.finish_pruning()  # one pruning at a time, and never of a folder being written
+        short = self.on_rank0(self._space_short)  # every rank the same answer
+        if short is not None:
+            if final or self.cfg.run.save_failure == "fail":
+                raise UserError(short)
+            self.on_rank0(lambda: self.warn(short + "; the run goes on (run.save_failure: warn)"))
+            return None
         engine.before_save()  # local SGD: one model in the checkpoint, not d
         shard = {
             "model": chunks_state_dict(chunks, self.grid.pp),
@@ -268,6 +274,26 @@ class Checkpointer:
             )
             self._pruning.start()
         return folder
+
+    def _space_short(self) -> str | None:
+        """Return why the next checkpoint would not fit in the run folder's free space, or
+        None (also before the first checkpoint, whose size is unknown: a failed write then
+        says so itself). Older checkpoints are pruned only once the new one verifies, so
+        ``keep_checkpoints: N`` needs room for one more beside the N kept."""
+        newest = checkpoint.latest(self.run_dir)
+        if newest is None:
+            return None
+        size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.run_dir).free
+        if free >= size:
+            return None
+        keep = self.cfg.run.keep_checkpoints
+        kept = f"keep_checkpoints: {keep} keeps {keep} and" if keep else "every checkpoint is kept;"
+        return (
+            f"a checkpoint needs about {size / 1e9:.3g} GB and {self.run_dir} has "
+            f"{free / 1e9:.3g} GB free ({kept} the next is written before any is pruned); "
+            "free space, or lower run.keep_checkpoints"
+        )
 
     def finish_pruning(self) -> None:
         """Wait for the pruning of older checkpoints that the last save started."""

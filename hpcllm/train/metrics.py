@@ -149,7 +149,9 @@ class Metrics:
         if self.is_root:
             print("\n".join(banner), flush=True)
             run = self.cfg.run
-            self._log = observe.MetricsLog(Path(run.dir), run.tensorboard, state.step)
+            self._log = observe.MetricsLog(
+                Path(run.dir), run.tensorboard, state.step, on_failure=run.save_failure
+            )
         self._bar = tqdm(
             total=last_step,
             initial=state.step,
