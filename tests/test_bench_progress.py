@@ -132,9 +132,18 @@ def test_bench_kernels_smoke_prints_one_progress_line_per_op():
     assert "\r" not in run.stderr
     lines = _progress_lines(run.stderr, "hpcllm bench kernels")
     assert [(m["i"], m["n"], m["label"]) for m in lines] == [
-        (str(i), "4", f"tiny {op}")
+        (str(i), "7", f"tiny {op}")
         for i, op in enumerate(
-            ["bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy"], start=1
+            [
+                "bias_gelu",
+                "bias_dropout_add",
+                "layer_norm",
+                "cross_entropy",
+                "rms_norm",
+                "swiglu",
+                "rotary",
+            ],
+            start=1,
         )
     ]
     assert "| cross_entropy | fwd+bwd |" in run.stdout
