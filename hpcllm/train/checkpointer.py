@@ -280,10 +280,10 @@ class Checkpointer:
         None (also before the first checkpoint, whose size is unknown: a failed write then
         says so itself). Older checkpoints are pruned only once the new one verifies, so
         ``keep_checkpoints: N`` needs room for one more beside the N kept."""
-        newest = checkpoint.latest(self.run_dir)
-        if newest is None:
+        folders = checkpoint.checkpoints(self.run_dir)  # newest first, whatever "latest" says
+        if not folders:
             return None
-        size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        size = sum(f.stat().st_size for f in folders[0].rglob("*") if f.is_file())
         free = shutil.disk_usage(self.run_dir).free
         if free >= size:
             return None
