@@ -42,7 +42,7 @@ import torch
 from hpcllm import kernels
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
-from hpcllm.kernels.choice import Timer, wall_clock_ms
+from hpcllm.kernels.choice import DIFFERENTIABLE, Timer, wall_clock_ms
 from hpcllm.observe import CaseProgress
 
 
@@ -118,16 +118,8 @@ class OpCase:
 
 # The ops _op_cases returns, in its order; known before their inputs are made, to count cases.
 # The Llama family's three (RMSNorm, SwiGLU, rotary) run at the same hidden size, with
-# Llama's MLP width and the shapes' heads.
-OPS = (
-    "bias_gelu",
-    "bias_dropout_add",
-    "layer_norm",
-    "cross_entropy",
-    "rms_norm",
-    "swiglu",
-    "rotary",
-)
+# Llama's MLP width and the shapes' heads. Every differentiable op the dispatch has.
+OPS = DIFFERENTIABLE
 
 
 def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
