@@ -132,6 +132,19 @@ class Family:
     check: Callable[[Any, int], None] | None = None
     # The Shape fields beyond the common sizes, from a model config (kv_heads, ffn, tied).
     shape_extra: Callable[[Any], dict[str, Any]] = lambda _model: {}
+    # The inverse: the family's own model.* keys that give a Shape's extra fields, so that a
+    # planned shape is written as a config (``hpcllm plan --write-config``): (shape) -> keys.
+    keys_of_shape: Callable[[Shape], dict[str, Any]] = lambda _shape: {}
+    # The family's own model.* keys: a dataclass whose fields are declared as every config
+    # key is (default, description, rules); the model section is the keys every family
+    # shares plus these. None: the shared keys only.
+    keys: type | None = None
+    # A plain PyTorch model of the family, "package.module:Class", the baseline ``hpcllm
+    # bench step`` measures hpcllm against: built as Class(model config, vocabulary, seed=)
+    # and called as (ids, labels) -> mean loss. None: the family registers no baseline.
+    reference: str | None = None
+    # ``--set`` items the bench's smoke shape adds for this family (Llama: 2 key/value heads).
+    bench_keys: tuple[str, ...] = ()
 
     def rule(self, name: str) -> TensorRule:
         """Return the rule of a whole-model parameter name; a ValueError where none matches."""
@@ -218,7 +231,24 @@ def shape(model: Any, vocab: int) -> Shape:
     return Shape(**{**base.__dict__, **extra}) if extra else base
 
 
+def _import(spec: str) -> Any:
+    """Return the object a "package.module:Name" string names, imported now."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def model_class(arch: str) -> type:
     """Return the torch half of family ``arch``: its module class, imported now."""
-    module, _, name = get(arch).module.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return _import(get(arch).module)
+
+
+def reference_class(arch: str) -> type:
+    """Return family ``arch``'s plain PyTorch model (the bench's baseline), imported now; a
+    UserError where the family registers none."""
+    family = get(arch)
+    if family.reference is None:
+        raise UserError(
+            f"model family {arch} registers no plain PyTorch model to measure against "
+            "(Family.reference); bench step compares a family with its own baseline only"
+        )
+    return _import(family.reference)
