@@ -698,7 +698,7 @@ def test_llama_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
 def test_compiled_llama_block_traces_in_one_graph_and_matches_eager(ops, fused):
     """torch.compile(fullgraph=True) of one Llama block (GQA, scaled rope) with the three
     Llama ops: no graph break, one graph for two blocks, eager's outputs and gradients."""
-    from hpcllm.model.llama import LlamaBlock
+    from hpcllm.model.llama import Llama
 
     auto = fused == "auto"
     kernels.set_enabled(
@@ -711,13 +711,13 @@ def test_compiled_llama_block_traces_in_one_graph_and_matches_eager(ops, fused):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         cfg = _llama_cfg(d_model=64, seq_len=32)
-        block = LlamaBlock(cfg, None, torch.Generator().manual_seed(0)).to(DEVICE)
+        block = Llama.block(cfg, None, torch.Generator().manual_seed(0)).to(DEVICE)
         x = leaf(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1)))
         kernels.reset_implementations_used()
         out, grads_compiled = _block_step(torch.compile(block, fullgraph=True), x)
         ran = ("rms_norm", "rotary", "swiglu", "bias_dropout_add") if fused == "on" else ()
         assert kernels.implementations_used() == dict.fromkeys(ran, "triton")
-        second = LlamaBlock(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)
+        second = Llama.block(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)
         _block_step(torch.compile(second, fullgraph=True), x)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
         ref_out, ref_grads = _block_step(block, x)
@@ -859,8 +859,6 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
     Under auto the compiled block traces the references for inductor to fuse, even where the
     timer would pick Triton for the op called eagerly.
     """
-    from hpcllm.model.gpt import Block
-
     auto = fused == "auto"
     kernels.set_enabled(
         fused != "off",
@@ -872,7 +870,7 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         cfg = _small(n_head=2, d_model=64, seq_len=32)
-        block = Block(cfg, None, torch.Generator().manual_seed(0)).to(DEVICE)
+        block = GPT.block(cfg, None, torch.Generator().manual_seed(0)).to(DEVICE)
         x = leaf(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1)))
         kernels.reset_implementations_used()
         out, grads_compiled = _block_step(torch.compile(block, fullgraph=True), x)
@@ -881,7 +879,7 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
         ran = ("layer_norm", "bias_dropout_add", "bias_gelu") if fused == "on" else ()
         assert kernels.implementations_used() == dict.fromkeys(ran, "triton")
         # One block graph: no guard on the dispatch's bookkeeping recompiles a second block.
-        second = Block(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)
+        second = GPT.block(cfg, None, torch.Generator().manual_seed(2)).to(DEVICE)
         _block_step(torch.compile(second, fullgraph=True), x)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
         ref_out, ref_grads = _block_step(block, x)

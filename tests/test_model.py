@@ -232,7 +232,7 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
 @pytest.mark.parametrize(("arch", "preset"), [("gpt2", "tiny"), ("llama", "llama-tiny")])
 def test_cached_generation_gives_the_uncached_tokens(arch, preset):
     from hpcllm.model import build
-    from hpcllm.model.gpt import KVCache
+    from hpcllm.model.decoder import KVCache
 
     cfg = load_config(None, [f"model.arch={arch}", f"model.preset={preset}", "model.dropout=0"])
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from hpcllm import observe, watchdog
 from hpcllm.parallel.data.engine import Engine
-from hpcllm.parallel.pipeline.zero_bubble import (
+from hpcllm.parallel.tensor.deferred import (
     defer_weight_grads,
     deferrable_weight_grads,
     weight_grads,
@@ -37,7 +37,7 @@ class GPTStageWork:
 
     With ``split_backward`` (zb-h1) B computes the input gradient and every parameter's
     gradient except the linear layers' weights, whose GEMMs it parks
-    (:func:`~hpcllm.parallel.pipeline.zero_bubble.defer_weight_grads`), and frees the graph;
+    (:func:`~hpcllm.parallel.tensor.deferred.defer_weight_grads`), and frees the graph;
     W computes those GEMMs and hands all the micro-batch's parameter gradients to autograd at
     once, so each parameter's gradient hook (DDP, Horovod) fires once per micro-batch, in W.
     """

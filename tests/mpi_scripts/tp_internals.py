@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hpcllm import topology
 from hpcllm.config import ModelConfig
-from hpcllm.model.gpt import GPT, Block
+from hpcllm.model.gpt import GPT
 from hpcllm.parallel.data.finalize import reduce_sequence_parallel_grads
 from hpcllm.parallel.random import seed_streams, tp_rng
 from hpcllm.parallel.tensor.mappings import count_comm
@@ -96,7 +96,7 @@ def recompute_checks(grid, cfg: ModelConfig, sp: bool, ids, labels) -> dict:
 
 
 def block_comm(grid, cfg: ModelConfig, sp: bool) -> dict:
-    block = Block(cfg, grid.groups.tp, torch.Generator().manual_seed(1), sp)
+    block = GPT.block(cfg, grid.groups.tp, torch.Generator().manual_seed(1), sp)
     s = S // grid.tp if sp else S
     x = torch.randn(B, s, H, requires_grad=True)
     with count_comm() as log:
@@ -112,7 +112,7 @@ def saved_bytes(grid, cfg: ModelConfig, sp: bool) -> dict:
     """Bytes one block keeps for backward (each storage once): in all, and in the regions
     between tensor-parallel layers (LayerNorms, dropout-residual adds, and the LayerNorm
     outputs the column-parallel layers keep as their inputs)."""
-    block = Block(cfg, grid.groups.tp, torch.Generator().manual_seed(1), sp)
+    block = GPT.block(cfg, grid.groups.tp, torch.Generator().manual_seed(1), sp)
     params = {p.data_ptr() for p in block.parameters()}
     s = S // grid.tp if sp else S
     x = torch.randn(B, s, H, requires_grad=True)
@@ -178,9 +178,9 @@ def main() -> None:
         "tp+sp": recompute_checks(grid, cfg, True, ids, labels),
     }
     out["comm"] = {"tp": block_comm(grid, cfg, False), "tp+sp": block_comm(grid, cfg, True)}
-    serial_block = Block(cfg, None, torch.Generator().manual_seed(1))
+    serial_block = GPT.block(cfg, None, torch.Generator().manual_seed(1))
     out["params"] = {
-        "rank": sum(p.numel() for p in Block(cfg, grid.groups.tp, torch.Generator()).parameters()),
+        "rank": sum(p.numel() for p in GPT.block(cfg, grid.groups.tp, torch.Generator()).parameters()),
         "serial": sum(p.numel() for p in serial_block.parameters()),
     }
     out["saved"] = {"tp": saved_bytes(grid, cfg, False), "tp+sp": saved_bytes(grid, cfg, True)}

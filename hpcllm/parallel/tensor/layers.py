@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcllm.parallel.pipeline.zero_bubble import linear, weight_grad_or_defer
+from hpcllm.parallel.tensor.deferred import linear, weight_grad_or_defer
 from hpcllm.parallel.tensor.mappings import (
     SEQ_DIM,
     copy_to_tp,
@@ -203,6 +203,8 @@ class RowParallelLinear(nn.Module):
         _init_shard(self.weight, (out_features, in_features), 1, 1, init, gen, group)
         mark_split(self.weight, dim=1)  # the bias is whole on every rank
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.sequence_parallel:  # added to this rank's part of the sequence only
+            mark_sequence_parallel(self.bias)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """Return the whole output; with sequence parallelism, this rank's sequence part."""

@@ -1,4 +1,4 @@
-"""Zero-bubble weight-gradient deferral: a backward that leaves weight GEMMs for later.
+"""The linear every layer runs, whose weight gradient a zero-bubble backward can defer.
 
 zb-h1 (Qi et al., 2023) splits each backward in two: B computes the input gradient, which
 the previous stage waits for, and W the weight gradients, which nobody waits for and which
@@ -27,7 +27,9 @@ class _WeightGradients:
 
 # Process-wide on purpose, not a ContextVar: on a GPU autograd runs backward functions on its
 # own device threads, which would not see a context variable set by the thread that called
-# backward. The context managers below set and restore it around each use.
+# backward. The context managers below set and restore it around each use. It lives here, with
+# the layers that read it, so the model reaches it without importing the pipeline package
+# (docs/architecture.md, "Process state").
 _WGRAD = _WeightGradients()
 
 
