@@ -203,7 +203,7 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
     from hpcllm.config import ModelConfig
     from hpcllm.model.stages import build_chunks
     from hpcllm.parallel.data.engine import Engine
-    from hpcllm.train.stage_work import GPTStageWork
+    from hpcllm.train.stage_work import ChunkWork
 
     cfg = ModelConfig(preset=None, n_layer=2, n_head=2, d_model=32, seq_len=16, recompute=recompute)
     gen = torch.Generator().manual_seed(0)
@@ -217,7 +217,7 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
         cfg, 100, p=1, rank=0, v=1, tp_group=None, seed=3, sequence_parallel=False
     )
     grid = types.SimpleNamespace(tp=1, pp=1, dp=1)
-    work = GPTStageWork(chunks, Engine(grid), batches, split_backward=True)
+    work = ChunkWork(chunks, Engine(grid), batches, split_backward=True)
     for micro in range(len(batches)):
         work.forward(0, micro, None)
         assert work.backward(0, micro, None, weights=False) is None

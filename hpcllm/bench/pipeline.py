@@ -79,7 +79,7 @@ def _gpt_work(grid: Any, v: int, m: int, split: bool, seed: int = 1) -> tuple[An
     from hpcllm.config import load_config
     from hpcllm.model.stages import build_chunks
     from hpcllm.parallel.data.engine import Engine
-    from hpcllm.train.stage_work import GPTStageWork
+    from hpcllm.train.stage_work import ChunkWork
 
     tiny = load_config(None, ["model.preset=tiny"]).model
     cfg = replace(tiny, n_layer=max(tiny.n_layer, grid.pp * v), dropout=0.0)
@@ -105,9 +105,9 @@ def _gpt_work(grid: Any, v: int, m: int, split: bool, seed: int = 1) -> tuple[An
         for _ in range(m)
     ]
 
-    def make() -> GPTStageWork:
+    def make() -> ChunkWork:
         chunks.zero_grad(set_to_none=True)
-        return GPTStageWork(chunks, engine, batches, split_backward=split)
+        return ChunkWork(chunks, engine, batches, split_backward=split)
 
     return make, (micro, cfg.seq_len, cfg.d_model)
 

@@ -20,6 +20,7 @@ compilation):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,8 @@ from hpcllm.parallel.pipeline.runtime import Channel
 from hpcllm.parallel.pipeline.schedule import Action, check_sizes, rank_actions
 from hpcllm.parallel.random import seed_streams
 from hpcllm.topology import Grid, ProcessGroups
-from hpcllm.train.optim import build_optimizer, build_scaler
+from hpcllm.train.optim import autocast, build_optimizer, build_scaler
+from hpcllm.train.stage_work import ChunkWork
 
 
 @dataclass
@@ -66,6 +68,25 @@ class ParallelModel:
     def parameters(self) -> list[nn.Parameter]:
         """Return this rank's parameters, in the optimizer's order of chunks."""
         return list(self.chunks.parameters())
+
+    def stage_work(
+        self,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        precision: str,
+        device: torch.device,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> ChunkWork:
+        """Return the work of this rank's chunks on ``batches`` under ``precision``'s autocast:
+        a training step's when ``scale`` (the loss scaler's) is given, else an evaluation's."""
+        return ChunkWork(
+            self.chunks,
+            self.engine,
+            batches,
+            modules=self.forward_modules,
+            autocast=lambda: autocast(precision, device),
+            scale=scale or (lambda loss: loss),
+            split_backward=scale is not None and self.split_backward,
+        )
 
 
 def check_pipeline(cfg: Config, accumulation: int | None) -> None:

@@ -1,8 +1,9 @@
-"""The GPT chunks of one rank doing the forwards and backwards a pipeline schedule asks for.
+"""The model chunks of one rank doing the forwards and backwards a pipeline schedule asks for.
 
-:class:`GPTStageWork` is the :class:`~hpcllm.parallel.pipeline.runtime.StageWork` the trainer
-hands the runtime for every layout: with p = v = 1 it is one chunk holding the whole GPT and
-the schedule is plain gradient accumulation.
+:class:`ChunkWork` is the :class:`~hpcllm.parallel.pipeline.runtime.StageWork` the trainer
+hands the runtime for every layout and every family: with p = v = 1 it is one chunk holding
+the whole model and the schedule is plain gradient accumulation. The trainer's step and its
+validation build it in one place, :meth:`hpcllm.train.parallelize.ParallelModel.stage_work`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from hpcllm.parallel.tensor.deferred import (
 )
 
 
-class GPTStageWork:
-    """The GPT chunks of one rank doing a step's forwards and backwards for the runtime.
+class ChunkWork:
+    """The model chunks of one rank doing a step's forwards and backwards for the runtime.
 
     ``batches[i]`` is micro-batch i's (ids, labels); the loss of each micro-batch is divided
     by m, so the gradients of a step are those of the mean loss over its micro-batches.
@@ -179,7 +180,7 @@ class MicroBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
         return self._read[index]
 
 
-def stage_loss_sum(work: GPTStageWork, pp_group: Any, device: torch.device) -> torch.Tensor:
+def stage_loss_sum(work: ChunkWork, pp_group: Any, device: torch.device) -> torch.Tensor:
     """Return the sum of the losses of ``work``'s micro-batches, on every pipeline stage."""
     loss_sum = torch.zeros((), device=device)
     for loss in work.losses.values():

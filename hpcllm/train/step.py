@@ -37,9 +37,9 @@ from hpcllm.parallel.pipeline.runtime import Runtime
 from hpcllm.parallel.pipeline.schedule import Interval
 from hpcllm.topology import Grid
 from hpcllm.train.divergence import DivergenceGuard
-from hpcllm.train.optim import autocast, lr_at, step_autocast_cache
+from hpcllm.train.optim import lr_at, step_autocast_cache
 from hpcllm.train.parallelize import ParallelModel
-from hpcllm.train.stage_work import GPTStageWork, MicroBatches, stage_loss_sum
+from hpcllm.train.stage_work import MicroBatches, stage_loss_sum
 from hpcllm.train.state import TrainState
 
 # Called after the gradients are finished, before the optimizer step, with the step, this
@@ -96,15 +96,7 @@ class ScheduleRunner:
         # Only the last stage scales a loss; every stage's scaler must hold the scale, since
         # each unscales its own gradients and all of them update it together.
         self.scaler.scale(torch.zeros((), device=device))
-        work = GPTStageWork(
-            model.chunks,
-            model.engine,
-            micro,
-            modules=model.forward_modules,
-            autocast=lambda: autocast(train.precision, device),
-            scale=self.scaler.scale,
-            split_backward=model.split_backward,
-        )
+        work = model.stage_work(micro, train.precision, device, scale=self.scaler.scale)
         if timed and model.pp_group is not None:
             # Stages of a logged step start together, so that its recorded timelines share
             # one origin; other steps skip it (on NCCL a barrier waits for the device).

@@ -18,9 +18,8 @@ from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import Manifest
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.topology import Grid
-from hpcllm.train.optim import autocast
 from hpcllm.train.parallelize import ParallelModel
-from hpcllm.train.stage_work import GPTStageWork, MicroBatches, stage_loss_sum
+from hpcllm.train.stage_work import MicroBatches, stage_loss_sum
 from hpcllm.train.state import Cadence
 
 
@@ -76,13 +75,7 @@ class Validator:
         batches = iter(reader)
         iters = min(train.eval_iters, reader.steps_per_epoch)
         micro = MicroBatches(batches, iters, device)
-        work = GPTStageWork(
-            model.chunks,
-            model.engine,
-            micro,
-            modules=model.forward_modules,
-            autocast=lambda: autocast(train.precision, device),
-        )
+        work = model.stage_work(micro, train.precision, device)
         actions = forward_only(
             self.cfg.parallel.pp, self.grid.pp_rank, iters, self.cfg.parallel.vpp
         )

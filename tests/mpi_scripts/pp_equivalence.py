@@ -28,7 +28,7 @@ from hpcllm.parallel.pipeline.runtime import Channel, Runtime
 from hpcllm.parallel.pipeline.schedule import rank_actions
 from hpcllm.parallel.tensor.layers import shard_of
 from hpcllm.train.optim import build_optimizer, build_scaler
-from hpcllm.train.stage_work import GPTStageWork
+from hpcllm.train.stage_work import ChunkWork
 
 VOCAB, SEQ, MICRO = 250, 16, 2
 SPLIT = {
@@ -116,7 +116,7 @@ def main() -> None:
                         0.0,
                         m,
                     )
-                    work = GPTStageWork(
+                    work = ChunkWork(
                         chunks, engine, batches, modules, split_backward=schedule == "zb-h1"
                     )
                     shape = (MICRO, SEQ // tp if sp and tp > 1 else SEQ, cfg.d_model)

@@ -180,7 +180,9 @@ def main() -> None:
     out["comm"] = {"tp": block_comm(grid, cfg, False), "tp+sp": block_comm(grid, cfg, True)}
     serial_block = GPT.block(cfg, None, torch.Generator().manual_seed(1))
     out["params"] = {
-        "rank": sum(p.numel() for p in GPT.block(cfg, grid.groups.tp, torch.Generator()).parameters()),
+        "rank": sum(
+            p.numel() for p in GPT.block(cfg, grid.groups.tp, torch.Generator()).parameters()
+        ),
         "serial": sum(p.numel() for p in serial_block.parameters()),
     }
     out["saved"] = {"tp": saved_bytes(grid, cfg, False), "tp+sp": saved_bytes(grid, cfg, True)}
