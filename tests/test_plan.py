@@ -53,7 +53,7 @@ def table_1_predictions() -> list[tuple[int, float, float]]:
     rows = []
     for heads, hidden, layers, t, p, gpus, batch, measured in TABLE_1:
         plan = search(
-            Model(layers, hidden, heads, 2048, 51200),
+            Model.of("gpt2", layers, hidden, heads, 2048, 51200),
             gpus,
             batch,
             cluster,
@@ -78,7 +78,7 @@ def test_the_table_1_predictions_are_all_high_and_within_the_tolerance():
 def test_megatron_2021_runs_only_the_layouts_megatron_ran():
     # 1F1B and interleaved only, interleaved at p > 2 with v dividing the layers per stage,
     # and p dividing the layers: Megatron-LM refuses the rest.
-    model = Model(60, 4096, 32, 2048, 51200)
+    model = Model.of("gpt2", 60, 4096, 32, 2048, 51200)
     seen = set()
     for layout in layouts(model, 64, 512, Fixed(tp=8), Software.megatron_2021()):
         seen.add((layout.pp, layout.schedule, layout.vpp))
@@ -96,7 +96,9 @@ def test_the_tied_embeddings_gradient_crosses_the_pipeline():
     cluster = load_cluster(DGX_A100)
     layout = Layout(8, 2, 4, 1, 1, "1f1b", "full")
     small, large = (
-        estimate(Model(8, 4096, 32, 2048, v), layout, cluster, Software.megatron_2021(), 64)
+        estimate(
+            Model.of("gpt2", 8, 4096, 32, 2048, v), layout, cluster, Software.megatron_2021(), 64
+        )
         for v in (1024, 204800)
     )
     # 203,776 more rows of 4,096 / 8 fp16 values: an all-reduce between two nodes.
@@ -113,7 +115,7 @@ def test_the_model_imports_without_torch():
 
 def _gpt3(batch: int, schedule: str, v: int, scatter_gather: bool = True) -> float:
     # The paper's figures 12 and 15: GPT-3 175B (96 layers, h 12288) on 96 A100s, t 8, p 12.
-    model = Model(96, 12288, 96, 2048, 51200)
+    model = Model.of("gpt2", 96, 12288, 96, 2048, 51200)
     layout = Layout(8, 12, 1, v, 1, schedule, "full", False, scatter_gather)
     e = estimate(model, layout, load_cluster(DGX_A100), Software.megatron_2021(), batch)
     return e.tflops_per_gpu
@@ -145,7 +147,7 @@ def test_the_bubble_is_the_simulated_one(schedule, v):
     # Fast links: the bubble is the schedule's; the simulator replays hpcllm's real lists
     # (how a stage splits into forward and backward does not change these schedules' bubble).
     cluster = load_cluster(DGX_A100, ["intra_node_gbps=1e9", "inter_node_gbps=1e9"])
-    model = Model(16, 1024, 16, 1024, 51200)
+    model = Model.of("gpt2", 16, 1024, 16, 1024, 51200)
     p, m = 4, 8
     e = estimate(model, Layout(1, p, 1, v, 1, schedule), cluster, Software(), m)
     predicted = e.time_parts_s["bubble"] / (e.time_parts_s["compute"] + e.time_parts_s["tp"])
@@ -154,7 +156,7 @@ def test_the_bubble_is_the_simulated_one(schedule, v):
 
 
 def test_zb_h1_cuts_the_bubble_and_keeps_1f1bs_memory():
-    model = Model(24, 2048, 16, 2048, 51200)
+    model = Model.of("gpt2", 24, 2048, 16, 2048, 51200)
     cluster = load_cluster(DGX_A100)
     one, zero = (
         estimate(model, Layout(1, 4, 2, 1, 1, s), cluster, Software(), 64)
@@ -168,7 +170,7 @@ def test_zb_h1_cuts_the_bubble_and_keeps_1f1bs_memory():
 def test_search_keeps_tp_in_a_node_and_picks_a_layout_that_fits(row):
     heads, hidden, layers, _, _, gpus, batch, _ = TABLE_1[row]
     plan = search(
-        Model(layers, hidden, heads, 2048, 51200),
+        Model.of("gpt2", layers, hidden, heads, 2048, 51200),
         gpus,
         batch,
         load_cluster(DGX_A100),
@@ -309,11 +311,11 @@ def test_weights_per_rank_are_those_hpcllm_builds(pp, vpp):
     )
     built = sum(p.numel() for p in chunks.parameters())
     layout = Layout(1, pp, 1, vpp, 1, "interleaved" if vpp > 1 else "1f1b")
-    assert rank_parameters(Model(4, 64, 4, 32, 300), layout) == built
+    assert rank_parameters(Model.of("gpt2", 4, 64, 4, 32, 300), layout) == built
 
 
 def test_interleaving_holds_more_activations_not_fewer():
-    model = Model(24, 2048, 16, 2048, 51200)
+    model = Model.of("gpt2", 24, 2048, 16, 2048, 51200)
     cluster = load_cluster(DGX_A100)
     one, two = (
         estimate(model, Layout(1, 4, 2, v, 1, s), cluster, Software(), 64)
@@ -326,7 +328,7 @@ def test_interleaving_holds_more_activations_not_fewer():
 
 def test_fixed_choices_are_held_and_the_config_is_the_planned_model(tmp_path):
     cluster = load_cluster(DGX_A100)
-    model = Model(24, 2048, 16, 2048, 51200)
+    model = Model.of("gpt2", 24, 2048, 16, 2048, 51200)
     plan = search(model, 64, 512, cluster, Software(), Fixed(schedule="zb-h1"))
     assert {e.layout.schedule for e in plan.ranked} == {"zb-h1"}
     assert all(e.layout.pp > 1 for e in plan.ranked)
@@ -342,9 +344,37 @@ def test_fixed_choices_are_held_and_the_config_is_the_planned_model(tmp_path):
     assert (written.n_layer, written.d_model, written.vocab_size) == (48, 2048, None)
 
 
+@pytest.mark.parametrize(
+    "preset,sizes",
+    [
+        ("gpt2-1.3b", []),
+        ("gpt2-1.3b", ["--layers", "48"]),
+        ("llama3.2-1b", []),
+        ("llama3-8b", ["--layers", "16", "--vocab", "32000"]),
+    ],
+)
+def test_the_written_config_loads_back_as_the_planned_shape(tmp_path, preset, sizes):
+    # Written through the family: its own keys give the rest of the shape where no preset
+    # is named (the planned sizes are not the preset's).
+    from hpcllm import families
+    from hpcllm.config import load_config
+
+    config = tmp_path / "planned.yaml"
+    done = _plan(
+        "--model", preset, *sizes, "--gpus", "64", "--global-batch", "512",
+        "--cluster", str(DGX_A100), "--json", "--top", "1", "--write-config", str(config),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    planned = json.loads(done.stdout)["model"]
+    arch = planned.pop("arch")
+    written = load_config(config).model
+    assert (written.arch, written.preset) == (arch, None if sizes else preset)
+    assert families.shape(written, planned["vocab"]) == families.Shape(**planned)
+
+
 def test_when_nothing_fits_the_closest_layout_comes_first():
     cluster = load_cluster(DGX_A100, ["usable_memory_fraction=0.0001"])
-    plan = search(Model(24, 2048, 16, 2048, 51200), 64, 512, cluster, Software())
+    plan = search(Model.of("gpt2", 24, 2048, 16, 2048, 51200), 64, 512, cluster, Software())
     assert not plan.ranked
     sizes = [e.memory_gb for e, _ in plan.losers]
     assert sizes[0] == min(sizes) and "does not fit" in plan.losers[0][1]
@@ -414,7 +444,7 @@ def test_a_measured_shape_table_and_partial_spec_override_a_known_kind(tmp_path)
     assert gemm_efficiency(measured.gpu, (64, 8192, 8192)) == pytest.approx(0.7 * 0.2)
     between = gemm_efficiency(measured.gpu, (362, 8192, 8192)) / 0.7  # log2 362 ~ halfway
     assert 0.2 < between < 0.9 and between == pytest.approx(0.55, abs=0.01)
-    model, layout = Model(24, 2048, 16, 2048, 51200), Layout(1, 1, 8)
+    model, layout = Model.of("gpt2", 24, 2048, 16, 2048, 51200), Layout(1, 1, 8)
     slow, fast = (estimate(model, layout, c, Software(), 64) for c in (measured, base))
     assert slow.step_time_s > fast.step_time_s
 
@@ -658,13 +688,19 @@ def test_plan_llama3_8b_counts_the_weights_the_model_has_at_its_layout():
 def test_the_llama_spec_prices_gqa_swiglu_and_an_untied_head():
     cluster = load_cluster(DGX_A100)
     layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, recompute="none", sequence_parallel=True)
-    base = dict(layers=8, hidden=2048, heads=16, seq=2048, vocab=32000, arch="llama", ffn=5632)
-    gqa = estimate(Model(**base, kv_heads=4, tied=False), layout, cluster, Software(), 64)
-    mha = estimate(Model(**base, kv_heads=16, tied=False), layout, cluster, Software(), 64)
+    gqa, mha, tied = (
+        estimate(
+            Model.of("llama", 8, 2048, 16, 2048, 32000, kv_heads=kv, ffn=5632, tied=tie),
+            layout,
+            cluster,
+            Software(),
+            64,
+        )
+        for kv, tie in ((4, False), (16, False), (4, True))
+    )
     # Fewer key/value heads: fewer weights and activations, less time.
     assert gqa.memory_parts_gb["weights"] < mha.memory_parts_gb["weights"]
     assert gqa.memory_parts_gb["activations"] < mha.memory_parts_gb["activations"]
     assert gqa.step_time_s < mha.step_time_s
     # Untied: no embedding gradient crosses the pipeline; tied: it does.
-    tied = estimate(Model(**base, kv_heads=4, tied=True), layout, cluster, Software(), 64)
     assert tied.time_parts_s["pp"] > gqa.time_parts_s["pp"]

@@ -30,8 +30,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--model",
         metavar="PRESET",
-        help="a model preset of either family (model.preset's values: its sizes, key/value "
-        "heads, MLP width and vocabulary)",
+        help="a model preset of any registered family (model.preset's values: its sizes, the "
+        "family's own keys and its vocabulary)",
     )
     plan.add_argument("--layers", type=positive, metavar="L", help="transformer layers")
     plan.add_argument("--hidden", type=positive, metavar="H", help="hidden size")
@@ -41,8 +41,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--vocab",
         type=positive,
         metavar="V",
-        help="vocabulary [default: the preset's (128256 for Llama 3), else 51200; "
-        "--write-config writes it only when given]",
+        help="vocabulary [default: the preset's, else 51200; --write-config writes it only "
+        "when given or the preset has one]",
     )
     plan.add_argument("--global-batch", type=positive, required=True, metavar="B")
     plan.add_argument("--gpus", type=positive, required=True, metavar="N")
@@ -96,30 +96,35 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 
 def _model(args: argparse.Namespace) -> Any:
-    """Return the planner's Model: a preset of either family (with its key/value heads, MLP
-    width, tying and vocabulary), its sizes overridden by --layers ... --seq, or those alone
-    (GPT-2's shape); the vocabulary --vocab, else the preset's, else 51,200."""
+    """Return the planner's Model: a preset of any registered family, its sizes overridden by
+    --layers ... --seq, or those sizes alone (the default model.arch's); its shape the
+    family's of that config, with the vocabulary --vocab, else the preset's, else 51,200."""
     from hpcllm import families
     from hpcllm.config import load_config
     from hpcllm.errors import UserError
     from hpcllm.plan.costs import Model
 
-    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq}
-    given = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "seq": "seq_len"}
+    sizes = {
+        "layers": ("n_layer", args.layers),
+        "hidden": ("d_model", args.hidden),
+        "heads": ("n_head", args.heads),
+        "seq": ("seq_len", args.seq),
+    }
+    given = [f"model.{key}={value}" for key, value in sizes.values() if value is not None]
     if args.model is None:
-        missing = [k for k, v in shape.items() if v is None]
+        missing = [flag for flag, (_, value) in sizes.items() if value is None]
         if missing:
             raise UserError(f"give --model PRESET or --{missing[0]} (and the other sizes)")
-        return Model(vocab=args.vocab or 51200, **shape)
-    arch = families.preset_family(args.model)
-    if arch is None:
-        raise UserError(f"unknown --model {args.model}; presets: {', '.join(families.presets())}")
-    sizes = [f"model.{given[k]}={v}" for k, v in shape.items() if v is not None]
-    cfg = load_config(None, [f"model.arch={arch}", f"model.preset={args.model}", *sizes]).model
-    extra = families.get(arch).shape_extra(cfg)  # key/value heads, MLP width, tying
-    vocab = args.vocab or cfg.vocab_size or 51200
-    shape = {k: getattr(cfg, given[k]) for k in shape}
-    return Model(vocab=vocab, arch=arch, **shape, **extra)
+        chosen = ["model.preset=null"]
+    else:
+        arch = families.preset_family(args.model)
+        if arch is None:
+            known = ", ".join(families.presets())
+            raise UserError(f"unknown --model {args.model}; presets: {known}")
+        chosen = [f"model.arch={arch}", f"model.preset={args.model}"]
+    model = load_config(None, [*chosen, *given]).model
+    vocab = args.vocab or model.vocab_size or 51200
+    return Model(model.arch, families.shape(model, vocab))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,20 +1,25 @@
 """Memory per GPU and time per step of one layout of a GPT on a cluster.
 
+What depends on the model is its family's (:mod:`hpcllm.families`): the parameters each stage
+holds, one layer's GEMMs, stored activations and split pointwise traffic, whether the linear
+layers have biases and the embedding is tied, and the FLOPs of a step. The rest is the
+hardware, the layout and the software.
+
 Memory (bytes per GPU, the busiest pipeline rank):
 
 - weights, gradients and optimizer state per parameter the rank holds: hpcllm keeps fp32
   weights and gradients and Adam's two fp32 moments (4 + 4 + 8 bytes); ``weights: mixed``
   (Megatron-LM) keeps 16-bit weights, fp32 gradients and an fp32 master copy with the moments
   (2 + 4 + 12). The distributed optimizer divides the optimizer part by d.
-- activations per layer and micro-batch after Korthikanti et al. (2022), in 16-bit bytes:
-  s·b·h·(10 + 24/t + 5·a·s/(h·t)) without sequence parallelism, s·b·h·(34/t + 5·a·s/(h·t))
-  with it; selective recomputation drops the 5·a·s/(h·t) term of the attention core, and so
-  does flash attention, which never stores the s×s scores; full recomputation keeps only each
-  layer's input, 2·s·b·h (/t with sequence parallelism), plus one layer's worth while it is
-  recomputed. Times the micro-batches the first pipeline rank holds at its peak (gpipe: m;
-  1f1b and zb-h1: p; interleaved: p + (p-1)/v, in stage units: the same counts
-  :func:`hpcllm.parallel.pipeline.schedule.peak_in_flight` gives for the real schedules), plus
-  the logits of one micro-batch on the last stage.
+- activations per layer and micro-batch, the family's count in units of s·b·h (16-bit
+  bytes) after Korthikanti et al. (2022), a GPT's s·b·h·(10 + 24/t + 5·a·s/(h·t)) without
+  sequence parallelism, s·b·h·(34/t + 5·a·s/(h·t)) with it; selective recomputation drops the
+  attention core's scores, and so does flash attention, which never stores the s×s scores;
+  full recomputation keeps only each layer's input, 2·s·b·h (/t with sequence parallelism),
+  plus one layer's worth while it is recomputed. Times the micro-batches the first pipeline
+  rank holds at its peak (gpipe: m; 1f1b and zb-h1: p; interleaved: p + (p-1)/v, in stage
+  units: the same counts :func:`hpcllm.parallel.pipeline.schedule.peak_in_flight` gives for
+  the real schedules), plus the logits of one micro-batch on the last stage.
 
 Time: each stage's forward and backward per micro-batch, from
 
@@ -24,7 +29,8 @@ Time: each stage's forward and backward per micro-batch, from
 - attention: flash (hpcllm, causal: half the score FLOPs at FlashAttention's efficiency,
   backward 2.5 times the forward), or unfused (Megatron-LM in 2021: two batched GEMMs over
   head_dim, and the scale-mask-softmax and dropout over b·a·s²/t elements in HBM);
-- the element-wise ops (LayerNorm, bias-GeLU, bias-dropout-add; their bytes) at HBM bandwidth;
+- the element-wise ops (norms, dropout-residual adds, the family's split pointwise ops such as
+  an MLP's activation; their bytes) at HBM bandwidth;
 - the tensor-parallel all-reduces (2 per layer forward, 2 backward, 2 more when recomputed;
   sequence parallelism's all-gather + reduce-scatter move the same bytes), ring cost inside a
   node;
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hpcllm import families
 from hpcllm.config import BatchPlan, padded_vocab
@@ -62,37 +69,22 @@ SOFTWARE = ("hpcllm", "megatron-2021")
 
 @dataclass(frozen=True)
 class Model:
-    """A model's shape and family (``model.arch``), whose spec gives its FLOPs, parameters,
-    GEMMs and activations (:mod:`hpcllm.families`)."""
+    """A model to plan: its family (``model.arch``), whose spec prices it (FLOPs, parameters,
+    GEMMs, traffic, activations: :mod:`hpcllm.families`), and its sizes."""
 
-    layers: int
-    hidden: int
-    heads: int
-    seq: int
-    vocab: int
-    arch: str = "gpt2"
-    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: heads)
-    ffn: int | None = None  # the MLP's width (None: 4·hidden)
-    tied: bool = True  # the output layer is the token embedding
+    arch: str
+    shape: families.Shape
+
+    @classmethod
+    def of(cls, arch: str, *sizes: int, **named: Any) -> Model:
+        """Return family ``arch``'s model of these sizes (``families.Shape``'s fields, in its
+        order or by name)."""
+        return cls(arch, families.Shape(*sizes, **named))
 
     @property
     def family(self) -> families.Family:
         """Return the family's spec."""
         return families.get(self.arch)
-
-    @property
-    def shape(self) -> families.Shape:
-        """Return the sizes the family's formulas take."""
-        return families.Shape(
-            self.layers,
-            self.hidden,
-            self.heads,
-            self.seq,
-            self.vocab,
-            self.kv_heads,
-            self.ffn,
-            self.tied,
-        )
 
     def parameters(self) -> int:
         """Return the parameter count (the family's)."""
@@ -241,7 +233,7 @@ def rank_parameters(model: Model, layout: Layout) -> float:
     """Return the parameters the first pipeline rank holds: its layers (each split over t as
     the family says), the embeddings, and the final layers when it is also the last."""
     t, family, shape = layout.tp, model.family, model.shape
-    layers = layout.vpp * math.ceil(model.layers / (layout.pp * layout.vpp))
+    layers = layout.vpp * math.ceil(shape.layers / (layout.pp * layout.vpp))
     split, whole = family.layer_parameters(shape)
     final = family.last_parameters(shape, t) if layout.pp == 1 else 0
     return layers * (split / t + whole) + family.first_parameters(shape, t) + final
@@ -330,16 +322,14 @@ class _Layer:
 
 
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
-    b, s, h, t = layout.micro_batch, model.seq, model.hidden, layout.tp
-    heads = model.heads // t
-    head_dim = h // model.heads
+    family, shape = model.family, model.shape
+    b, s, h, t = layout.micro_batch, shape.seq, shape.hidden, layout.tp
+    heads = shape.heads // t
+    head_dim = h // shape.heads
     peak = cluster.gpu.peak(software.precision)
     e = _bytes_per_value(software.precision)
-    rows = b * s
-    gemm = sum(
-        _gemm_s(cluster, peak, m, n, k, e)
-        for m, n, k in model.family.layer_gemms(rows, model.shape, t)
-    )
+    gemms = family.layer_gemms(b * s, shape, t)
+    gemm = sum(_gemm_s(cluster, peak, m, n, k, e) for m, n, k in gemms)
     if software.attention == "flash":
         # Causal: half of the 4·b·s²·h/t score and context FLOPs are computed.
         flops = 2.0 * b * s * s * h / t
@@ -362,23 +352,29 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
         attention_f = bmm + _memory_s(cluster, scores * (4 * e + 1)) + permute
         attention_b = 2 * bmm + _memory_s(cluster, scores * (5 * e + 1)) + 2 * permute
     # Norms and dropout-residual adds (replicated over tp unless sequence-parallel), and the
-    # family's split pointwise ops (GPT-2's bias-GeLU on 4h/t; Llama's SwiGLU and rotation):
-    # values read and written, plus dropout masks.
+    # family's split pointwise ops (an MLP's activation, a rotation of q and k): values read
+    # and written, plus dropout masks.
     replicated = b * s * h / (t if layout.sequence_parallel else 1)
     elementwise = _memory_s(
         cluster,
         replicated * (2 * 2 * e + 2 * (3 * e + 1))
-        + b * s * model.family.split_pointwise_values(model.shape, t) * e,
+        + b * s * family.split_pointwise_values(shape, t) * e,
     )
     if software.separate_bias_pass:  # the q|k|v output read and written once more
         elementwise += _memory_s(cluster, 2 * b * s * 3 * h / t * e)
-    # Backward: each linear's bias gradient sums its output gradient over the tokens (q|k|v
-    # and MLP up split over t; the attention output and MLP down whole, over s/t tokens with
-    # sequence parallelism, whose reduce-scatter leaves each rank its share of them).
-    row_tokens = b * s / (t if layout.sequence_parallel else 1)
-    bias_grads = _memory_s(cluster, (b * s * 7 * h / t + row_tokens * 2 * h) * e)
-    if not model.family.biases:
-        bias_grads = 0.0
+    # Backward: each linear's bias gradient sums its output gradient over the tokens. A GEMM
+    # narrower at t than whole is column-parallel: its bias is split, summed over all b·s
+    # tokens. The others (row-parallel) hold their whole bias, summed over s/t tokens with
+    # sequence parallelism, whose reduce-scatter leaves each rank its share of them.
+    bias_grads = 0.0
+    if family.biases:
+        row_tokens = b * s / (t if layout.sequence_parallel else 1)
+        whole = family.layer_gemms(b * s, shape, 1)
+        values = sum(
+            (b * s if n < n_whole else row_tokens) * n
+            for (_, n, _), (_, n_whole, _) in zip(gemms, whole, strict=True)
+        )
+        bias_grads = _memory_s(cluster, values * e)
     # Two all-reduces per layer; under sequence parallelism an all-gather and a
     # reduce-scatter each (the same bytes on a ring).
     link = "inter_node" if _spans_nodes(cluster, 1, t) else "intra_node"
@@ -414,11 +410,11 @@ def _in_flight(layout: Layout, m: int) -> float:
 
 
 def _activation_bytes_per_layer(model: Model, layout: Layout, software: Software) -> float:
-    s, b, h, t = model.seq, layout.micro_batch, model.hidden, layout.tp
-    sbh = s * b * h * _bytes_per_value(software.precision) / 2
+    shape, b, t = model.shape, layout.micro_batch, layout.tp
+    sbh = shape.seq * b * shape.hidden * _bytes_per_value(software.precision) / 2
     # Selective recomputation keeps no attention scores, as flash attention stores none.
     flash = software.attention == "flash" or layout.recompute == "selective"
-    return sbh * model.family.activation_factor(model.shape, t, layout.sequence_parallel, flash)
+    return sbh * model.family.activation_factor(shape, t, layout.sequence_parallel, flash)
 
 
 def memory_parts(
@@ -427,8 +423,8 @@ def memory_parts(
     """Return the busiest rank's memory in GB by part (weights, gradients, optimizer, ...)."""
     t, p, v = layout.tp, layout.pp, layout.vpp
     m = BatchPlan.of(global_batch, layout.micro_batch, layout.dp, "--global-batch").accumulation
-    layers_per_rank = v * math.ceil(model.layers / (p * v))
-    h = model.hidden
+    shape = model.shape
+    layers_per_rank = v * math.ceil(shape.layers / (p * v))
     params = rank_parameters(model, layout)
     if software.weights == "mixed":
         weight_b, grad_b, optimizer_b = 2, 4, 12
@@ -438,14 +434,14 @@ def memory_parts(
         optimizer_b /= layout.dp
     per_layer = _activation_bytes_per_layer(model, layout, software)
     e = _bytes_per_value(software.precision)
-    s, b = model.seq, layout.micro_batch
+    s, b, h = shape.seq, layout.micro_batch, shape.hidden
     if layout.recompute == "full":
         inputs = s * b * h * e / (t if layout.sequence_parallel else 1)
         activations = inputs * layers_per_rank * _in_flight(layout, m) + per_layer
     else:
         # _in_flight counts the rank's whole stage (all v chunks) per micro-batch held.
         activations = per_layer * layers_per_rank * _in_flight(layout, m)
-    logits = 2 * s * b * model.vocab / t * 4  # fp32 logits and their gradient, one micro-batch
+    logits = 2 * s * b * shape.vocab / t * 4  # fp32 logits and their gradient, one micro-batch
     return {
         "weights": params * weight_b / 1e9,
         "gradients": params * grad_b / 1e9,
@@ -463,12 +459,13 @@ def estimate(
     m = BatchPlan.of(global_batch, b, d, "--global-batch").accumulation
     peak = cluster.gpu.peak(software.precision)
     e = _bytes_per_value(software.precision)
+    family, shape = model.family, model.shape
     layer = _layer(model, layout, cluster, software)
-    layers_per_rank = v * math.ceil(model.layers / (p * v))
-    s, h = model.seq, model.hidden
+    layers_per_rank = v * math.ceil(shape.layers / (p * v))
+    s, h = shape.seq, shape.hidden
     # The output layer (last stage): logits GEMM, the loss over b·s·V/t values.
-    head_gemm = _gemm_s(cluster, peak, b * s, model.vocab // t, h, e)
-    logits = b * s * model.vocab / t
+    head_gemm = _gemm_s(cluster, peak, b * s, shape.vocab // t, h, e)
+    logits = b * s * shape.vocab / t
     loss_f, loss_b = (_memory_s(cluster, logits * n) for n in software.loss_bytes)
     stage_f = layers_per_rank * layer.forward + head_gemm + loss_f
     stage_b = layers_per_rank * layer.backward(layout.recompute) + 2 * head_gemm + loss_b
@@ -496,14 +493,16 @@ def estimate(
     else:
         bubble = 0.0
     pp_exposed = m * p2p
-    if p > 1 and model.tied:
-        # The tied embedding's gradient, summed between the first and the last stage.
+    # The tied embedding's gradient, summed between the first and the last stage: where the
+    # family's rules put a tensor on both (``first+last``) and this shape ties it.
+    tied = shape.tied and any(rule.stage == "first+last" for rule in family.tensors)
+    if p > 1 and tied:
         far = _spans_nodes(cluster, (p - 1) * t * d, 2)
         pp_exposed += collective_s(
             cluster,
             "inter_node" if far else "intra_node",
             "all_reduce",
-            padded_vocab(model.vocab, t) * h / t * software.grad_bytes,
+            padded_vocab(shape.vocab, t) * h / t * software.grad_bytes,
             2,
         )
     # Data parallelism: a ring over the d replicas of each shard, t ranks apart.
@@ -518,8 +517,8 @@ def estimate(
     tp_total = m * layers_per_rank * layer.tp_f * (2 + (layout.recompute == "full"))
     step_time = compute + bubble + pp_exposed + dp_exposed + optimizer
     gpus = t * p * d
-    done = model.family.step_flops(global_batch, model.shape, layout.recompute)
-    useful = model.family.step_flops(global_batch, model.shape, "none")
+    done = family.step_flops(global_batch, shape, layout.recompute)
+    useful = family.step_flops(global_batch, shape, "none")
     parts = memory_parts(model, layout, cluster, software, global_batch)
     usable = cluster.gpu.memory_gb * cluster.usable_memory_fraction
     return Estimate(

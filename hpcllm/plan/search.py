@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcllm.config import BatchPlan
+from hpcllm import families
+from hpcllm.config import BatchPlan, load_config
 from hpcllm.plan.costs import Estimate, Layout, Model, Software, estimate
 from hpcllm.plan.hardware import Cluster
 from hpcllm.user_error import UserError
@@ -48,30 +50,31 @@ def _divisors(n: int) -> list[int]:
 
 def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> None:
     """Refuse, in one line, a request no layout can meet."""
+    shape = model.shape
     for name, value in (
         ("--gpus", gpus),
         ("--global-batch", global_batch),
-        ("--layers", model.layers),
-        ("--hidden", model.hidden),
-        ("--heads", model.heads),
-        ("--seq", model.seq),
-        ("--vocab", model.vocab),
+        ("--layers", shape.layers),
+        ("--hidden", shape.hidden),
+        ("--heads", shape.heads),
+        ("--seq", shape.seq),
+        ("--vocab", shape.vocab),
     ):
         if value < 1:
             raise UserError(f"{name} must be positive, got {value}")
-    if model.hidden % model.heads:
-        raise UserError(f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
-    if fixed.tp and model.heads % fixed.tp:
-        raise UserError(f"--heads {model.heads} is not divisible by --tp {fixed.tp}")
+    if shape.hidden % shape.heads:
+        raise UserError(f"--hidden {shape.hidden} is not divisible by --heads {shape.heads}")
+    if fixed.tp and shape.heads % fixed.tp:
+        raise UserError(f"--heads {shape.heads} is not divisible by --tp {fixed.tp}")
     grid = (fixed.tp or 1) * (fixed.pp or 1)
     if gpus % grid:
         raise UserError(
             f"--gpus {gpus} is not divisible by tp x pp = {grid}; choose t and p whose product "
             f"divides {gpus}"
         )
-    if fixed.pp and fixed.pp * (fixed.vpp or 1) > model.layers:
+    if fixed.pp and fixed.pp * (fixed.vpp or 1) > shape.layers:
         raise UserError(
-            f"--pp {fixed.pp} x --vpp {fixed.vpp or 1} stages exceed the model's {model.layers} "
+            f"--pp {fixed.pp} x --vpp {fixed.vpp or 1} stages exceed the model's {shape.layers} "
             "layers"
         )
     if fixed.vpp and fixed.vpp > 1 and fixed.schedule not in (None, "interleaved"):
@@ -119,13 +122,14 @@ def layouts(
     """Yield every layout the search considers (the fixed choices held) that the software
     runs."""
     software = software or Software()
+    heads, layers = model.shape.heads, model.shape.layers
     for t in _divisors(gpus) if fixed.tp is None else [fixed.tp]:
-        if model.heads % t:
+        if heads % t:
             continue
         for p in _divisors(gpus // t) if fixed.pp is None else [fixed.pp]:
-            if p > model.layers or gpus % (t * p):
+            if p > layers or gpus % (t * p):
                 continue
-            if software.even_stages and model.layers % p:
+            if software.even_stages and layers % p:
                 continue
             # One stage runs 1f1b (plain accumulation): a fixed pipeline choice needs p > 1.
             if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
@@ -139,7 +143,7 @@ def layouts(
                 if sp is None:  # it saves memory at no cost in time, where the code has it
                     sp = t > 1 and software.can_sequence_parallel
                 recomputes = software.recomputes if fixed.recompute is None else (fixed.recompute,)
-                for schedule, v in _schedules(p, m, model.layers, fixed, software):
+                for schedule, v in _schedules(p, m, layers, fixed, software):
                     for recompute in recomputes:
                         yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1)
 
@@ -188,7 +192,7 @@ def search(
     if not found:
         raise UserError(
             f"no layout of {gpus} GPUs divides the global batch {global_batch} and the model's "
-            f"{model.heads} heads and {model.layers} layers with the choices given"
+            f"{model.shape.heads} heads and {model.shape.layers} layers with the choices given"
         )
     in_node = [e for e in found if e.fits and e.layout.tp <= cluster.gpus_per_node] or [
         e for e in found if e.fits
@@ -221,18 +225,18 @@ def _check_software_layout(model: Model, fixed: Fixed, software: Software) -> No
         )
     if fixed.sequence_parallel and not software.can_sequence_parallel:
         raise UserError("--sequence-parallel: this software has no sequence parallelism")
-    p, v = fixed.pp, fixed.vpp
+    p, v, layers = fixed.pp, fixed.vpp, model.shape.layers
     interleaved = fixed.schedule == "interleaved" or (v or 1) > 1
-    if software.even_stages and p and model.layers % p:
-        raise UserError(f"--pp {p}: this software needs the {model.layers} layers divisible by p")
+    if software.even_stages and p and layers % p:
+        raise UserError(f"--pp {p}: this software needs the {layers} layers divisible by p")
     if interleaved and p and p < software.interleave_min_pp:
         raise UserError(
             f"--pp {p}: this software runs the interleaved schedule at p >= "
             f"{software.interleave_min_pp} only"
         )
-    if interleaved and software.even_stages and p and v and (model.layers // p) % v:
+    if interleaved and software.even_stages and p and v and (layers // p) % v:
         raise UserError(
-            f"--vpp {v}: this software needs v to divide the {model.layers // p} layers of a stage"
+            f"--vpp {v}: this software needs v to divide the {layers // p} layers of a stage"
         )
 
 
@@ -264,7 +268,7 @@ def layout_record(e: Estimate) -> dict[str, Any]:
 def to_json(plan: Plan, top: int) -> dict[str, Any]:
     """Return the plan as one JSON-ready object, best layout first."""
     return {
-        "model": asdict(plan.model),
+        "model": {"arch": plan.model.arch, **asdict(plan.model.shape)},
         "gpus": plan.gpus,
         "global_batch": plan.global_batch,
         "cluster": plan.cluster.name,
@@ -276,23 +280,23 @@ def to_json(plan: Plan, top: int) -> dict[str, Any]:
     }
 
 
-def _family_sizes(model: Model) -> str:
-    """Return the sizes beyond GPT-2's a model has: its key/value heads, its MLP width."""
+def _own_sizes(shape: families.Shape) -> str:
+    """Return the sizes a shape sets away from their defaults: fewer key/value heads than
+    heads, an MLP width other than 4·hidden, an untied output layer."""
     extra = ""
-    if model.kv_heads and model.kv_heads != model.heads:
-        extra += f" ({model.kv_heads} key/value)"
-    if model.ffn and model.ffn != 4 * model.hidden:
-        extra += f", MLP {model.ffn}"
-    return extra + ("" if model.tied else ", untied output layer")
+    if shape.kv_heads and shape.kv_heads != shape.heads:
+        extra += f" ({shape.kv_heads} key/value)"
+    if shape.ffn and shape.ffn != 4 * shape.hidden:
+        extra += f", MLP {shape.ffn}"
+    return extra + ("" if shape.tied else ", untied output layer")
 
 
 def render(plan: Plan, top: int) -> str:
     """Return the ranked table, the memory of the best, and why the next layouts lost."""
-    c = plan.cluster
+    c, shape = plan.cluster, plan.model.shape
     lines = [
-        f"{plan.model.arch}: {plan.model.layers} layers, hidden {plan.model.hidden}, "
-        f"{plan.model.heads} heads{_family_sizes(plan.model)}, "
-        f"seq {plan.model.seq}, vocab {plan.model.vocab} "
+        f"{plan.model.arch}: {shape.layers} layers, hidden {shape.hidden}, "
+        f"{shape.heads} heads{_own_sizes(shape)}, seq {shape.seq}, vocab {shape.vocab} "
         f"({plan.model.parameters() / 1e9:.2f} B parameters); global batch "
         f"{plan.global_batch} on {plan.gpus} x {c.gpu.name} ({c.gpus_per_node} per node, "
         f"{c.name}); {plan.software.precision}, attention {plan.software.attention}",
@@ -340,48 +344,52 @@ def render(plan: Plan, top: int) -> str:
 def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | None = None) -> Path:
     """Write a train config for the best layout (runnable by ``hpcllm train``); return it.
 
-    ``preset`` is named only if the planned model is that preset's; ``vocab_size`` is
-    written only when given (otherwise the data's tokenizer decides, as in any run).
+    The model is written as ``--set`` would give it: the sizes every family shares and the
+    family's own keys for the rest of its shape (``Family.keys_of_shape``). ``preset`` is
+    named only if the planned shape is that preset's; ``vocab_size`` is written only when
+    given (otherwise the data's tokenizer decides, as in any run).
     """
-    from hpcllm.config import PRESETS, Config, config_from_dict
-
     if not plan.ranked:
         raise UserError("no layout fits in memory: there is no config to write")
     lay = plan.ranked[0].layout
-    m = plan.model
-    cfg = Config()
-    cfg.model.arch = m.arch
-    sizes = {"n_layer": m.layers, "n_head": m.heads, "d_model": m.hidden, "seq_len": m.seq}
-    named = PRESETS.get(preset or "", {})
-    cfg.model.preset = preset if {k: named.get(k) for k in sizes} == sizes else None
-    if cfg.model.preset is None:
-        for key, value in sizes.items():
-            setattr(cfg.model, key, value)
-        if m.arch != "gpt2":  # the family's own sizes (a preset would carry them)
-            cfg.model.n_kv_heads, cfg.model.ffn_size = m.kv_heads, m.ffn
-            cfg.model.tie_embeddings = m.tied
-    cfg.model.seq_len = m.seq
-    cfg.model.vocab_size = vocab_size
-    cfg.model.recompute = lay.recompute
-    parallel = cfg.parallel
-    parallel.tp, parallel.pp, parallel.dp, parallel.vpp, parallel.schedule = (
-        lay.tp,
-        lay.pp,
-        lay.dp,
-        lay.vpp,
-        lay.schedule,
-    )
-    parallel.sequence_parallel = lay.sequence_parallel
-    parallel.scatter_gather = lay.scatter_gather
-    cfg.train.micro_batch_size = lay.micro_batch
-    cfg.train.global_batch_size = plan.global_batch
-    cfg.train.precision = plan.software.precision
-    config_from_dict(cfg.to_dict())  # what train will read back: checked now, not at launch
+    model, shape = plan.model, plan.model.shape
+    keys = {
+        "model.arch": model.arch,
+        "model.preset": preset if _is_preset(model, preset) else None,
+        "model.n_layer": shape.layers,
+        "model.n_head": shape.heads,
+        "model.d_model": shape.hidden,
+        "model.seq_len": shape.seq,
+        **{f"model.{key}": value for key, value in model.family.keys_of_shape(shape).items()},
+        "model.vocab_size": vocab_size,
+        "model.recompute": lay.recompute,
+        "parallel.tp": lay.tp,
+        "parallel.pp": lay.pp,
+        "parallel.dp": lay.dp,
+        "parallel.vpp": lay.vpp,
+        "parallel.schedule": lay.schedule,
+        "parallel.sequence_parallel": lay.sequence_parallel,
+        "parallel.scatter_gather": lay.scatter_gather,
+        "train.micro_batch_size": lay.micro_batch,
+        "train.global_batch_size": plan.global_batch,
+        "train.precision": plan.software.precision,
+    }
+    # A JSON value is a YAML one: each reads back as itself. Checked now, not at launch.
+    cfg = load_config(None, [f"{key}={json.dumps(value)}" for key, value in keys.items()])
     try:
         cfg.dump(Path(path))
     except OSError as err:
         raise UserError(f"cannot write {path}: {err.strerror or err}") from None
     return Path(path)
+
+
+def _is_preset(model: Model, preset: str | None) -> bool:
+    """Return whether ``preset`` is a preset of the model's family of the model's shape (its
+    vocabulary aside, which the data may decide)."""
+    if preset is None or families.preset_family(preset) != model.arch:
+        return False
+    named = load_config(None, [f"model.arch={model.arch}", f"model.preset={preset}"]).model
+    return families.shape(named, model.shape.vocab) == model.shape
 
 
 def draw(plan: Plan, path: Path, top: int) -> Path:
