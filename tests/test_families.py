@@ -20,6 +20,7 @@ from hpcllm.errors import UserError
 from hpcllm.model import build
 from hpcllm.model.stages import build_chunks
 from hpcllm.observe import read_metrics
+from hpcllm.parallel.roles import role
 from hpcllm.plan.costs import Model
 
 TINY = [
@@ -63,11 +64,11 @@ def test_every_tensor_has_one_rule_that_says_how_it_is_split_and_where_it_lives(
         "ln_f.bias",
     }
     assert not any(family.rule(n).stage == "first" for n in last)
-    assert stages[1].wte.weight.pipeline_duplicate and stages[1].wte.weight.tied_across_stages
+    assert "tied" in role(stages[1].wte.weight).sums and role(stages[1].wte.weight).stage_copy
 
 
 def test_the_planner_and_flops_reach_the_family_through_the_registry():
-    plain, gated = Model(4, 64, 4, 32, 300), Model(4, 64, 4, 32, 300, arch="gpt2-gated")
+    plain, gated = Model.of("gpt2", 4, 64, 4, 32, 300), Model.of("gpt2-gated", 4, 64, 4, 32, 300)
     assert gated.parameters() - plain.parameters() == 4 * (4 * 64 * 64 + 4 * 64)
     with torch.device("meta"):
         built = build(load_config(None, ["model.arch=gpt2-gated", *TINY[:5]]).model, 300)

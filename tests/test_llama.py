@@ -22,6 +22,7 @@ from hpcllm.model import build
 from hpcllm.model.llama import Llama, ReplicatedHeadLinear, rope_frequencies
 from hpcllm.model.stages import build_chunks
 from hpcllm.observe import read_metrics
+from hpcllm.parallel.roles import role
 from hpcllm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 LLAMA = ["model.arch=llama", "model.preset=llama-tiny"]
@@ -49,9 +50,9 @@ def test_every_tensor_has_one_rule_and_the_spec_counts_the_modules_parameters(ti
     names = {n for n, _ in last.named_parameters() if not n.startswith("blocks.")}
     assert names == ({"wte.weight"} if tied else {"lm_head.weight"}) | {"norm_f.weight"}
     if tied:
-        assert last.wte.weight.tied_across_stages and last.wte.weight.pipeline_duplicate
+        assert "tied" in role(last.wte.weight).sums and role(last.wte.weight).stage_copy
     else:
-        assert not hasattr(last.lm_head.weight, "tied_across_stages")
+        assert role(last.lm_head.weight).sums == () and role(last.lm_head.weight).counted
 
 
 def _linear_flops_per_token(model: torch.nn.Module) -> float:
@@ -155,7 +156,7 @@ def test_attention_is_grouped_query_attention():
     ("sets", "words"),
     [
         (["model.arch=gpt2", "model.n_kv_heads=2"], "model.n_kv_heads is not a gpt2 setting"),
-        (["model.arch=gpt2", "model.tie_embeddings=false"], "always tied"),
+        (["model.arch=gpt2", "model.tie_embeddings=false"], "tie_embeddings is not a gpt2 setting"),
         (["model.arch=gpt2", "model.preset=llama-tiny"], "is a llama preset"),
         ([*LLAMA, "model.n_kv_heads=3"], "not a multiple of model.n_kv_heads 3"),
         (

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from hpcllm import families
 from hpcllm.config import ModelConfig, load_config, padded_vocab
 from hpcllm.convert import from_hf_state, to_hf_state
 from hpcllm.errors import UserError
@@ -261,7 +262,7 @@ def test_cached_generation_gives_the_uncached_tokens(arch, preset):
     # The cache holds each block's key/value heads once (GQA: the shared ones).
     cache = KVCache(cfg.model.n_layer, 128)
     logits = model.decode(ids, cache)
-    kv = cfg.model.n_kv_heads or cfg.model.n_head
+    kv = families.shape(cfg.model, 300).kv_heads or cfg.model.n_head
     head_dim = cfg.model.d_model // cfg.model.n_head
     assert cache.layers[0].keys.shape == (1, kv, 20, head_dim) and cache.length == 20
     torch.testing.assert_close(logits[:, -1], model(ids)[:, -1], rtol=1e-5, atol=1e-5)

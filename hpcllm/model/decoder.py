@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from hpcllm import families, kernels
 from hpcllm.config import ModelConfig, padded_vocab
 from hpcllm.parallel.random import recompute_context, tp_rng
+from hpcllm.parallel.roles import assign_roles
 from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from hpcllm.parallel.tensor.deferred import linear
 from hpcllm.parallel.tensor.layers import (
@@ -307,6 +308,14 @@ class Decoder(nn.Module):
             self.add_module(self.parts.norm_names[2], norm)
             if not self.tied:
                 self.lm_head = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, **vocab)
+        assign_roles(
+            self.named_parameters(),
+            families.get(cfg.arch),
+            t=t,
+            tp_rank=group_rank(tp_group),
+            sequence_parallel=self.sequence_parallel,
+            kv_heads=families.shape(cfg, vocab_size).kv_heads or cfg.n_head,
+        )
 
     @classmethod
     def block(

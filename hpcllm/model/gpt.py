@@ -20,7 +20,6 @@ from hpcllm.model.decoder import Decoder, DecoderParts, SelfAttention
 from hpcllm.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    mark_sequence_parallel,
     normal_init,
 )
 
@@ -33,8 +32,6 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
         self.eps = eps
-        if sequence_parallel:
-            mark_sequence_parallel(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.layer_norm(x, self.weight, self.bias, self.eps)
@@ -46,8 +43,6 @@ class LearnedPositions(nn.Embedding):
     def __init__(self, cfg: ModelConfig, gen: torch.Generator, sequence_parallel: bool) -> None:
         super().__init__(cfg.seq_len, cfg.d_model)
         normal_init(cfg.init_std)(self.weight, gen)
-        if sequence_parallel:
-            mark_sequence_parallel(self.weight)
 
 
 class Attention(SelfAttention):

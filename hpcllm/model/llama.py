@@ -29,7 +29,7 @@ from hpcllm.parallel.tensor.deferred import linear
 from hpcllm.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    mark_sequence_parallel,
+    mark_split,
     normal_init,
     sequence_parallel_linear,
 )
@@ -43,8 +43,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        if sequence_parallel:
-            mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
@@ -91,11 +89,9 @@ class ReplicatedHeadLinear(nn.Module):
         init(full, gen)
         head = group_rank(group) // replicas
         self.weight = nn.Parameter(full[head * head_dim : (head + 1) * head_dim].clone())
-        self.weight.tensor_parallel = True
-        self.weight.partition = (0, 1, replicas)
-        # The ranks sharing a head sum its gradient; only the first of them counts it.
-        self.weight.kv_replicas = replicas
-        self.weight.tp_duplicate = group_rank(group) % replicas != 0
+        # Split by head; the ranks sharing a head sum its gradient, the first counts it (the
+        # family's "kv-replicas" rule, hpcllm.parallel.roles).
+        mark_split(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

@@ -4,8 +4,8 @@ Stage k of S = p·v holds a contiguous run of blocks; the first also holds the e
 last the final LayerNorm and the output layer, which is tied to the embedding. When those
 two stages sit on different ranks each keeps a copy of the embedding and, as Megatron-LM
 does, their gradients are all-reduced between the two before the optimizer step, so the
-copies stay equal. The last stage's copy is marked ``pipeline_duplicate`` so the global
-gradient norm counts it once.
+copies stay equal. The last stage's copy is the stage copy (:mod:`hpcllm.parallel.roles`), so
+the global gradient norm counts it once.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from hpcllm import families
 from hpcllm.config import ModelConfig
 from hpcllm.model import build
+from hpcllm.parallel.roles import tie_across_stages
 
 
 def split_layers(n_layer: int, stages: int, given: Sequence[int] | None = None) -> list[range]:
@@ -86,14 +87,12 @@ def build_chunks(
 
 
 def _mark_tied(part: nn.Module, family: families.Family) -> None:
-    """Mark the tensors the family ties across the first and last stage (its rules' stage
-    ``first+last``): their gradient is complete only once both stages have summed theirs,
-    and the last stage's copy is counted once in the gradient norm."""
+    """Give the tensors the family ties across the first and last stage (its rules' stage
+    ``first+last``) the tied sum: their gradient is complete only once both stages have
+    summed theirs, and the last stage's copy is counted once in the gradient norm."""
     for name, param in part.named_parameters():
         if family.rule(name).stage == "first+last":
-            param.tied_across_stages = True
-            if part.post and not part.pre:
-                param.pipeline_duplicate = True
+            tie_across_stages(param, stage_copy=part.post and not part.pre)
 
 
 def chunks_state_dict(chunks: nn.ModuleList, pp: int) -> dict[str, Any]:

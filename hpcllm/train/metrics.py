@@ -26,7 +26,7 @@ from hpcllm.config import Config, batch_plan
 from hpcllm.files import atomic_write
 from hpcllm.flops import model_step_flops
 from hpcllm.parallel.pipeline.schedule import Interval
-from hpcllm.parallel.tensor.layers import is_split
+from hpcllm.parallel.roles import role
 from hpcllm.topology import Grid
 from hpcllm.train import memory
 from hpcllm.train.parallelize import ParallelModel
@@ -41,10 +41,10 @@ def count_parameters(chunks: torch.nn.Module, grid: Grid) -> int:
     leaving out the last stage's copy of the tied embedding. A collective over the stages.
     """
     count = sum(
-        # A key/value head kept on several tp ranks (kv_replicas of them) counts once.
-        p.numel() * (grid.tp // getattr(p, "kv_replicas", 1) if is_split(p) else 1)
+        # A slice held by several tp ranks (a key/value head's replicas) counts once.
+        role(p).whole_numel(p.numel(), grid.tp)
         for p in chunks.parameters()
-        if not getattr(p, "pipeline_duplicate", False)
+        if not role(p).stage_copy
     )
     if grid.pp > 1:
         total = torch.tensor([count], dtype=torch.int64, device=grid.device)

@@ -51,6 +51,7 @@ from hpcllm.errors import UserError
 from hpcllm.files import new_folder
 from hpcllm.model import build
 from hpcllm.model.stages import split_layers
+from hpcllm.parallel.roles import replicas, role
 from hpcllm.parallel.tensor.layers import merge_shards, shard_of
 from hpcllm.train import checkpoint
 from hpcllm.train import run_dir as run_folder
@@ -108,12 +109,12 @@ class Param:
     dim: int
     partition: tuple[int, int] | None  # (dim, stride) of the tp slices; None: whole on every rank
     padded: bool = False  # vocabulary rows, padded to a multiple of 128·t
-    # Split by key/value head: with fewer heads than tp ranks, each head on t / heads ranks.
-    kv_heads: int | None = None
+    grad: str = "local"  # its rule's gradient kind: "kv-replicas" is kept on t / heads ranks
+    kv_heads: int = 1  # the model's key/value heads
 
     def replicas(self, tp: int) -> int:
         """Return how many tp ranks of ``tp`` hold each slice (1 but for kv heads)."""
-        return max(1, tp // self.kv_heads) if self.kv_heads else 1
+        return replicas(self.grad, tp, self.kv_heads)
 
 
 def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param]:
@@ -125,11 +126,8 @@ def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param
     kv = families.shape(cfg, 1).kv_heads or cfg.n_head
     params = []
     for name, param in stage.named_parameters():
-        rule = family.rule(name)
-        heads = kv if rule.grad == "kv-replicas" else None
-        params.append(
-            Param(name, param.dim(), getattr(param, "partition", None), rule.padded, heads)
-        )
+        part = role(param)
+        params.append(Param(name, param.dim(), part.split, part.padded, family.rule(name).grad, kv))
     return params
 
 

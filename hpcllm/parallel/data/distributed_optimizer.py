@@ -50,7 +50,7 @@ from hpcllm.parallel.data.horovod import (
     start_horovod,
 )
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
-from hpcllm.parallel.tensor.layers import is_split
+from hpcllm.parallel.roles import role
 from hpcllm.topology import Grid
 
 FORMAT = "hpcllm-distributed-optimizer-1"
@@ -290,9 +290,7 @@ class ZeroState:
             mine = bucket.part(dp, dp_rank)
             for p, off in zip(bucket.params, bucket.offsets, strict=True):
                 lo, hi = max(off, mine.start), min(off + p.numel(), mine.stop)
-                if lo >= hi or getattr(p, "pipeline_duplicate", False):
-                    continue
-                if getattr(p, "tp_duplicate", False):  # another tp rank counts this kv head
+                if lo >= hi or not role(p).counted:  # another stage or tp rank counts it
                     continue
                 kind = "split" if tp_split(p) else "whole"
                 seg = slice(lo - mine.start, hi - mine.start)
@@ -653,15 +651,9 @@ class DistributedOptimizerEngine(Engine):
             raise UserError("parallel.distributed_optimizer shards AdamW's state only")
         groups = [group["params"] for group in inner.param_groups]
         chunk_of = {id(p): i for i, m in enumerate(self.modules) for p in m.parameters()}
-        late = {
-            id(p)
-            for g in groups
-            for p in g
-            if getattr(p, "sequence_parallel", False)
-            or getattr(p, "tied_across_stages", False)
-            or getattr(p, "kv_replicas", 1) > 1
-        }
-        tp_split = is_split if self.grid.tp > 1 else (lambda p: False)
+        # A gradient summed beyond d (its role's sums) is reduced once those sums are done.
+        late = {id(p) for g in groups for p in g if role(p).sums}
+        tp_split = (lambda p: role(p).split is not None) if self.grid.tp > 1 else (lambda p: False)
         self.zero = ZeroState(
             groups,
             chunk_of,

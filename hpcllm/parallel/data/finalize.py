@@ -3,29 +3,32 @@
 What every engine's :meth:`~hpcllm.parallel.data.engine.Engine.finalize_grads` runs besides
 its own reduction over d, as Megatron-Core's ``finalize_model_grads`` does:
 
-1. whole parameters used in sequence-parallel regions (LayerNorms, row-parallel biases,
-   positions; marked ``sequence_parallel``) sum their partial gradients over the
-   tensor-parallel group;
-2. the tied embedding's two copies, on the first and the last pipeline stage (marked
-   ``tied_across_stages``), sum theirs over the embedding group;
-3. a key/value head kept on several tp ranks (grouped-query attention with fewer heads than
-   ranks; marked ``kv_replicas``) sums its gradient over the ranks that hold it.
+one sum per gradient kind a parameter's role names (:mod:`hpcllm.parallel.roles`), each over
+its own group (:data:`SUMS`):
 
-Both are linear, so they may come before or after the data-parallel average: an engine puts
+1. ``tp-sum-if-sequence-parallel``: whole parameters used in sequence-parallel regions
+   (norms, row-parallel biases, positions) sum their partial gradients over the
+   tensor-parallel group;
+2. ``tied``: the tied embedding's two copies, on the first and the last pipeline stage, sum
+   theirs over the embedding group;
+3. ``kv-replicas``: a key/value head kept on several tp ranks (grouped-query attention with
+   fewer heads than ranks) sums its gradient over the ranks that hold it.
+
+All are linear, so they may come before or after the data-parallel average: an engine puts
 them where its reduction needs them. :func:`global_grad_norm` is the norm the optimizer clips
-by and skips on.
+by and skips on; it counts each tensor once, as the roles say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpcllm.parallel.tensor.layers import is_split
+from hpcllm.parallel.roles import GRADIENT_KINDS, role
 from hpcllm.parallel.tensor.mappings import group_size
 from hpcllm.topology import ProcessGroups
 
@@ -40,7 +43,9 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -
     if group_size(group) == 1:
         return
     grads = [
-        p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None
+        p.grad
+        for p in params
+        if "tp-sum-if-sequence-parallel" in role(p).sums and p.grad is not None
     ]
     if not grads:
         return
@@ -53,23 +58,23 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -
 
 
 def sum_tied_grads(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Sum over ``group`` (the first and last stage) the gradient of each parameter marked
-    ``tied_across_stages``: the tied embedding's two copies. Nothing when ``group`` is None."""
+    """Sum over ``group`` (the first and last stage) the gradient of each parameter whose
+    role takes the tied sum: the tied embedding's two copies. Nothing when ``group`` is None."""
     if group is None:
         return
     for p in params:
-        if getattr(p, "tied_across_stages", False):
+        if "tied" in role(p).sums:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
 
 
 def sum_kv_replica_grads(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Sum the gradient of each key/value head over the tp ranks that hold it (parameters
-    marked ``kv_replicas``: rank r holds head r // replicas): one all-reduce over the tp
-    group of every head's slot, this rank's gradient in its own head's slot."""
+    """Sum the gradient of each key/value head over the tp ranks that hold it (their role's
+    ``replicas``: rank r holds head r // replicas): one all-reduce over the tp group of every
+    head's slot, this rank's gradient in its own head's slot."""
     t = group_size(group)
-    replicated = [p for p in params if getattr(p, "kv_replicas", 1) > 1]
+    replicated = [p for p in params if "kv-replicas" in role(p).sums]
     if t == 1 or not replicated:
         return
     rank = dist.get_rank(group)
@@ -77,23 +82,32 @@ def sum_kv_replica_grads(params: Iterable[nn.Parameter], group: Any) -> None:
     for p in replicated:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        heads = t // p.kv_replicas
+        heads = t // role(p).replicas
         slots = p.grad.new_zeros(heads, *p.grad.shape)
-        slots[rank // p.kv_replicas] = p.grad
+        slots[rank // role(p).replicas] = p.grad
         grads.append(slots)
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     for p, summed in zip(
         replicated, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
     ):
-        p.grad.copy_(summed[rank // p.kv_replicas])
+        p.grad.copy_(summed[rank // role(p).replicas])
+
+
+# Each gradient kind's sum (GRADIENT_KINDS names its group), in the order they run; a new
+# kind is one more entry.
+SUMS: dict[str, Callable[[Sequence[nn.Parameter], Any], None]] = {
+    "tp-sum-if-sequence-parallel": reduce_sequence_parallel_grads,
+    "tied": sum_tied_grads,
+    "kv-replicas": sum_kv_replica_grads,
+}
 
 
 def finalize_model_grads(params: Sequence[nn.Parameter], groups: ProcessGroups) -> None:
-    """Run the sums on ``params`` (a rank's parameters, in chunk order): tp, embedding, kv."""
-    reduce_sequence_parallel_grads(params, groups.tp)
-    sum_tied_grads(params, groups.embedding)
-    sum_kv_replica_grads(params, groups.tp)
+    """Run every gradient kind's sum on ``params`` (a rank's parameters, in chunk order), each
+    over its group: sequence-parallel over tp, tied over the embedding group, kv over tp."""
+    for kind, run in SUMS.items():
+        run(params, getattr(groups, GRADIENT_KINDS[kind].group))
 
 
 def global_grad_norm(
@@ -104,24 +118,17 @@ def global_grad_norm(
     Sliced parameters contribute their squares from every tp rank (an all-reduce); whole
     ones (LayerNorm, row-parallel biases, positions) hold the same gradient on every tp rank
     and are counted once. Each pipeline stage holds different parameters, so the stages' sums
-    are added; a parameter marked ``pipeline_duplicate`` (the last stage's copy of the tied
-    embedding) is not counted, since the first stage counts it, nor one marked
-    ``tp_duplicate`` (a key/value head's copy on a rank other than the first that holds it).
+    are added. A tensor held twice is counted where its role says (``TensorRole.counted``):
+    the tied embedding on the first stage, a key/value head on the first rank holding it.
     """
-    counted = [
-        p
-        for p in parameters
-        if p.grad is not None
-        and not getattr(p, "pipeline_duplicate", False)
-        and not getattr(p, "tp_duplicate", False)
-    ]
+    counted = [p for p in parameters if p.grad is not None and role(p).counted]
     if not counted and group_size(tp_group) == 1 and group_size(pp_group) == 1:
         return torch.zeros(())
     device = counted[0].grad.device if counted else parameters[0].device
     # With one tp rank every parameter is whole; otherwise split and whole ones sum apart.
     tp = group_size(tp_group) > 1
-    split = _squared_norm([p.grad for p in counted if tp and is_split(p)], device)
-    whole = _squared_norm([p.grad for p in counted if not (tp and is_split(p))], device)
+    split = _squared_norm([p.grad for p in counted if tp and role(p).split], device)
+    whole = _squared_norm([p.grad for p in counted if not (tp and role(p).split)], device)
     if tp:
         dist.all_reduce(split, group=tp_group)
     total = split + whole

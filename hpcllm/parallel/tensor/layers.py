@@ -3,8 +3,8 @@
 With a tp group of one rank each layer is an ordinary Linear or Embedding. Weights are
 initialised whole, from the same generator on every rank, and each rank keeps its slice, so a
 model built with t > 1 holds exactly the shards of the t = 1 model from the same seed.
-Parameters carry marks (:func:`mark_split`, :func:`mark_sequence_parallel`) that gradient
-finishing and checkpoint conversion read.
+Each layer marks how it split its weights (:func:`mark_split`); a model's parameters then take
+their roles from the family's rules, checked against these marks (:mod:`hpcllm.parallel.roles`).
 """
 
 from __future__ import annotations
@@ -79,26 +79,14 @@ def normal_init(std: float) -> InitFn:
 
 
 def mark_split(*params: nn.Parameter | None, dim: int = 0, stride: int = 1) -> None:
-    """Mark parameters that hold a tp rank's slice along ``dim`` (see :func:`shard_of`).
+    """Record on parameters that hold a tp rank's slice along ``dim`` (see :func:`shard_of`)
+    how their layer split them (``partition``), which the family's rules must repeat.
 
     Unmarked parameters are whole on every tp rank.
     """
     for param in params:
         if param is not None:
-            param.tensor_parallel = True
             param.partition = (dim, stride)
-
-
-def is_split(param: torch.Tensor) -> bool:
-    """Return whether ``param`` is a tp rank's slice of a larger tensor."""
-    return getattr(param, "tensor_parallel", False)
-
-
-def mark_sequence_parallel(*params: nn.Parameter | None) -> None:
-    """Mark whole parameters that see only a sequence part (their grads are partial)."""
-    for param in params:
-        if param is not None:
-            param.sequence_parallel = True
 
 
 def merge_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
@@ -203,8 +191,6 @@ class RowParallelLinear(nn.Module):
         _init_shard(self.weight, (out_features, in_features), 1, 1, init, gen, group)
         mark_split(self.weight, dim=1)  # the bias is whole on every rank
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        if self.sequence_parallel:  # added to this rank's part of the sequence only
-            mark_sequence_parallel(self.bias)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """Return the whole output; with sequence parallelism, this rank's sequence part."""
