@@ -53,6 +53,8 @@ def check_or_record(mode: str, run_dir: Path) -> None:
         if want["grad_norm"] is None:
             assert got["grad_norm"] is None, (got, want)
         else:
-            assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=1e-6), (got, want)
+            # fp16 matmuls on another CPU's kernels round differently: the commit that recorded
+            # these gives 3.0181229 for zero's step 2 on one machine and 3.0181170 on another.
+            assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=1e-5), (got, want)
     # The overflow is where it was injected: step 2 (the third) is the one skipped.
     assert [r["skipped"] for r in mine].count(True) == 1
