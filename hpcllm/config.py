@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,9 +25,25 @@ import yaml
 
 from hpcllm import families
 from hpcllm.errors import UserError
-from hpcllm.families.gpt2 import PRESETS as GPT2_PRESETS
-from hpcllm.families.llama import PRESETS as LLAMA_PRESETS
 from hpcllm.files import atomic_write
+from hpcllm.keys import (
+    ABOVE_ZERO,
+    COUNT_OR_NEVER,
+    FRACTION,
+    LAYERS,
+    MEGABYTES,
+    OFF_AT_ZERO,
+    POSITIVE,
+    RANK,
+    RULES,
+    SEED,
+    STRAGGLE,
+    TWO_TOKENS,
+    WEEK,
+    Rule,
+    key,
+    text_of,
+)
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -108,106 +124,32 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-# Model sizes, the built-in family's (hpcllm/families/gpt2.py): gpt2-124m/350m are GPT-2
-# small/medium (Radford et al., 2019); 760m and 1.3b are the GPT-3 paper's sizes with
-# Megatron-LM's head counts (head dim 96 and 128). A family registered later adds its own
-# (families.presets()).
-PRESETS: dict[str, dict[str, Any]] = {**GPT2_PRESETS, **LLAMA_PRESETS}
-
-
-@dataclass(frozen=True, eq=False)
-class Rule:
-    """A bound a key's value must pass (null always passes), and what it says when it does not."""
-
-    passes: Callable[[Any], bool]
-    says: str
-
-
-# The bounds, in the order the check tries them (each key's rules are tried in this order).
-POSITIVE = Rule(lambda v: v >= 1, "must be positive")
-COUNT_OR_NEVER = Rule(lambda v: v >= 0, "must be >= 0 (0: none or never)")
-ABOVE_ZERO = Rule(lambda v: v > 0, "must be above 0")
-OFF_AT_ZERO = Rule(lambda v: v >= 0, "must be >= 0")  # 0 is off (no decay, no clipping)
-FRACTION = Rule(lambda v: 0 <= v < 1, "must be in [0, 1)")  # 1 drops everything
-STRAGGLE = Rule(lambda v: 1 <= v <= 1000, "must be from 1 to 1000")
-RANK = Rule(lambda v: v >= 0, "must be >= 0")
-SEED = Rule(lambda v: 0 <= v < 2**32, "must be from 0 to 2**32 - 1")  # numpy's and torch's
-# Past these no machine has a meaning for the value (and what it feeds overflows).
-LAYERS = Rule(lambda v: v <= 4096, "must be at most 4096")  # bounds the per-stage lists
-MEGABYTES = Rule(lambda v: v <= 1e6, "must be at most 1e6 (a terabyte)")
-WEEK = Rule(lambda v: v <= 7 * 24 * 3600, "must be at most a week (604800)")
-TWO_TOKENS = Rule(lambda v: v >= 2, "must be at least 2")  # a vocabulary of one predicts nothing
+# The one rule that reads the registry, so it lives above the families; the check tries it
+# after every bound of hpcllm.keys.RULES. It names the families registered when it is shown.
 FAMILY = Rule(
     lambda v: v in families.names(),
-    "must be a model family: gpt2, llama, or one registered by a module HPCLLM_FAMILIES names",
+    lambda: (
+        f"must be a model family: {', '.join(families.names())}, or one registered by a "
+        "module HPCLLM_FAMILIES names"
+    ),
 )
-RULES = (
-    POSITIVE,
-    COUNT_OR_NEVER,
-    ABOVE_ZERO,
-    OFF_AT_ZERO,
-    FRACTION,
-    STRAGGLE,
-    RANK,
-    SEED,
-    LAYERS,
-    MEGABYTES,
-    WEEK,
-    TWO_TOKENS,
-    FAMILY,
-)
-
-
-def key(default: Any, help: str, *rules: Rule, form: str | None = None) -> Any:  # noqa: A002
-    """Return a config field: its default, its one-line description and its rule.
-
-    The rule is the field's ``Literal[...]`` type (choices), its bounds (``rules``), or, for a
-    value whose form a check reads (a folder path, ``A:B``), ``form`` says what it must be.
-    :func:`fields` reads all of it back.
-    """
-    if isinstance(default, list):
-        raise TypeError("a list default needs a factory")
-    return field(default=default, metadata={"help": help, "rules": rules, "form": form})
 
 
 @dataclass
 class ModelConfig:
     """The model: its family (``arch``) and shape; ``preset`` fills the sizes left unset."""
 
+    # The keys every family shares; a family's own follow them (model_config, Family.keys).
     arch: str = key("gpt2", "model family (hpcllm.families)", FAMILY, form="gpt2")
     preset: str | None = key(
         "tiny",
         "size preset filling the sizes left unset; null: give every size",
-        form=", ".join(PRESETS) + " or null",
+        form=lambda: ", ".join(families.presets()) + " or null",
     )
     n_layer: int | None = key(None, "transformer blocks", POSITIVE, LAYERS)
     n_head: int | None = key(None, "attention heads", POSITIVE)
     d_model: int | None = key(None, "hidden size", POSITIVE)
     seq_len: int | None = key(None, "tokens per sample", POSITIVE)
-    n_kv_heads: int | None = key(
-        None, "key/value heads, grouped-query attention (llama); null: n_head", POSITIVE
-    )
-    ffn_size: int | None = key(
-        None, "MLP width (llama); null: Meta's rule, ffn_multiplier and ffn_multiple_of", POSITIVE
-    )
-    ffn_multiplier: float | None = key(
-        None, "Meta's MLP width multiplier of 2/3 of 4 x d_model (llama); null: 1", ABOVE_ZERO
-    )
-    ffn_multiple_of: int = key(
-        256, "the MLP width rounds up to a multiple of this (llama)", POSITIVE
-    )
-    rope_theta: float = key(10000.0, "the rotary embeddings' base (llama)", ABOVE_ZERO)
-    rope_scaling: float | None = key(
-        None, "Llama 3.1's rotary frequency scaling factor (llama); null: no scaling", ABOVE_ZERO
-    )
-    rope_low_freq_factor: float = key(1.0, "Llama 3.1 scaling's low frequency factor", ABOVE_ZERO)
-    rope_high_freq_factor: float = key(4.0, "Llama 3.1 scaling's high frequency factor", ABOVE_ZERO)
-    rope_original_seq_len: int = key(
-        8192, "the context the scaled rotary frequencies were trained at (llama)", POSITIVE
-    )
-    tie_embeddings: bool | None = key(
-        None, "the output layer is the token embedding; null: the family's (gpt2 yes, llama no)"
-    )
     vocab_size: int | None = key(
         None, "vocabulary; null: the prepared data's tokenizer decides", TWO_TOKENS
     )
@@ -224,6 +166,31 @@ class ModelConfig:
     layer_norm_eps: float = key(1e-5, "the norms' epsilon (LayerNorm, RMSNorm)", ABOVE_ZERO)
     init_std: float = key(
         0.02, "standard deviation of the weights' normal initialisation", ABOVE_ZERO
+    )
+
+
+def model_config(arch: str, **values: Any) -> ModelConfig:
+    """Return the model section of family ``arch`` holding ``values``: the keys every family
+    shares, then the family's own (``Family.keys``); the rest at their defaults."""
+    family = families.get(arch)
+    return _model_class(arch, family.keys)(**{**values, "arch": arch})
+
+
+@functools.cache
+def _model_class(arch: str, own: type | None) -> type[ModelConfig]:
+    """Return the model section's class of family ``arch`` whose own keys are the dataclass
+    ``own``: ModelConfig where it has none, else ModelConfig's fields followed by own's."""
+    if own is None:
+        return ModelConfig
+    clash = {f.name for f in dataclasses.fields(ModelConfig)} & {
+        f.name for f in dataclasses.fields(own)
+    }
+    if clash:
+        raise TypeError(f"family {arch}'s own keys repeat shared ones: {', '.join(sorted(clash))}")
+    # Bases in this order put ModelConfig's fields first (a dataclass collects its fields from
+    # the far end of the MRO), and keep every instance a ModelConfig.
+    return dataclasses.make_dataclass(
+        f"ModelConfig[{arch}]", [], bases=(own, ModelConfig), namespace={"__module__": __name__}
     )
 
 
@@ -424,6 +391,7 @@ class Field:
     choices: tuple[str, ...] | None  # a Literal field's values
     rules: tuple[Rule, ...]
     form: str | None  # what a value must look like, where a check reads its form
+    family: str | None = None  # the family whose own model key it is; None: a shared key
 
     def rule_text(self) -> str:
         """Return what a value must be, as the docs say it."""
@@ -471,13 +439,20 @@ def _choices_of(annotation: Any) -> tuple[str, ...] | None:
     return None
 
 
-def fields() -> list[Field]:
-    """Return every config key, section by section in field order, with its rule and help."""
+def fields(of: Config | str | None = None) -> list[Field]:
+    """Return the keys of config ``of`` (None: the default config), or of a config of the
+    family ``of`` names, section by section in field order with their rules and help (the
+    model section: the keys every family shares, then the family's own)."""
+    cfg = Config(model=model_config(of)) if isinstance(of, str) else of
+    cfg = Config() if cfg is None else cfg
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
     out = []
     for section in dataclasses.fields(Config):
-        part = section.default_factory()  # type: ignore[misc]
-        hints = typing.get_type_hints(type(part))
+        owner = type(getattr(cfg, section.name))
+        part = owner()  # the declared defaults, a factory's included
+        hints = typing.get_type_hints(owner)
         for f in dataclasses.fields(part):
+            own = section.name == "model" and f.name not in shared
             out.append(
                 Field(
                     section.name,
@@ -487,10 +462,17 @@ def fields() -> list[Field]:
                     f.metadata["help"],
                     _choices_of(hints[f.name]),
                     tuple(f.metadata["rules"]),
-                    f.metadata["form"],
+                    _form(f),
+                    cfg.model.arch if own else None,
                 )
             )
     return out
+
+
+def _form(f: dataclasses.Field) -> str | None:
+    """Return what a field's value must look like, where a check reads its form (else None)."""
+    form = f.metadata["form"]
+    return None if form is None else text_of(form)
 
 
 def show_value(value: Any) -> str:
@@ -501,18 +483,22 @@ def show_value(value: Any) -> str:
 
 
 def choices(section: str, name: str) -> tuple[str, ...] | None:
-    """Return the values ``section.name`` takes, when it is a choice (else None)."""
-    return next((f.choices for f in fields() if (f.section, f.name) == (section, name)), None)
+    """Return the values ``section.name`` takes, when it is a choice (else None): a shared
+    key's, or a registered family's own key's."""
+    every = [f for arch in families.names() for f in fields(arch)]
+    return next((f.choices for f in every if (f.section, f.name) == (section, name)), None)
 
 
 def config_reference() -> str:
     """Return docs/config.md: every key with its type, default, rule and description, written
-    from the fields (``python -m hpcllm.config > docs/config.md``; a test compares the two)."""
+    from the fields (``python -m hpcllm.config > docs/config.md``; a test compares the two):
+    the model section's shared keys, then each registered family's own."""
     lines = [
         "# Configuration reference",
         "",
         "<!-- Written by `python -m hpcllm.config > docs/config.md` from the fields of",
-        "hpcllm/config.py; tests/test_config.py fails when this page and the fields differ. -->",
+        "hpcllm/config.py and of each family's keys; tests/test_config.py fails when this page",
+        "and the fields differ. -->",
         "",
         "A config is a YAML file of five sections; `--set section.key=value` overrides one key",
         "(the value read as YAML), and `hpcllm train --print-config` prints the resolved config.",
@@ -520,15 +506,47 @@ def config_reference() -> str:
         "Checks across keys (and against the world size) are in `hpcllm.config.check` and",
         "`hpcllm.train.preflight`.",
     ]
+    shared = fields()
     for section in dataclasses.fields(Config):
-        doc = (section.default_factory.__doc__ or "").strip().replace("``", "`")  # type: ignore[union-attr]
-        lines += ["", f"## `{section.name}`", "", doc, ""]
-        lines += ["| key | type | default | rule | what it is |", "| --- | --- | --- | --- | --- |"]
-        for f in fields():
-            if f.section == section.name:
-                cells = (f.name, f.type_text(), show_value(f.default), f.rule_text(), f.help)
-                lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines += ["", f"## `{section.name}`", "", _doc(section.default_factory), ""]  # type: ignore[arg-type]
+        lines += _table([f for f in shared if f.section == section.name and f.family is None])
+        if section.name == "model":
+            lines += _family_tables()
     return "\n".join(lines) + "\n"
+
+
+def _family_tables() -> list[str]:
+    """Return docs/config.md's tables of each registered family's own model keys."""
+    keyless = []
+    tables: list[str] = []
+    for arch in families.names():
+        own = [f for f in fields(arch) if f.family is not None]
+        if not own:
+            keyless.append(arch)
+            continue
+        tables += ["", f"### `model`: the {arch} family's own keys", ""]
+        tables += [_doc(families.get(arch).keys), "", *_table(own)]  # type: ignore[arg-type]
+    lines = [
+        "",
+        "Every family reads these keys; a family's own keys follow, read when `model.arch` names",
+        "it. Another family's key is refused unless it is null or at that family's default.",
+        f"Families with no keys of their own: {', '.join(keyless) or 'none'}.",
+    ]
+    return lines + tables
+
+
+def _doc(owner: type) -> str:
+    """Return a class's docstring as one paragraph of Markdown."""
+    return " ".join((owner.__doc__ or "").split()).replace("``", "`")
+
+
+def _table(rows: list[Field]) -> list[str]:
+    """Return the Markdown table of ``rows``: key, type, default, rule, description."""
+    lines = ["| key | type | default | rule | what it is |", "| --- | --- | --- | --- | --- |"]
+    for f in rows:
+        cells = (f.name, f.type_text(), show_value(f.default), f.rule_text(), f.help)
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines
 
 
 def _cell(text: str) -> str:
@@ -539,7 +557,7 @@ def render_yaml(cfg: Config) -> str:
     """Return ``cfg`` as YAML with each key's description as a comment: what
     ``hpcllm train --print-config`` prints (``load_config`` reads it back)."""
     lines = []
-    described = {f.key: f.help for f in fields()}
+    described = {f.key: f.help for f in fields(cfg)}
     for section, values in cfg.to_dict().items():
         lines.append(f"{section}:")
         for name, value in values.items():
@@ -639,22 +657,78 @@ def _apply(cfg: Config, section: Any, key: Any, value: Any) -> None:
         )
     part = getattr(cfg, section)
     names = [f.name for f in dataclasses.fields(part)]
+    if section == "model" and isinstance(key, str) and key not in names:
+        if _another_familys_key(cfg.model.arch, key, value):
+            return
     if not isinstance(key, str) or key not in names:
+        # A guess may be another family's key: its refusal then says which setting reads it.
+        guesses = names + _every_model_key() if section == "model" else names
         raise UserError(
-            f"unknown key {section}.{_name(key)}{_nearest(key, names, section + '.')}; "
+            f"unknown key {section}.{_name(key)}{_nearest(key, guesses, section + '.')}; "
             f"{section} keys: {', '.join(names)}"
         )
-    value = _expand_path(section, key, value, type(part))
-    setattr(part, key, _coerce(section, key, value, type(part)))
+    value = _coerce(section, key, _expand_path(section, key, value, type(part)), type(part))
+    # The arch was resolved before any key (_resolve_arch); in its place only its type counts.
+    if (section, key) != ("model", "arch"):
+        setattr(part, key, value)
+
+
+def _every_model_key() -> list[str]:
+    """Return the model keys of every registered family, each once."""
+    every = [f.name for arch in families.names() for f in dataclasses.fields(model_config(arch))]
+    return list(dict.fromkeys(every))
+
+
+def _another_familys_key(arch: str, key: str, value: Any) -> bool:
+    """Return whether ``model.key`` is another registered family's own key, which family
+    ``arch`` drops when ``value`` is null or that family's default (a run folder's config.yaml
+    from before the families owned their keys holds every family's); a UserError otherwise."""
+    declaring = [
+        own
+        for name in families.names()
+        if name != arch
+        and (own := families.get(name).keys) is not None
+        and key in {f.name for f in dataclasses.fields(own)}
+    ]
+    if not declaring:
+        return False
+    value = _coerce("model", key, _expand_path("model", key, value, declaring[0]), declaring[0])
+    if value is not None and all(value != getattr(own(), key) for own in declaring):
+        raise UserError(
+            f"model.{key} is not a {arch} setting (the {arch} family reads none); set it null, "
+            "or choose the family that reads it (model.arch)"
+        )
+    return True
 
 
 def _expand_path(section: str, key: str, value: Any, owner: type) -> Any:
     """Return a path's value with ``~`` and ``$VARS`` expanded (the keys whose form is a
     folder or a file path), as a shell would; anything else as it is."""
-    form = next(f for f in dataclasses.fields(owner) if f.name == key).metadata.get("form")
+    form = _form(next(f for f in dataclasses.fields(owner) if f.name == key))
     if not isinstance(value, str) or not form or "path" not in form and "folder" not in form:
         return value
     return os.path.expandvars(os.path.expanduser(value))
+
+
+def _resolve_arch(cfg: Config, raw: Any, overrides: list[str]) -> None:
+    """Give ``cfg`` the model section of the family that the file data ``raw`` and then the
+    overrides choose (the last ``model.arch`` given), before any key is applied: a family's
+    own keys may come before the arch, in a file or on the command line."""
+    given = isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "arch" in raw["model"]
+    arch = raw["model"]["arch"] if given else None
+    for text in overrides:
+        try:
+            section, name, value = parse_override(text)
+        except UserError:
+            continue  # refused in its turn, among the other overrides
+        if (section, name) == ("model", "arch"):
+            given, arch = True, value
+    if not given:
+        return
+    arch = _coerce("model", "arch", arch, ModelConfig)
+    if not FAMILY.passes(arch):
+        raise UserError(f"model.arch {FAMILY.says}, got {_show(arch)}")
+    cfg.model = model_config(arch)
 
 
 def _apply_sections(cfg: Config, raw: Any, where: str) -> None:
@@ -664,8 +738,8 @@ def _apply_sections(cfg: Config, raw: Any, where: str) -> None:
     for section, values in raw.items():
         if not isinstance(values, dict):
             raise UserError(f"{where}: section {_show(section)} must be a mapping")
-        for key, value in values.items():
-            _apply(cfg, section, key, value)
+        for name, value in values.items():
+            _apply(cfg, section, name, value)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -716,9 +790,9 @@ def _read_yaml_file(path: Path) -> Any:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Return the config from a YAML file (optional) with ``--set`` overrides applied."""
     cfg = Config()
+    raw = None if path is None else _read_yaml_file(Path(path))
+    _resolve_arch(cfg, raw, overrides or [])
     if path is not None:
-        path = Path(path)
-        raw = _read_yaml_file(path)
         _apply_sections(cfg, {} if raw is None else raw, str(path))
     for text in overrides or []:
         _apply(cfg, *parse_override(text))
@@ -742,6 +816,7 @@ def is_given(path: str | Path | None, overrides: list[str] | None, dotted: str) 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Return a Config from nested dicts (a saved ``config.yaml``), validated."""
     cfg = Config()
+    _resolve_arch(cfg, raw, [])
     _apply_sections(cfg, raw, "config.yaml")
     _fill_preset(cfg.model)
     check(cfg)
@@ -757,15 +832,14 @@ def _fill_preset(model: ModelConfig) -> None:
                 f"{', '.join(known)} (or null with every size given)"
             )
         owner = families.preset_family(model.preset)
-        # (An unknown family is the FAMILY rule's to name, in its own words.)
-        if owner != model.arch and model.arch in families.names():
+        if owner != model.arch:
             raise UserError(
                 f"model.preset {model.preset} is a {owner} preset and model.arch is "
                 f"{model.arch}; set model.arch={owner}, or a {model.arch} preset"
             )
-        for key, value in known[model.preset].items():
-            if getattr(model, key) is None:
-                setattr(model, key, value)
+        for name, value in known[model.preset].items():
+            if getattr(model, name) is None:
+                setattr(model, name, value)
     missing = [k for k in ("n_layer", "n_head", "d_model", "seq_len") if getattr(model, k) is None]
     if missing:
         raise UserError(f"model.{missing[0]} is not set (no preset gives it)")
@@ -777,13 +851,13 @@ _PSEUDO_FILE_SYSTEMS = ("/proc", "/sys")
 
 def _check_fields(cfg: Config) -> None:
     """Raise a UserError for the first key outside its choices, then outside its bounds
-    (rule by rule, in the order of :data:`RULES`)."""
-    every = fields()
+    (rule by rule, in the order of :data:`RULES`, then :data:`FAMILY`)."""
+    every = fields(cfg)
     for f in every:
         value = getattr(getattr(cfg, f.section), f.name)
         if f.choices is not None and value not in f.choices and value is not None:
             raise UserError(f"{f.key} must be one of {', '.join(f.choices)}, got {_show(value)}")
-    for rule in RULES:
+    for rule in (*RULES, FAMILY):
         for f in every:
             value = getattr(getattr(cfg, f.section), f.name)
             if any(r is rule for r in f.rules) and value is not None and not rule.passes(value):
@@ -821,24 +895,12 @@ def check_folder(name: str, text: str) -> None:
         return
 
 
-# Model keys a family reads only if it names them; set (not null) for another, refused.
-_FAMILY_ONLY = ("n_kv_heads", "ffn_size", "ffn_multiplier", "rope_scaling")
-
-
 def _check_family(m: ModelConfig, tp: int) -> None:
-    """Raise a UserError for a key the family does not read, or a shape it cannot run."""
+    """Raise a UserError for a shape the family cannot run at tensor-parallel size ``tp``."""
     family = families.get(m.arch)
-    for name in _FAMILY_ONLY:
-        if getattr(m, name) is not None and name not in family.config_keys:
-            raise UserError(
-                f"model.{name} is not a {m.arch} setting (the {m.arch} family reads none); "
-                "set it null, or choose the family that reads it (model.arch)"
-            )
-    if m.tie_embeddings is not None and bool(m.tie_embeddings) != family.ties(m):
-        raise UserError(
-            f"model.tie_embeddings: the {m.arch} family's output layer is always "
-            f"{'tied' if family.ties(m) else 'untied'}"
-        )
+    if type(m) is not _model_class(m.arch, family.keys):
+        # Setting model.arch on a section built for another family would lose keys silently.
+        raise TypeError(f"a {m.arch} model section is built by model_config({m.arch!r})")
     if family.check is not None:
         family.check(m, tp)
 

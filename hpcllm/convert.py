@@ -28,7 +28,7 @@ import yaml
 from torch import nn
 
 from hpcllm import families
-from hpcllm.config import Config, ModelConfig
+from hpcllm.config import Config, ModelConfig, model_config
 from hpcllm.datasets.tokenizer import CONFIG_FILE, TOKENIZER_FILE, Tokenizer, load_tokenizer
 from hpcllm.errors import UserError
 from hpcllm.files import honour_umask, new_folder
@@ -168,7 +168,7 @@ def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, Mode
         keys = family.model_keys_of_hf(hf, str(config_path))
     except KeyError as err:
         raise UserError(f"{config_path} lacks {err.args[0]}") from None
-    cfg = ModelConfig(arch=family.name, preset=None, **keys)
+    cfg = model_config(family.name, preset=None, **keys)
     if family.check is not None:
         family.check(cfg, 1)
     return hf, family, cfg

@@ -12,26 +12,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from hpcllm import families
 from hpcllm.config import (
     Config,
     ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    TrainConfig,
-    config_reference,
+    config_from_dict,
     fields,
     load_config,
     load_yaml,
+    model_config,
     render_yaml,
 )
 from hpcllm.errors import UserError
 
 EVERY_CHOICE = [(f.section, f.name, value) for f in fields() if f.choices for value in f.choices]
+# The keys every family shares and each registered family's own, each once.
+EVERY_FIELD = fields() + [f for arch in families.names() for f in fields(arch) if f.family]
 
 
 @pytest.mark.parametrize(
@@ -144,24 +148,15 @@ def test_yaml_nan_and_infinity_in_a_file_are_refused(text: str, tmp_path) -> Non
         load_config(path)
 
 
-FLOAT_KEYS = [
-    (section, f.name)
-    for section, part in (
-        ("model", ModelConfig),
-        ("parallel", ParallelConfig),
-        ("train", TrainConfig),
-        ("run", RunConfig),
-    )
-    for f in dataclasses.fields(part)
-    if "float" in str(f.type)
-]
+FLOAT_KEYS = [(f.section, f.name, f.family) for f in EVERY_FIELD if "float" in f.type_text()]
 
 
-@pytest.mark.parametrize(("section", "key"), FLOAT_KEYS)
+@pytest.mark.parametrize(("section", "key", "family"), FLOAT_KEYS)
 @pytest.mark.parametrize("value", ["nan", ".nan", "inf", ".inf", "-.inf", "1e999"])
-def test_no_float_key_takes_nan_or_infinity(section: str, key: str, value: str) -> None:
+def test_no_float_key_takes_nan_or_infinity(section: str, key: str, family, value: str) -> None:
+    arch = [f"model.arch={family}"] if family else []  # a family's own key, in its family
     with pytest.raises(UserError, match=rf"{section}\.{key} must be a finite number"):
-        load_config(None, [f"{section}.{key}={value}"])
+        load_config(None, [*arch, f"{section}.{key}={value}"])
 
 
 HARMFUL = [
@@ -327,6 +322,13 @@ def test_every_key_is_listed_in_train_help() -> None:
     for section in dataclasses.fields(Config):
         keys = ", ".join(f.name for f in dataclasses.fields(section.default_factory()))
         assert f"{section.name} ({keys})" in text
+    # Each registered family's own keys, under a line naming the family.
+    for arch in families.names():
+        own = [f for f in fields(arch) if f.family]
+        header = f"the {arch} family's own keys (model.arch={arch}):" + ("" if own else " none")
+        assert header in text, arch
+        for f in own:
+            assert f" {f.key} " in text[text.index(header) :], f.key
 
 
 def test_checkpoint_keys_take_their_values_from_the_command_line_and_yaml(tmp_path) -> None:
@@ -349,7 +351,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_every_key_carries_its_description_and_its_rule():
     seen = set()
-    for f in fields():
+    for f in EVERY_FIELD:
         assert f.help and "\n" not in f.help and len(f.help) <= 100, f.key
         assert f.help not in seen, f"{f.key} repeats another key's description"
         seen.add(f.help)
@@ -367,8 +369,18 @@ def test_every_key_carries_its_description_and_its_rule():
 
 
 def test_the_config_reference_page_is_written_from_the_fields():
-    # A stale page fails: regenerate it with `python -m hpcllm.config > docs/config.md`.
-    assert (REPO / "docs" / "config.md").read_text() == config_reference()
+    # A stale page fails: regenerate it with `python -m hpcllm.config > docs/config.md`. It is
+    # run as that command: a family another test registers in this process is not the page's.
+    env = {k: v for k, v in os.environ.items() if k != "HPCLLM_FAMILIES"}
+    page = _python(env, "-m", "hpcllm.config")
+    assert page.returncode == 0, page.stderr
+    assert (REPO / "docs" / "config.md").read_text() == page.stdout
+    for arch in families.names():  # each family's own keys, in a table under its name
+        own = [f for f in fields(arch) if f.family]
+        if own:
+            table = page.stdout.split(f"### `model`: the {arch} family's own keys")[1]
+            for f in own:
+                assert f"\n| {f.name} | " in table, f.key
 
 
 def test_the_printed_config_describes_each_key_and_reads_back(tmp_path):
@@ -379,6 +391,210 @@ def test_the_printed_config_describes_each_key_and_reads_back(tmp_path):
     path = tmp_path / "printed.yaml"
     path.write_text(text)
     assert load_config(path) == cfg
+
+
+# -- a family owns its config ---------------------------------------------------------------
+
+LLAMA_TINY = ["model.arch=llama", "model.preset=llama-tiny"]
+
+
+def test_a_familys_model_section_is_the_shared_keys_then_its_own():
+    shared = [f.name for f in dataclasses.fields(ModelConfig)]
+    own = [f.name for f in dataclasses.fields(families.get("llama").keys)]
+    llama = model_config("llama", n_kv_heads=2)
+    assert [f.name for f in dataclasses.fields(llama)] == shared + own
+    assert isinstance(llama, ModelConfig) and (llama.arch, llama.n_kv_heads) == ("llama", 2)
+    assert type(model_config("llama")) is type(llama)  # the class is built once
+    assert type(Config().model) is type(model_config("gpt2")) is ModelConfig  # gpt2 adds none
+    assert [f.name for f in fields("llama") if f.family == "llama"] == own
+    assert not [f for f in fields() if f.family]
+
+
+@pytest.mark.parametrize("arch_first", [True, False], ids=["arch-first", "arch-last"])
+def test_a_familys_own_key_is_read_before_or_after_its_arch(arch_first: bool, tmp_path) -> None:
+    sets = [*LLAMA_TINY, "model.n_kv_heads=1"]
+    cfg = load_config(None, sets if arch_first else sets[::-1])
+    assert isinstance(cfg.model, ModelConfig) and cfg.model.n_kv_heads == 1
+    lines = ["  arch: llama\n", "  preset: llama-tiny\n", "  n_kv_heads: 1\n"]
+    path = tmp_path / "llama.yaml"
+    path.write_text("model:\n" + "".join(lines if arch_first else lines[::-1]))
+    assert load_config(path) == cfg
+    # The file sets the key and the command line the family, or the other way round.
+    path.write_text("model:\n  n_kv_heads: 1\n")
+    assert load_config(path, LLAMA_TINY) == cfg
+    path.write_text("model:\n  arch: llama\n  preset: llama-tiny\n")
+    assert load_config(path, ["model.n_kv_heads=1"]) == cfg
+
+
+def test_another_familys_key_is_refused_unless_null_or_at_its_default(tmp_path) -> None:
+    with pytest.raises(UserError) as err:
+        load_config(None, ["model.n_kv_heads=2"])
+    assert str(err.value) == (
+        "model.n_kv_heads is not a gpt2 setting (the gpt2 family reads none); set it null, or "
+        "choose the family that reads it (model.arch)"
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text("model:\n  rope_theta: 500000.0\n")
+    with pytest.raises(UserError, match=r"^model\.rope_theta is not a gpt2 setting"):
+        load_config(path)
+    with pytest.raises(UserError, match=r"^model\.n_kv_heads must be int or null, got 'x'$"):
+        load_config(None, ["model.n_kv_heads=x"])
+    # Null, or Llama's own default, asks nothing of a GPT-2: the key is dropped.
+    quiet = ["model.n_kv_heads=null", "model.rope_theta=10000", "model.tie_embeddings=null"]
+    assert load_config(None, quiet) == load_config()
+    # A key no family declares stays unknown; the guess may be another family's key.
+    guess = "unknown key model.n_kv_head (did you mean model.n_kv_heads?); model keys: arch,"
+    with pytest.raises(UserError, match="^" + re.escape(guess)):
+        load_config(None, ["model.n_kv_head=2"])
+
+
+# The model section of every run folder's config.yaml before each family owned its keys:
+# Llama's keys in every config, at their defaults in a GPT-2's.
+FORMER_MODEL_SECTION = """\
+model:
+  arch: {arch}
+  preset: {preset}
+  n_layer: 4
+  n_head: 4
+  d_model: 128
+  seq_len: 128
+  n_kv_heads: {n_kv_heads}
+  ffn_size: {ffn_size}
+  ffn_multiplier: null
+  ffn_multiple_of: 256
+  rope_theta: 10000.0
+  rope_scaling: {rope_scaling}
+  rope_low_freq_factor: 1.0
+  rope_high_freq_factor: 4.0
+  rope_original_seq_len: 8192
+  tie_embeddings: {tie_embeddings}
+  vocab_size: null
+  dropout: 0.0
+  recompute: none
+  fused_kernels: auto
+  compile: auto
+  layer_norm_eps: 1.0e-05
+  init_std: 0.02
+"""
+
+
+OWN = ("n_kv_heads", "ffn_size", "rope_scaling", "tie_embeddings")
+
+
+@pytest.mark.parametrize(
+    ("arch", "preset", "own"),
+    [
+        ("gpt2", "tiny", dict.fromkeys(OWN, "null")),
+        ("llama", "llama-tiny", dict(zip(OWN, ("2", "352", "4.0", "false"), strict=True))),
+    ],
+    ids=["gpt2", "llama"],
+)
+def test_a_run_folders_config_from_before_the_families_owned_their_keys_loads(
+    arch: str, preset: str, own: dict[str, str], tmp_path
+) -> None:
+    text = FORMER_MODEL_SECTION.format(arch=arch, preset=preset, **own)
+    expected = load_config(None, [f"model.arch={arch}", f"model.preset={preset}"])
+    assert config_from_dict(load_yaml(text)) == expected  # resume, re-cut, load_model
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert load_config(path) == expected  # --config RUN/config.yaml
+    for saved in sorted((REPO / "tests" / "recorded").rglob("config.yaml")):
+        assert type(config_from_dict(load_yaml(saved.read_text())).model) is ModelConfig
+
+
+def test_the_printed_config_of_a_family_describes_its_own_keys_and_reads_back(tmp_path):
+    cfg = load_config(None, [*LLAMA_TINY, "model.n_kv_heads=1"])
+    text = render_yaml(cfg)
+    for f in fields(cfg):
+        assert f"  {f.name}: " in text and f"# {f.help}" in text, f.key
+    assert "  n_kv_heads: 1  # key/value heads, grouped-query attention" in text
+    path = tmp_path / "printed.yaml"
+    path.write_text(text)
+    assert load_config(path) == cfg
+
+
+# A family registered by a plugin module (HPCLLM_FAMILIES), in a process of its own so that
+# this one's registry stays the built-in families: GPT-2's spec with a key, a preset and a
+# check of its own.
+KEYED_FAMILY = '''
+import dataclasses
+
+from hpcllm import families
+from hpcllm.keys import POSITIVE, key
+from hpcllm.user_error import UserError
+
+
+@dataclasses.dataclass
+class KeyedKeys:
+    """The keyed family's own key."""
+
+    n_experts: int = key(4, "experts per block (keyed)", POSITIVE)
+
+
+def check(model, tp):
+    if model.n_experts % tp:
+        raise UserError(f"model.n_experts {model.n_experts} is not divisible by parallel.tp {tp}")
+
+
+families.register(
+    dataclasses.replace(
+        families.get("gpt2"),
+        name="keyed",
+        keys=KeyedKeys,
+        presets={"keyed-tiny": {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16}},
+        check=check,
+        hf_model_type=None,
+    )
+)
+'''
+
+
+def _python(env: dict[str, str], *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Return an environment in which hpcllm registers the keyed family."""
+    folder = tmp_path_factory.mktemp("plugin")
+    (folder / "keyed_family.py").write_text(KEYED_FAMILY)
+    path = os.pathsep.join([str(folder), str(REPO)])
+    return {**os.environ, "HPCLLM_FAMILIES": "keyed_family", "PYTHONPATH": path}
+
+
+def test_a_family_registered_elsewhere_brings_its_own_key(keyed: dict[str, str], tmp_path):
+    def train(*sets: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        words = [word for item in sets for word in ("--set", item)]
+        return _python(keyed, "-m", "hpcllm", "train", *words, "--print-config", cwd=cwd)
+
+    keyed_tiny = ["model.n_experts=2", "model.arch=keyed", "model.preset=keyed-tiny"]
+    printed = train(*keyed_tiny)
+    assert printed.returncode == 0, printed.stderr
+    assert "\n  n_experts: 2  # experts per block (keyed)\n" in printed.stdout
+    (tmp_path / "printed.yaml").write_text(printed.stdout)
+    again = _python(keyed, "-m", "hpcllm", "train", "--config", "printed.yaml", "--print-config",
+                    cwd=tmp_path)  # fmt: skip
+    assert (again.returncode, again.stdout) == (0, printed.stdout), again.stderr
+    for sets, words in [
+        (["model.n_experts=0"], "model.n_experts must be positive, got 0"),
+        (["model.n_experts=3", "parallel.tp=2"], "n_experts 3 is not divisible by parallel.tp 2"),
+        (["model.arch=gpt2"], "model.n_experts is not a gpt2 setting"),
+    ]:
+        refused = train(*keyed_tiny, *sets)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1
+    shown = _python(keyed, "-m", "hpcllm", "train", "--help").stdout
+    assert re.search(
+        r"the keyed family's own keys \(model.arch=keyed\):\n  model\.n_experts +int +4\n"
+        r" +experts per block \(keyed\)\n",
+        shown,
+    )
+    page = _python(keyed, "-m", "hpcllm.config").stdout
+    assert "### `model`: the keyed family's own keys" in page
+    assert "\n| n_experts | int | 4 | must be positive | experts per block (keyed) |\n" in page
+    assert "keyed-tiny or null" in page and "must be a model family: gpt2, keyed, llama," in page
 
 
 def test_the_batch_product_is_computed_in_one_place():

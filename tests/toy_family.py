@@ -89,7 +89,6 @@ GATED = families.register(
     Family(
         name="gpt2-gated",
         module="toy_family:GatedGPT",
-        config_keys=gpt2.GPT2.config_keys,
         presets={},  # sizes given in full (gpt2's presets serve it too)
         step_flops=_step_flops,
         parameters=_parameters,

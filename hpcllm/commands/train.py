@@ -23,14 +23,27 @@ def _config_sections() -> str:
 
 
 def _config_keys() -> str:
-    """Return two help lines per config key: its type, default and choices; its description."""
-    from hpcllm.config import fields, show_value
+    """Return two help lines per config key: its type, default and choices; its description.
+    The model section's shared keys come first, then each registered family's own under a
+    line naming the family, then the other sections."""
+    from hpcllm import families
+    from hpcllm.config import Field, fields, show_value
 
-    rows = []
-    for f in fields():
-        allowed = f"  [{' | '.join(f.choices)}]" if f.choices else ""
-        rows.append(f"  {f.key:<28} {f.type_text():<16} {show_value(f.default)}{allowed}")
-        rows.append(f"      {f.help}")
+    def lines(keys: list[Field]) -> list[str]:
+        rows = []
+        for f in keys:
+            allowed = f"  [{' | '.join(f.choices)}]" if f.choices else ""
+            rows.append(f"  {f.key:<28} {f.type_text():<16} {show_value(f.default)}{allowed}")
+            rows.append(f"      {f.help}")
+        return rows
+
+    shared = fields()
+    rows = lines([f for f in shared if f.section == "model"])
+    for arch in families.names():
+        own = [f for f in fields(arch) if f.family is not None]
+        rows.append(f"  the {arch} family's own keys (model.arch={arch}):{'' if own else ' none'}")
+        rows += lines(own)
+    rows += lines([f for f in shared if f.section != "model"])
     return "\n".join(rows)
 
 

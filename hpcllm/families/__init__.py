@@ -2,14 +2,15 @@
 and generation reach a model, selected by ``model.arch``.
 
 A family is two halves. Its **spec** (a :class:`Family`, in a module of this package) is
-torch-free, so the config layer and the planner import it without torch: the config keys it
-reads and its presets, FLOPs per step (forward, backward, recomputation), parameter count,
-activation memory per layer, the GEMMs of one layer, the partition rule of every tensor
-(:class:`TensorRule`: the dimension split over t or replicated, how its gradient is reduced,
-which pipeline stage holds it) and its Hugging Face names. Its **torch half** is a module
-class named by :attr:`Family.module` (``"package.module:Class"``), imported on first use
-(:func:`model_class`); it builds one pipeline stage (``layers``, ``pre``, ``post``) and
-generates. Nothing outside ``hpcllm.model`` and this package names a family's modules.
+torch-free, so the config layer and the planner import it without torch: its own config
+keys (:attr:`Family.keys`) and its presets, FLOPs per step (forward, backward,
+recomputation), parameter count, activation memory per layer, the GEMMs of one layer, the
+partition rule of every tensor (:class:`TensorRule`: the dimension split over t or
+replicated, how its gradient is reduced, which pipeline stage holds it) and its Hugging Face
+names. Its **torch half** is a module class named by :attr:`Family.module`
+(``"package.module:Class"``), imported on first use (:func:`model_class`); it builds one
+pipeline stage (``layers``, ``pre``, ``post``) and generates. Nothing outside
+``hpcllm.model`` and this package names a family's modules.
 
 Built in: ``gpt2`` (:mod:`hpcllm.families.gpt2`) and ``llama``
 (:mod:`hpcllm.families.llama`). A family defined elsewhere registers itself with
@@ -89,7 +90,6 @@ class Family:
 
     name: str
     module: str  # "package.module:Class", the torch half
-    config_keys: tuple[str, ...]  # the model.* keys it reads
     presets: Mapping[str, Mapping[str, int]]
     # FLOPs of one step on ``batch`` sequences: (batch, shape, recompute) -> FLOPs.
     step_flops: Callable[[int, Shape, str], float]
@@ -136,8 +136,9 @@ class Family:
     # planned shape is written as a config (``hpcllm plan --write-config``): (shape) -> keys.
     keys_of_shape: Callable[[Shape], dict[str, Any]] = lambda _shape: {}
     # The family's own model.* keys: a dataclass whose fields are declared as every config
-    # key is (default, description, rules); the model section is the keys every family
-    # shares plus these. None: the shared keys only.
+    # key is (``hpcllm.keys.key``: default, description, rules); the model section is the
+    # keys every family shares plus these (``hpcllm.config.model_config``). None: the shared
+    # keys only.
     keys: type | None = None
     # A plain PyTorch model of the family, "package.module:Class", the baseline ``hpcllm
     # bench step`` measures hpcllm against: built as Class(model config, vocabulary, seed=)

@@ -12,6 +12,8 @@ from typing import Any
 from hpcllm.families import Family, HFTensor, Shape, TensorRule, register
 from hpcllm.user_error import UserError
 
+# gpt2-124m/350m are GPT-2 small/medium (Radford et al., 2019); 760m and 1.3b are the GPT-3
+# paper's sizes with Megatron-LM's head counts (head dim 96 and 128).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 128},
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024},
@@ -172,16 +174,7 @@ GPT2 = register(
     Family(
         name="gpt2",
         module="hpcllm.model.gpt:GPT",
-        config_keys=(
-            "n_layer",
-            "n_head",
-            "d_model",
-            "seq_len",
-            "vocab_size",
-            "dropout",
-            "layer_norm_eps",
-            "init_std",
-        ),
+        reference="hpcllm.model.plain_gpt2:PlainGPT2",
         presets=PRESETS,
         step_flops=step_flops,
         parameters=parameters,

@@ -21,10 +21,45 @@ three MLP matrices (f the MLP width), 4·s·h for the attention scores and their
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from hpcllm.families import Family, HFTensor, Shape, TensorRule, register
+from hpcllm.keys import ABOVE_ZERO, POSITIVE, key
 from hpcllm.user_error import UserError
+
+
+@dataclass
+class LlamaKeys:
+    """Llama's own model keys: grouped-query attention, the SwiGLU's width, rotary positions
+    (with Llama 3.1's frequency scaling) and whether the output layer is the embedding."""
+
+    n_kv_heads: int | None = key(
+        None, "key/value heads, grouped-query attention (llama); null: n_head", POSITIVE
+    )
+    ffn_size: int | None = key(
+        None, "MLP width (llama); null: Meta's rule, ffn_multiplier and ffn_multiple_of", POSITIVE
+    )
+    ffn_multiplier: float | None = key(
+        None, "Meta's MLP width multiplier of 2/3 of 4 x d_model (llama); null: 1", ABOVE_ZERO
+    )
+    ffn_multiple_of: int = key(
+        256, "the MLP width rounds up to a multiple of this (llama)", POSITIVE
+    )
+    rope_theta: float = key(10000.0, "the rotary embeddings' base (llama)", ABOVE_ZERO)
+    rope_scaling: float | None = key(
+        None, "Llama 3.1's rotary frequency scaling factor (llama); null: no scaling", ABOVE_ZERO
+    )
+    rope_low_freq_factor: float = key(1.0, "Llama 3.1 scaling's low frequency factor", ABOVE_ZERO)
+    rope_high_freq_factor: float = key(4.0, "Llama 3.1 scaling's high frequency factor", ABOVE_ZERO)
+    rope_original_seq_len: int = key(
+        8192, "the context the scaled rotary frequencies were trained at (llama)", POSITIVE
+    )
+    # Null rather than false, so that a preset's true fills it as a preset fills any unset key.
+    tie_embeddings: bool | None = key(
+        None, "the output layer is the token embedding (llama); null: untied"
+    )
+
 
 _LLAMA3 = {
     "vocab_size": 128256,
@@ -370,32 +405,25 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
     }
 
 
-CONFIG_KEYS = (
-    "n_layer",
-    "n_head",
-    "n_kv_heads",
-    "d_model",
-    "seq_len",
-    "vocab_size",
-    "dropout",
-    "layer_norm_eps",
-    "init_std",
-    "ffn_size",
-    "ffn_multiplier",
-    "ffn_multiple_of",
-    "rope_theta",
-    "rope_scaling",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_seq_len",
-    "tie_embeddings",
-)
+def keys_of_shape(shape: Shape) -> dict[str, Any]:
+    """Return the model.* keys that give a Shape's extra sizes: key/value heads, MLP width,
+    tying. A size the Shape leaves at its default is written out (as many key/value heads as
+    heads, an MLP of 4·hidden), since this family's default MLP width is Meta's rule."""
+    return {
+        "n_kv_heads": shape.kv_heads or shape.heads,
+        "ffn_size": shape.ffn or 4 * shape.hidden,
+        "tie_embeddings": shape.tied,
+    }
+
 
 LLAMA = register(
     Family(
         name="llama",
         module="hpcllm.model.llama:Llama",
-        config_keys=CONFIG_KEYS,
+        reference="hpcllm.model.plain_llama:PlainLlama",
+        # The smoke size's Llama has grouped-query attention: 2 query heads per key/value head.
+        bench_keys=("model.n_kv_heads=2",),
+        keys=LlamaKeys,
         presets=PRESETS,
         step_flops=step_flops,
         parameters=parameters,
@@ -419,5 +447,6 @@ LLAMA = register(
             "ffn": ffn_size(model),
             "tied": bool(model.tie_embeddings),
         },
+        keys_of_shape=keys_of_shape,
     )
 )
