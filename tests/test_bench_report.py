@@ -59,14 +59,14 @@ def test_the_smoke_report_runs_every_part_and_writes_its_files(smoke):
     assert parts["tests"]["data"]["collected"] > 0  # the gpu marker selects tests
     step = parts["step"]["data"]["shapes"]["cpu-smoke"]
     assert {r["name"] for r in step["rows"]} >= {
-        "plain eager",
+        "plain gpt2 eager",
         "hpcllm step (as configured)",
         "hpcllm step, compile none",
         "hpcllm trainer loop",
     }
     # The Llama run: the plain Llama and hpcllm's, at the smoke size.
     llama = parts["step"]["data"]["shapes"]["llama-tiny at cpu-smoke"]["rows"]
-    assert {"plain eager", "hpcllm step (as configured)"} <= {r["name"] for r in llama}
+    assert {"plain llama eager", "hpcllm step (as configured)"} <= {r["name"] for r in llama}
     assert parts["train"]["data"]["loop_vs_step"] > 0
     rows = parts["collectives"]["data"]["result"]["rows"]
     assert {r["collective"] for r in rows if r["transport"] == "torch"} == {

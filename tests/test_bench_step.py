@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -5,8 +6,11 @@ import pytest
 import torch
 from datasets_fixtures import prepare_corpus
 
-from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
+from hpcllm import families
+from hpcllm.bench.step import plain_optimizer
 from hpcllm.cli import main
+from hpcllm.config import load_config
+from hpcllm.model.plain_gpt2 import PlainGPT2
 
 # The smallest model that still runs every part: one block, 16 tokens.
 TINY = [
@@ -77,7 +81,13 @@ def test_cpu_smoke_writes_every_row_to_json(data, tmp_path, monkeypatch, capsys)
 
 def test_plain_gpt_counts_nanogpts_parameters_and_starts_uniform():
     vocab, layers, d, seq = 512, 3, 64, 32
-    model = PlainGPT(vocab, layers, n_head=4, d_model=d, seq_len=seq, seed=0)
+    sizes = [
+        f"model.n_layer={layers}",
+        "model.n_head=4",
+        f"model.d_model={d}",
+        f"model.seq_len={seq}",
+    ]
+    model = PlainGPT2(load_config(None, sizes).model, vocab, seed=0)
     # nanoGPT's count with the output layer tied: embeddings, 12d² + 13d per block, final LN.
     expected = vocab * d + seq * d + layers * (12 * d * d + 13 * d) + 2 * d
     assert sum(p.numel() for p in model.parameters()) == expected
@@ -120,33 +130,57 @@ def test_cpu_smoke_with_a_llama_model_in_an_empty_folder(tmp_path):
     assert {"plain_eager", "hpcllm", "hpcllm_kernels_off", "hpcllm_loop"} <= set(rows)
     assert all(r["step_ms"] > 0 and r["tflops"] > 0 for r in rows.values())
     assert "cpu-smoke (llama-tiny): llama, 1 layers" in done.stdout
-    assert "| plain eager |" in done.stdout and "| hpcllm step (as configured) |" in done.stdout
+    assert "| plain llama eager |" in done.stdout
+    assert "| hpcllm step (as configured) |" in done.stdout
+    assert shape["baseline"] == "hpcllm.model.plain_llama:PlainLlama"
+    assert "baseline: the llama family's plain PyTorch model" in done.stdout
 
 
-def test_plain_llama_computes_hpcllms_llama():
-    # The same function, so the same FLOPs: hpcllm's Llama's weights in the plain model give
-    # its loss (GQA, Llama 3.1's scaled rope, untied head).
-    from hpcllm.bench.plain_llama import PlainLlama
-    from hpcllm.config import load_config
-    from hpcllm.families.llama import ffn_size
-    from hpcllm.model.llama import Llama, rope_frequencies
+def test_a_family_without_a_plain_model_is_told_so_in_one_line(monkeypatch, capsys):
+    # A family registered with no baseline: bench step names it and measures nothing.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --cpu-smoke sets it; give it back after
+    gpt2 = families.get("gpt2")
+    bare = dataclasses.replace(
+        gpt2, name="bare", reference=None, presets={"bare-tiny": gpt2.presets["tiny"]}
+    )
+    monkeypatch.setitem(families._REGISTRY, "bare", bare)
+    assert main(["bench", "step", "--cpu-smoke", "--model", "bare-tiny"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "model family bare registers no plain PyTorch model" in line
 
-    cfg = load_config(None, ["model.arch=llama", "model.preset=llama-tiny", "model.dropout=0"])
-    m = cfg.model
-    ours = Llama(m, 512, seed=3).eval()
-    plain = PlainLlama(512, m.n_layer, m.n_head, m.n_kv_heads, m.d_model, ffn_size(m),
-                       m.seq_len, rope_frequencies(m), eps=m.layer_norm_eps).eval()  # fmt: skip
-    names = {"wte": "embed", "norm_f": "norm", "norm1": "input_norm", "norm2": "post_norm",
-             "attn.q": "attn.q_proj", "attn.k": "attn.k_proj", "attn.v": "attn.v_proj",
-             "attn.proj": "attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-             "mlp.proj": "mlp.down_proj"}  # fmt: skip
+
+# hpcllm's weight names → the plain model's, by family (the rest are the same).
+PLAIN_NAMES = {
+    "gpt2": {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+             "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"},
+    "llama": {"wte": "embed", "norm_f": "norm", "norm1": "input_norm", "norm2": "post_norm",
+              "attn.q": "attn.q_proj", "attn.k": "attn.k_proj", "attn.v": "attn.v_proj",
+              "attn.proj": "attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+              "mlp.proj": "mlp.down_proj"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_a_familys_plain_model_computes_hpcllms(preset):
+    # The same function, so the same FLOPs: hpcllm's weights in the plain model its family
+    # registers give its loss (GPT-2's tied head; Llama's GQA, scaled rope, untied head).
+    from hpcllm.model import build
+
+    arch = families.preset_family(preset)
+    cfg = load_config(None, [f"model.arch={arch}", f"model.preset={preset}", "model.dropout=0"])
+    ours = build(cfg.model, 512, seed=3).eval()
+    plain = families.reference_class(arch)(cfg.model, 512, seed=0).eval()
+    names = PLAIN_NAMES[arch]
     state = {}
     for name, value in ours.state_dict().items():
         for a, b in names.items():
             name = name.replace(f".{a}.", f".{b}.") if f".{a}." in name else name
         head = name.split(".")[0]
         state[names.get(head, head) + name[len(head) :]] = value
-    plain.load_state_dict(state)
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    # A tied output layer is the embedding: loaded under the embedding's name.
+    tied = families.shape(cfg.model, 512).tied
+    assert not unexpected and missing == (["lm_head.weight"] if tied else [])
     assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in ours.parameters())
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hpcllm import kernels
-from hpcllm.config import ModelConfig
+from hpcllm.config import ModelConfig, model_config
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
 from hpcllm.model.gpt import GPT
@@ -285,8 +285,8 @@ def _llama31_inv_freq(head_dim: int) -> torch.Tensor:
     """Llama 3.1's scaled rotary frequencies for one head (factor 8, low 1, high 4, 32 long)."""
     from hpcllm.model.llama import rope_frequencies
 
-    cfg = ModelConfig(
-        arch="llama", preset=None, n_layer=1, n_head=1, d_model=head_dim, seq_len=64,
+    cfg = model_config(
+        "llama", preset=None, n_layer=1, n_head=1, d_model=head_dim, seq_len=64,
         rope_theta=500000.0, rope_scaling=8.0, rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0, rope_original_seq_len=32,
     )  # fmt: skip
@@ -624,12 +624,12 @@ def test_dropout_masks_replay_under_full_recomputation(ops):
 
 def _llama_cfg(**kw):
     cfg = dict(
-        arch="llama", preset=None, n_layer=2, n_head=4, n_kv_heads=2, d_model=32, seq_len=16,
+        preset=None, n_layer=2, n_head=4, n_kv_heads=2, d_model=32, seq_len=16,
         ffn_size=48, rope_scaling=4.0, rope_original_seq_len=8, dropout=0.0,
         tie_embeddings=False,
     )  # fmt: skip
     cfg.update(kw)
-    return ModelConfig(**cfg)
+    return model_config("llama", **cfg)
 
 
 def _llama_step(fused, precision=torch.float32):

@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
+from hpcllm.bench.step import plain_optimizer
 from hpcllm.config import load_config
+from hpcllm.model.plain_gpt2 import PlainGPT2
 from hpcllm.train.trainer import Trainer
 
 SHAPE = {"n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 128}
@@ -66,7 +67,8 @@ def _hpcllm_ops(stdlib: Path, run_dir: Path, precision: str) -> tuple[collection
 
 
 def _plain_ops(batch: Any, vocab: int, precision: str) -> collections.Counter:
-    model = PlainGPT((vocab + 63) // 64 * 64, **SHAPE)
+    sizes = [f"model.{k}={v}" for k, v in SHAPE.items()]
+    model = PlainGPT2(load_config(None, sizes).model, (vocab + 63) // 64 * 64)
     optimizer = plain_optimizer(model, 1e-3, 0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     ids = batch.input_ids.reshape(-1, SHAPE["seq_len"])[:MICRO_BATCH].contiguous()

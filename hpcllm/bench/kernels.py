@@ -1,12 +1,14 @@
 """``hpcllm bench kernels``: each fused Triton op against eager torch and torch.compile.
 
-Per op, at the training shapes of gpt2-124m (micro-batch 16, sequence 1024: 16384 tokens,
-h = 768, 4h = 3072, vocabulary 50304) and gpt2-1.3b (micro-batch 4, sequence 2048: 8192
-tokens, h = 2048, 4h = 8192), it times forward and forward + backward (median of CUDA-event
-timings) of the eager reference, the reference under torch.compile and the Triton op (the
-``hpcllm`` custom op the dispatch calls), gives the Triton op's speed-up over torch.compile,
-turns the bytes the op has to move into GB/s and compares that with the device's measured copy
-bandwidth. Then it times whole gpt2-124m training steps (bf16 autocast, fused AdamW) with the
+Per op, at the training shapes of two presets, each sized as its family gives it
+(:func:`hpcllm.families.shape`: hidden size, heads, MLP width): gpt2-124m (micro-batch 16,
+sequence 1024: 16384 tokens, h = 768, MLP 3072, 12 heads, vocabulary 50304) and gpt2-1.3b
+(micro-batch 4, sequence 2048: 8192 tokens, h = 2048, MLP 8192, 16 heads), it times forward
+and forward + backward (median of CUDA-event timings) of the eager reference, the reference
+under torch.compile and the Triton op (the ``hpcllm`` custom op the dispatch calls), gives the
+Triton op's speed-up over torch.compile, turns the bytes the op has to move into GB/s and
+compares that with the device's measured copy bandwidth. Then it times whole training steps of
+the first preset's model (bf16 autocast, fused AdamW) with the
 kernels off, on, auto (each op the faster of Triton and compiled torch, timed on first use),
 and the model under torch.compile without and with the kernels: tokens/s, TFLOP/s, MFU, and
 which ops ran a Triton kernel (:func:`hpcllm.kernels.implementations_used`).
@@ -39,7 +41,8 @@ from typing import Any
 
 import torch
 
-from hpcllm import kernels
+from hpcllm import families, kernels
+from hpcllm.config import Config, load_config, padded_vocab
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
 from hpcllm.kernels.choice import DIFFERENTIABLE, Timer, wall_clock_ms
@@ -48,60 +51,36 @@ from hpcllm.observe import CaseProgress
 
 @dataclass(frozen=True)
 class Sizes:
-    """The shapes one benchmark run uses."""
+    """The shapes one benchmark run uses: a model's, as its family gives them, at a
+    micro-batch of ``batch`` sequences."""
 
     name: str
     batch: int
-    seq_len: int
-    hidden: int
     vocab: int  # the tokenizer's; the logits are padded to a multiple of 128
-    model: dict[str, Any]  # ModelConfig keys of the end-to-end model
-    heads: int  # attention heads (the rotary op's)
+    model: dict[str, Any]  # model.* keys: the end-to-end model, whose shape the ops run at
 
-    @property
-    def rows(self) -> int:
-        return self.batch * self.seq_len
+    def config(self) -> Config:
+        """Return the config of a bf16 run of the model at this micro-batch."""
+        overrides = [f"model.{k}={'null' if v is None else v}" for k, v in self.model.items()]
+        return load_config(
+            None, [*overrides, "train.precision=bf16", f"train.micro_batch_size={self.batch}"]
+        )
 
-    @property
-    def padded_vocab(self) -> int:
-        return -(-self.vocab // 128) * 128
-
-    @property
-    def swiglu_width(self) -> int:
-        """Return a Llama MLP's width at this hidden size: Meta's rule, 2/3 of 4h rounded up
-        to a multiple of 256 (768 → 2048, 2048 → 5632)."""
-        return -(-int(8 * self.hidden / 3) // 256) * 256
+    def shape(self) -> families.Shape:
+        """Return the model's sizes (the MLP's width, heads, ...) as its family gives them."""
+        return families.shape(self.config().model, self.vocab)
 
 
 # Op shapes; the training steps run at the first.
 GPU_SIZES = [
-    Sizes(
-        "gpt2-124m",
-        batch=16,
-        seq_len=1024,
-        hidden=768,
-        vocab=50257,
-        model={"preset": "gpt2-124m"},
-        heads=12,
-    ),
-    Sizes(
-        "gpt2-1.3b",
-        batch=4,
-        seq_len=2048,
-        hidden=2048,
-        vocab=50257,
-        model={"preset": "gpt2-1.3b"},
-        heads=16,
-    ),
+    Sizes("gpt2-124m", batch=16, vocab=50257, model={"preset": "gpt2-124m"}),
+    Sizes("gpt2-1.3b", batch=4, vocab=50257, model={"preset": "gpt2-1.3b"}),
 ]
 SMOKE_SIZES = Sizes(
     "tiny",
     batch=2,
-    seq_len=16,
-    hidden=32,
     vocab=300,
     model={"preset": None, "n_layer": 2, "n_head": 4, "d_model": 32, "seq_len": 16},
-    heads=4,
 )
 
 
@@ -117,18 +96,21 @@ class OpCase:
 
 
 # The ops _op_cases returns, in its order; known before their inputs are made, to count cases.
-# The Llama family's three (RMSNorm, SwiGLU, rotary) run at the same hidden size, with
-# Llama's MLP width and the shapes' heads. Every differentiable op the dispatch has.
+# Every differentiable op the dispatch has.
 OPS = DIFFERENTIABLE
 
 
 def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
-    """Return the ops of OPS with inputs in the dtypes a bf16-autocast step gives them."""
+    """Return the ops of OPS with inputs in the dtypes a bf16-autocast step gives them, at
+    the shape of ``sizes``' model: the residual stream and norms at its hidden size, both
+    MLP activations (GeLU's, SwiGLU's) at its MLP width, the rotation at its heads."""
     gen = torch.Generator(device=device).manual_seed(0)
-    rows, h, ffn, v = sizes.rows, sizes.hidden, 4 * sizes.hidden, sizes.padded_vocab
+    shape = sizes.shape()
+    rows, h, heads = sizes.batch * shape.seq, shape.hidden, shape.heads
+    ffn, v = shape.ffn or 4 * h, padded_vocab(sizes.vocab, 1)
 
-    def rand(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale
+    def rand(*dims: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * scale
         return t.to(dtype).requires_grad_()
 
     act, bias_h = rand(rows, h, dtype=torch.bfloat16), rand(h, scale=0.1)
@@ -137,7 +119,12 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
     ln_w, ln_b = rand(h), rand(h)
     logits = rand(rows, v, dtype=torch.bfloat16, scale=2.0)
     labels = torch.randint(0, sizes.vocab, (rows,), generator=gen, device=device)
-    gpt2 = [
+    gate, up = rand(rows, ffn, dtype=torch.bfloat16), rand(rows, ffn, dtype=torch.bfloat16)
+    q = rand(sizes.batch, shape.seq, heads, h // heads, dtype=torch.bfloat16)
+    # The op rotates by position × inv_freq whatever the frequencies are: drawn, like the
+    # other inputs, in [0, 1), the range of a model's.
+    inv_freq = torch.rand(h // heads // 2, generator=gen, device=device)
+    return [
         OpCase(
             "bias_gelu",
             lambda fn, _: fn(fc, bias_ffn),
@@ -167,33 +154,10 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
             fwd_bytes=2 * rows * v,
             bwd_bytes=2 * 2 * rows * v,
         ),
-    ]
-    return gpt2 + _llama_cases(sizes, rand, residual, ln_w, device)
-
-
-def _llama_cases(
-    sizes: Sizes, rand: Callable[..., torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
-    device: torch.device,
-) -> list[OpCase]:  # fmt: skip
-    """Return the Llama ops' cases: RMSNorm on the fp32 residual stream, SwiGLU and the
-    rotation on bf16 matmul outputs (q: batch, seq, heads, head_dim; Llama 3.1's scaling)."""
-    from hpcllm.config import ModelConfig
-    from hpcllm.model.llama import rope_frequencies
-
-    rows, h, f = sizes.rows, sizes.hidden, sizes.swiglu_width
-    gate, up = rand(rows, f, dtype=torch.bfloat16), rand(rows, f, dtype=torch.bfloat16)
-    q = rand(sizes.batch, sizes.seq_len, sizes.heads, h // sizes.heads, dtype=torch.bfloat16)
-    rope = ModelConfig(
-        arch="llama", preset=None, n_layer=1, n_head=sizes.heads, d_model=h,
-        seq_len=sizes.seq_len, rope_theta=500000.0, rope_scaling=8.0,
-        rope_original_seq_len=max(2, sizes.seq_len // 4),
-    )  # fmt: skip
-    inv_freq = rope_frequencies(rope).to(device)
-    return [
         OpCase(
             "rms_norm",
-            lambda fn, _: fn(residual, weight, 1e-5),
-            [residual, weight],
+            lambda fn, _: fn(residual, ln_w, 1e-5),
+            [residual, ln_w],
             fwd_bytes=2 * 4 * rows * h,
             bwd_bytes=3 * 4 * rows * h,
         ),
@@ -201,8 +165,8 @@ def _llama_cases(
             "swiglu",
             lambda fn, _: fn(gate, up),
             [gate, up],
-            fwd_bytes=3 * 2 * rows * f,  # read gate and up, write y
-            bwd_bytes=5 * 2 * rows * f,  # read dy, gate, up; write dgate, dup
+            fwd_bytes=3 * 2 * rows * ffn,  # read gate and up, write y
+            bwd_bytes=5 * 2 * rows * ffn,  # read dy, gate, up; write dgate, dup
         ),
         OpCase(
             "rotary",
@@ -376,19 +340,16 @@ def bench_training(
 
     ``progress`` reports each variant as a case.
     """
-    from hpcllm.config import load_config
-    from hpcllm.flops import step_flops
-    from hpcllm.model.gpt import GPT
+    from hpcllm.flops import model_step_flops
+    from hpcllm.model import build
     from hpcllm.observe import peak_tflops
     from hpcllm.train.optim import autocast, build_optimizer
 
-    overrides = [f"model.{k}={'null' if v is None else v}" for k, v in sizes.model.items()]
-    cfg = load_config(
-        None, overrides + ["train.precision=bf16", f"train.micro_batch_size={sizes.batch}"]
-    )
+    cfg = sizes.config()
+    seq = cfg.model.seq_len
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq_len), generator=gen).to(device)
-    labels = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq_len), generator=gen)
+    ids = torch.randint(0, sizes.vocab, (sizes.batch, seq), generator=gen).to(device)
+    labels = torch.randint(0, sizes.vocab, (sizes.batch, seq), generator=gen)
     labels = labels.to(device)
     peak = peak_tflops(device, "bf16", None)
     was = kernels.enabled(), kernels.choosing(), kernels.compiled_reference()
@@ -402,7 +363,7 @@ def bench_training(
             compiled_reference=setting == "auto",
         )
         kernels.reset_implementations_used()
-        model = GPT(cfg.model, sizes.vocab, seed=0).to(device).train()
+        model = build(cfg.model, sizes.vocab, seed=0).to(device).train()
         optimizer = build_optimizer(model, cfg.train, device)
         run = torch.compile(model, backend=compile_backend) if compiled else model
         losses: list[torch.Tensor] = []
@@ -416,15 +377,13 @@ def bench_training(
             losses.append(loss.detach())
 
         ms = clock.median_ms(step)
-        flops = step_flops(
-            sizes.batch, sizes.seq_len, cfg.model.n_layer, cfg.model.d_model, model.padded_vocab
-        )
+        flops = model_step_flops(cfg.model, sizes.batch, model.padded_vocab)
         tflops = flops / ms / 1e9
         results.append(
             {
                 "variant": variant,
                 "step_ms": ms,
-                "tokens_per_s": sizes.rows / ms * 1e3,
+                "tokens_per_s": sizes.batch * seq / ms * 1e3,
                 "tflops": tflops,
                 "mfu": None if peak is None else tflops / peak,
                 "first_loss": losses[0].item(),
@@ -513,7 +472,7 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "smoke": smoke,
-        "sizes": [asdict(s) for s in all_sizes],
+        "sizes": [{**asdict(s), "shape": asdict(s.shape())} for s in all_sizes],
         "copy_gbps": copy_gbps,
         "ops": ops,
         "training": training_rows,

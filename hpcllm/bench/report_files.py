@@ -398,7 +398,7 @@ def _step_md(report: dict[str, Any], plots: dict[str, str]) -> list[str]:
             f"**{shape}**: {any_run['n_layer']} layers, d {any_run['d_model']}, seq "
             f"{any_run['seq_len']} x mb {any_run['micro_batch_size']}, "
             f"{any_run['flops_per_step'] / 1e12:.3g} TFLOP per step. Each variant is its own "
-            "run, timed against the plain model in that run.",
+            f"run, timed against the plain {any_run['arch']} model in that run.",
             "",
             "| side | ms/step | tokens/s | TFLOP/s | MFU | x plain eager | x plain compiled "
             "| peak MiB |",

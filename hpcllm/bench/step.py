@@ -1,12 +1,13 @@
 """``hpcllm bench step``: hpcllm's training step against the same model in plain PyTorch.
 
 Per shape, one process holds hpcllm's :class:`~hpcllm.train.trainer.Trainer` (the config as
-given) and the plain model of its family: :class:`~hpcllm.bench.plain_gpt.PlainGPT`
-(nanoGPT's model and loop: AdamW fused on CUDA, autocast, clipping, no project code) or
-:class:`~hpcllm.bench.plain_llama.PlainLlama`. The shapes are GPT-2 models; ``model`` (``--model
-PRESET``) puts a preset of either family at a shape's micro-batch and sequence length (with
-cpu-smoke: its family at the smoke size). It times in alternating blocks of steps, so that a
-drifting machine hits every side alike:
+given) and the plain PyTorch model its family registers as its baseline
+(:attr:`hpcllm.families.Family.reference`; GPT-2's is nanoGPT's model), trained by nanoGPT's
+loop (AdamW fused on CUDA, autocast, clipping, no project code). A family that registers none
+is not measured. The shapes are GPT-2 models; ``model`` (``--model PRESET``) puts any family's
+preset at a shape's micro-batch and sequence length (with cpu-smoke: its family at the smoke
+size, with the family's :attr:`~hpcllm.families.Family.bench_keys`). It times in alternating
+blocks of steps, so that a drifting machine hits every side alike:
 
 - plain eager, and plain under ``torch.compile`` (default mode; the same module and weights);
 - hpcllm's ``train_step`` as configured, and with fused kernels off (the same trainer, the
@@ -42,9 +43,7 @@ from typing import Any
 
 import torch
 
-from hpcllm import kernels
-from hpcllm.bench.plain_gpt import PlainGPT, plain_optimizer
-from hpcllm.bench.plain_llama import PlainLlama
+from hpcllm import families, kernels
 from hpcllm.config import Config, load_config
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
@@ -87,24 +86,19 @@ SHAPES: dict[str, list[str]] = {
 
 # What a shape sets when --model picks the model: the micro-batch and sequence length.
 BATCH_KEYS = ("model.seq_len=", "train.micro_batch_size=")
-# The smoke size of a family, for --cpu-smoke --model PRESET (Llama: GQA, 2 query heads a
-# key/value head).
-SMOKE_FAMILY = {"llama": ["model.n_kv_heads=2"]}
 
 
 def shape_overrides(shape: str, model: str | None) -> list[str]:
-    """Return the config overrides of ``shape``; with ``model`` (a preset of either family)
-    the preset's model at the shape's micro-batch and sequence length, or, for cpu-smoke, the
-    preset's family at the smoke size."""
+    """Return the config overrides of ``shape``; with ``model`` (any family's preset) the
+    preset's model at the shape's micro-batch and sequence length, or, for cpu-smoke, the
+    preset's family at the smoke size (with the keys the family adds to it)."""
     if model is None:
         return list(SHAPES[shape])
-    from hpcllm import families
-
     family = families.preset_family(model)
     if family is None:
         raise UserError(f"--model {model} is no family's preset ({', '.join(families.presets())})")
     if shape == "cpu-smoke":
-        return [f"model.arch={family}", *SHAPES[shape], *SMOKE_FAMILY.get(family, [])]
+        return [f"model.arch={family}", *SHAPES[shape], *families.get(family).bench_keys]
     batch = [item for item in SHAPES[shape] if item.startswith(BATCH_KEYS)]
     vocab = (
         [] if families.get(family).presets[model].get("vocab_size") else ["model.vocab_size=50257"]
@@ -112,13 +106,19 @@ def shape_overrides(shape: str, model: str | None) -> list[str]:
     return [f"model.arch={family}", f"model.preset={model}", *vocab, *batch]
 
 
+# Each side's key and the name of its row ({family}: the family whose plain model it is).
 ROWS = {
-    "plain_eager": "plain eager",
-    "plain_compile": "plain + torch.compile",
+    "plain_eager": "plain {family} eager",
+    "plain_compile": "plain {family} + torch.compile",
     "hpcllm": "hpcllm step (as configured)",
     "hpcllm_kernels_off": "hpcllm step, kernels off",
     "hpcllm_loop": "hpcllm trainer loop",
 }
+
+
+def _side(key: str, family: str) -> str:
+    """Return the name of side ``key``'s row when the model is of ``family``."""
+    return ROWS[key].format(family=family)
 
 
 def _say(message: str) -> None:
@@ -139,17 +139,22 @@ def _triton_ops() -> list[str]:
 
 
 def plain_model(cfg: Config, vocab: int) -> torch.nn.Module:
-    """Return the plain PyTorch model of ``cfg``'s family and sizes (the vocabulary padded)."""
-    m = cfg.model
-    if m.arch == "llama":
-        from hpcllm.families.llama import ffn_size, kv_heads
-        from hpcllm.model.llama import rope_frequencies
+    """Return the plain PyTorch model of ``cfg``'s family and sizes (the vocabulary padded);
+    a UserError where the family registers none."""
+    return families.reference_class(cfg.model.arch)(cfg.model, vocab, seed=cfg.train.seed)
 
-        return PlainLlama(
-            vocab, m.n_layer, m.n_head, kv_heads(m), m.d_model, ffn_size(m), m.seq_len,
-            rope_frequencies(m), bool(m.tie_embeddings), m.layer_norm_eps, cfg.train.seed,
-        )  # fmt: skip
-    return PlainGPT(vocab, m.n_layer, m.n_head, m.d_model, m.seq_len, m.dropout, cfg.train.seed)
+
+def plain_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """Return nanoGPT's AdamW: decay on matrices only, fused on CUDA, foreach elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    cuda = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=(0.9, 0.95), fused=cuda or None, foreach=None if cuda else True
+    )
 
 
 def _plain_step(
@@ -188,6 +193,7 @@ def _plain_step(
 
 def _time_blocks(
     sides: dict[str, Callable[[], None]],
+    family: str,
     device: torch.device,
     steps: int,
     rounds: int,
@@ -196,6 +202,7 @@ def _time_blocks(
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Return each side's wall and process CPU seconds per step of every block, alternating;
     on a GPU, put each side's peak of allocated memory during its blocks (MiB) in ``peak_mb``.
+    ``family``: the model's, which the progress lines name the plain sides by.
 
     Every other round runs the sides in reverse order, so none always follows the same one.
     CPU time (all of the process's threads) is what other work on a shared node disturbs
@@ -203,7 +210,7 @@ def _time_blocks(
     (both models, their optimizers) counts for every side alike.
     """
     for name, fn in sides.items():
-        _say(f"  warming up {ROWS[name]} ({warmup} steps)")
+        _say(f"  warming up {_side(name, family)} ({warmup} steps)")
         for _ in range(warmup):
             fn()
     _synchronize(device)
@@ -260,6 +267,7 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
 
 def _row(
     key: str,
+    family: str,
     blocks: list[float],
     cpu_blocks: list[float],
     tokens: int,
@@ -271,7 +279,7 @@ def _row(
     tflops = flops / step_s / 1e12
     return {
         "key": key,
-        "name": ROWS[key],
+        "name": _side(key, family),
         "step_ms": step_s * 1e3,
         "block_ms": [b * 1e3 for b in blocks],
         "cpu_ms": statistics.median(cpu_blocks) * 1e3,
@@ -328,6 +336,8 @@ def bench_shape(
     with tempfile.TemporaryDirectory(prefix="hpcllm-bench-step-") as scratch:
         cfg = _shape_config(name, model, config, overrides, precision, scratch)
         m = cfg.model
+        # Before the trainer's start-up: a family with no plain model is told so at once.
+        families.reference_class(m.arch)
         _say(f"{name}: building hpcllm's trainer")
         with Trainer(cfg) as trainer:
             if trainer.grid.world_size != 1:
@@ -357,7 +367,7 @@ def bench_shape(
             sides["hpcllm"] = hpcllm_step(fused)
             if fused:
                 sides["hpcllm_kernels_off"] = hpcllm_step(False)
-            _say(f"{name}: timing {', '.join(ROWS[s] for s in sides)}")
+            _say(f"{name}: timing {', '.join(_side(s, m.arch) for s in sides)}")
             kernels.reset_implementations_used()
             sides["hpcllm"]()
             triton = {"hpcllm": _triton_ops(), "hpcllm_kernels_off": []}
@@ -366,7 +376,7 @@ def bench_shape(
                 for key, (t, c) in kernels.choice_timings().items()
             ]
             peak_mb: dict[str, float] = {}
-            times, cpu_times = _time_blocks(sides, device, steps, rounds, warmup, peak_mb)
+            times, cpu_times = _time_blocks(sides, m.arch, device, steps, rounds, warmup, peak_mb)
             reader.close()
             _say(f"{name}: the trainer loop, {loop_steps} steps")
             kernels.reset_implementations_used()
@@ -388,7 +398,7 @@ def bench_shape(
             times["hpcllm_kernels_off"] = times["hpcllm"]
             cpu_times["hpcllm_kernels_off"] = cpu_times["hpcllm"]
         rows = [
-            _row(key, times[key], cpu_times[key], tokens, flops, peak, triton.get(key))
+            _row(key, m.arch, times[key], cpu_times[key], tokens, flops, peak, triton.get(key))
             for key in ROWS
             if key in times
         ]
@@ -403,6 +413,7 @@ def bench_shape(
         "shape": name,
         "model": model,
         "arch": m.arch,
+        "baseline": families.get(m.arch).reference,
         "n_layer": m.n_layer,
         "n_head": m.n_head,
         "d_model": m.d_model,
@@ -436,8 +447,8 @@ def run(
     model: str | None = None,
 ) -> dict[str, Any]:
     """Return the benchmark's results for each shape (see the module docstring); ``model``
-    (a preset of either family) picks the model the shapes then size by micro-batch and
-    sequence length."""
+    (any family's preset) picks the model the shapes then size by micro-batch and sequence
+    length."""
     cuda = torch.cuda.is_available()
     precision = precision or ("bf16" if cuda else "fp32")
     compile = cuda if compile is None else compile
@@ -496,7 +507,7 @@ def render(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"{s['shape']}{' (' + s['model'] + ')' if s.get('model') else ''}: "
-            f"{s.get('arch', 'gpt2')}, {s['n_layer']} layers, d {s['d_model']}, "
+            f"{s['arch']}, {s['n_layer']} layers, d {s['d_model']}, "
             f"{s['n_head']} heads, "
             f"seq {s['seq_len']} x mb {s['micro_batch_size']} = {s['tokens_per_step']} tokens "
             f"per step, {s['flops_per_step'] / 1e12:.3g} TFLOP per step (both sides), "
@@ -508,6 +519,7 @@ def render(result: dict[str, Any]) -> str:
                 else f"from the prepared data's tokenizer ({v['data']})"
             )
             + ", the same batches on both sides",
+            f"baseline: the {s['arch']} family's plain PyTorch model, {s['baseline']}",
             "",
             "| side | ms/step | CPU ms/step | tokens/s | TFLOP/s | MFU | x plain eager "
             "| x plain compiled | peak MiB | Triton ops |",
@@ -540,8 +552,9 @@ def render(result: dict[str, Any]) -> str:
             f"{statistics.median(intervals):.1f} ms, slowest {max(intervals):.1f} ms"
         )
         lines.append(
-            f"hpcllm kernels off against plain eager: {off['vs_plain_eager']:.3f} by wall time, "
-            f"{off['vs_plain_eager_cpu_time']:.3f} by process CPU time (> 1: hpcllm faster)"
+            f"hpcllm kernels off against plain {s['arch']} eager: {off['vs_plain_eager']:.3f} "
+            f"by wall time, {off['vs_plain_eager_cpu_time']:.3f} by process CPU time "
+            "(> 1: hpcllm faster)"
         )
     return "\n".join(lines)
 

@@ -1,5 +1,5 @@
-"""``hpcllm bench step``: hpcllm's training step against the same model (GPT-2 or Llama) in
-plain PyTorch, eager and compiled."""
+"""``hpcllm bench step``: hpcllm's training step against the same model in plain PyTorch (its
+family's baseline), eager and compiled."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     """Add the target's parser to ``targets``."""
     step = targets.add_parser(
         "step",
-        help="hpcllm's training step against GPT-2 in plain PyTorch, eager and compiled",
+        help="hpcllm's training step against the same model in plain PyTorch, eager and compiled",
         description="For each shape, in one process: time hpcllm's training step (the config "
-        "as given, and with fused kernels off) against nanoGPT's model and loop in plain "
-        "PyTorch, eager and under torch.compile, in alternating blocks of steps; then run the "
+        "as given, and with fused kernels off) against the plain PyTorch model its family "
+        "registers (GPT-2's: nanoGPT's) in nanoGPT's loop, eager and under torch.compile, in "
+        "alternating blocks of steps; then run the "
         "real trainer loop for some steps. Prints ms/step, tokens/s, TFLOP/s, MFU, the ratios "
         "to the plain model and the ops that ran Triton kernels. Shapes set the model and "
         "micro-batch; --set applies on top of every shape. Trains on synthetic data "
@@ -35,7 +36,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     step.add_argument(
         "--model",
         metavar="PRESET",
-        help="the model, a preset of either family (llama3.2-1b, llama-tiny, gpt2-124m, ...); "
+        help="the model, any family's preset (llama3.2-1b, llama-tiny, gpt2-124m, ...); "
         "--shapes then set its micro-batch and sequence length, and with --cpu-smoke the "
         "preset's family runs at the smoke size [default: the shapes' GPT-2 models]",
     )

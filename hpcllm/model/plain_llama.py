@@ -1,21 +1,26 @@
-"""The Llama baseline of ``hpcllm bench step``: Llama as a user would write it in plain PyTorch.
+"""Llama as a user would write it in plain PyTorch: the ``llama`` family's baseline
+(:attr:`hpcllm.families.Family.reference`), which ``hpcllm bench step`` measures hpcllm against.
 
 Pre-RMSNorm blocks (``nn.RMSNorm``), rotary positions from cos/sin tables built once (each
 half of a head paired with the other, Hugging Face's convention), grouped-query attention
 through ``scaled_dot_product_attention(enable_gqa=True)``, a SwiGLU MLP, no biases, an output
-layer tied to the embedding or not. Its rotary frequencies are given (the benchmark passes the
-ones hpcllm's model uses, Llama 3.1's scaling included), so that both sides compute the same
-function; nothing else of hpcllm is in it. AdamW as for the GPT-2 baseline
-(:func:`hpcllm.bench.plain_gpt.plain_optimizer`).
+layer tied to the embedding or not. Its sizes come from the model config through the family,
+and its rotary frequencies are hpcllm's (:func:`hpcllm.model.llama.rope_frequencies`, Llama
+3.1's scaling included), so that both compute the same function; nothing else of hpcllm is in
+it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hpcllm import families
+from hpcllm.model.llama import rope_frequencies
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -71,39 +76,32 @@ class _Block(nn.Module):
 class PlainLlama(nn.Module):
     """Llama in plain PyTorch; ``forward(ids, targets)`` returns the mean cross-entropy."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        n_layer: int,
-        n_head: int,
-        n_kv_heads: int,
-        d_model: int,
-        ffn: int,
-        seq_len: int,
-        inv_freq: torch.Tensor,
-        tie_embeddings: bool = False,
-        eps: float = 1e-5,
-        seed: int = 1234,
-    ) -> None:
+    def __init__(self, model: Any, vocab_size: int, *, seed: int = 1234) -> None:
+        """Build the model of ``model`` (a ``cfg.model``) over ``vocab_size`` ids (padded by
+        the caller), its weights drawn from ``seed``."""
         super().__init__()
+        shape = families.shape(model, vocab_size)
+        h, layers, eps = shape.hidden, shape.layers, model.layer_norm_eps
         torch.manual_seed(seed)
-        self.embed = nn.Embedding(vocab_size, d_model)
+        self.embed = nn.Embedding(vocab_size, h)
         self.blocks = nn.ModuleList(
-            _Block(d_model, n_head, n_kv_heads, ffn, eps) for _ in range(n_layer)
+            _Block(h, shape.heads, shape.kv_heads or shape.heads, shape.ffn or 4 * h, eps)
+            for _ in range(layers)
         )
-        self.norm = nn.RMSNorm(d_model, eps=eps)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        if tie_embeddings:
+        self.norm = nn.RMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, vocab_size, bias=False)
+        if shape.tied:
             self.lm_head.weight = self.embed.weight
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq.float())
+        positions = torch.arange(shape.seq, dtype=torch.float32)
+        angles = torch.outer(positions, rope_frequencies(model))
         angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
         for name, param in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+                nn.init.normal_(param, std=model.init_std / math.sqrt(2 * layers))
             elif param.dim() >= 2:
-                nn.init.normal_(param, std=0.02)
+                nn.init.normal_(param, std=model.init_std)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]

@@ -1,18 +1,22 @@
-"""The baseline of ``hpcllm bench step``: GPT-2 as a user would write it in plain PyTorch.
+"""GPT-2 as a user would write it in plain PyTorch: the ``gpt2`` family's baseline
+(:attr:`hpcllm.families.Family.reference`), which ``hpcllm bench step`` measures hpcllm against.
 
 nanoGPT's shape: learned positions, pre-LayerNorm blocks, ``is_causal`` scaled-dot-product
 attention, tanh GeLU, the output layer tied to the token embedding, the vocabulary padded by
-the caller (50257 → 50304), AdamW fused on CUDA. Nothing from hpcllm is in it, so it measures
-what hpcllm's layers, kernels and step add or save, not a weak baseline.
+the caller (50257 → 50304). Its sizes come from the model config; nothing of hpcllm computes
+in it, so it measures what hpcllm's layers, kernels and step add or save, not a weak baseline.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hpcllm import families
 
 
 class _Attention(nn.Module):
@@ -45,11 +49,11 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_head: int, dropout: float, eps: float) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(d_model)
+        self.ln_1 = nn.LayerNorm(d_model, eps=eps)
         self.attn = _Attention(d_model, n_head, dropout)
-        self.ln_2 = nn.LayerNorm(d_model)
+        self.ln_2 = nn.LayerNorm(d_model, eps=eps)
         self.mlp = _MLP(d_model, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,33 +61,30 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class PlainGPT(nn.Module):
+class PlainGPT2(nn.Module):
     """GPT-2 in plain PyTorch; ``forward(ids, targets)`` returns the mean cross-entropy."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        n_layer: int,
-        n_head: int,
-        d_model: int,
-        seq_len: int,
-        dropout: float = 0.0,
-        seed: int = 1234,
-    ) -> None:
+    def __init__(self, model: Any, vocab_size: int, *, seed: int = 1234) -> None:
+        """Build the model of ``model`` (a ``cfg.model``) over ``vocab_size`` ids (padded by
+        the caller), its weights drawn from ``seed``."""
         super().__init__()
+        shape = families.shape(model, vocab_size)
+        h, layers, std = shape.hidden, shape.layers, model.init_std
         torch.manual_seed(seed)
-        self.wte = nn.Embedding(vocab_size, d_model)
-        self.wpe = nn.Embedding(seq_len, d_model)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(_Block(d_model, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.wte = nn.Embedding(vocab_size, h)
+        self.wpe = nn.Embedding(shape.seq, h)
+        self.drop = nn.Dropout(model.dropout)
+        self.blocks = nn.ModuleList(
+            _Block(h, shape.heads, model.dropout, model.layer_norm_eps) for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(h, eps=model.layer_norm_eps)
+        self.lm_head = nn.Linear(h, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layer))
+                nn.init.normal_(param, std=std / math.sqrt(2 * layers))
             elif param.dim() >= 2:
-                nn.init.normal_(param, std=0.02)
+                nn.init.normal_(param, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
 
@@ -94,16 +95,3 @@ class PlainGPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def plain_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """Return nanoGPT's AdamW: decay on matrices only, fused on CUDA, foreach elsewhere."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    cuda = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(
-        groups, lr=lr, betas=(0.9, 0.95), fused=cuda or None, foreach=None if cuda else True
-    )
