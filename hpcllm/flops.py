@@ -13,22 +13,6 @@ from typing import Any
 from hpcllm import families
 
 
-def step_flops(
-    batch: int,
-    seq_len: int,
-    n_layer: int,
-    d_model: int,
-    vocab: int,
-    recompute: str = "none",
-    *,
-    arch: str = "gpt2",
-    n_head: int = 1,
-) -> float:
-    """Return the FLOPs of one training step on ``batch`` sequences of family ``arch``."""
-    shape = families.Shape(n_layer, d_model, n_head, seq_len, vocab)
-    return families.get(arch).step_flops(batch, shape, recompute)
-
-
 def model_step_flops(model: Any, batch: int, vocab: int, recompute: str = "none") -> float:
     """Return the FLOPs of one training step on ``batch`` sequences of ``model`` (a
     ``cfg.model``), with every size its family reads (GQA's kv heads, the MLP's width)."""

@@ -8,6 +8,7 @@ pyproject.toml (``hpcllm.kernels`` is ``kernels/``, ``hpcllm.datasets`` is ``dat
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -84,3 +85,95 @@ def test_a_path_that_is_gone_is_caught() -> None:
     assert module_file("hpcllm.train.gone") is None
     assert module_file("hpcllm.kernels.reference") == REPO / "kernels" / "reference.py"
     assert module_file("hpcllm.datasets") == REPO / "datasets" / "__init__.py"
+
+
+# Methods that change a container in place.
+_MUTATORS = {"append", "extend", "update", "clear", "pop", "popitem", "setdefault", "add"}
+_MUTATORS |= {"remove", "discard", "insert"}
+
+
+def _frozen(node: ast.ClassDef) -> bool:
+    """Return whether a class is a frozen dataclass (its instances hold no process state)."""
+    return any(
+        isinstance(d, ast.Call) and any(k.arg == "frozen" for k in d.keywords)
+        for d in node.decorator_list
+    )
+
+
+def process_state(source: str) -> set[str]:
+    """Return a module's process state: names rebound by ``global``, module-level instances
+    of its own mutable classes, and module-level containers a function changes."""
+    tree = ast.parse(source)
+    mutable = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and not _frozen(n)}
+    top: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            top.update({t.id: node.value for t in node.targets if isinstance(t, ast.Name)})
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            if isinstance(node.target, ast.Name):
+                top[node.target.id] = node.value
+    found = {name for n in ast.walk(tree) if isinstance(n, ast.Global) for name in n.names}
+    found |= {
+        name
+        for name, value in top.items()
+        if isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id in mutable
+    }
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for function in functions:
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+                targets = node.target if isinstance(node, ast.AugAssign) else node.targets
+                for target in targets if isinstance(targets, list) else [targets]:
+                    if (
+                        isinstance(target, ast.Subscript)
+                        and isinstance(target.value, ast.Name)
+                        and target.value.id in top
+                    ):
+                        found.add(target.value.id)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MUTATORS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in top
+            ):
+                found.add(node.func.value.id)
+    return found
+
+
+def mapped_state(text: str) -> set[tuple[str, str]]:
+    """Return the (path, name) pairs of the map's "Process state" table."""
+    section = text.split("## Process state", 1)[1].split("\n## ", 1)[0]
+    pairs = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and "/" in cells[0]:
+            pairs |= {(cells[0].strip("`"), n) for n in re.findall(r"`(\w+)`", cells[1])}
+    return pairs
+
+
+def test_module_level_process_state_is_where_the_map_says() -> None:
+    found = {
+        (f.relative_to(REPO).as_posix(), name)
+        for folder in PACKAGES.values()
+        for f in sorted((REPO / folder).rglob("*.py"))
+        if "__pycache__" not in f.parts
+        for name in process_state(f.read_text())
+    }
+    mapped = mapped_state(MAP.read_text())
+    assert found - mapped == set(), "process state the map's table does not name"
+    assert mapped - found == set(), "the map's table names process state that is gone"
+
+
+def test_the_state_finder_sees_each_kind() -> None:
+    source = (
+        "import dataclasses\n"
+        "class Box:\n    pass\n"
+        "@dataclasses.dataclass(frozen=True)\nclass Fixed:\n    pass\n"
+        "_BOX = Box()\n_FIXED = Fixed()\n_flag = False\n_seen: dict = {}\n_list = []\n"
+        "CONSTANT = (1, 2)\n"
+        "def f():\n    global _flag\n    _flag = True\n    _seen['a'] = 1\n    _list.append(2)\n"
+    )
+    assert process_state(source) == {"_BOX", "_flag", "_seen", "_list"}

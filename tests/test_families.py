@@ -1,89 +1,67 @@
-"""The model-family seam: the registry, the specs against the modules they describe, a family
-defined only in the tests trained at t=2 and p=2 against t=p=1, re-cut and loaded, and
-``hpcllm.load_model``."""
+"""The model-family seam: the registry, every family's rules and spec against its modules, and
+a family defined only in the tests (tests/probe_family.py), which shares nothing with GPT-2 or
+Llama but the decoder, planned, trained at t=2 × p=2 to its one-process losses, re-cut, loaded
+with ``hpcllm.load_model`` and printed with its own key.
+
+The test family is registered only in subprocesses, through ``HPCLLM_FAMILIES`` (:data:`PROBE`):
+registered in the pytest process it would add its preset to every later test's messages.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
-import toy_family
+from family_checks import check_rules, check_spec
 from mpirun import REPO, python, run_mpi
 
 import hpcllm
 from hpcllm import families
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
-from hpcllm.model import build
-from hpcllm.model.stages import build_chunks
 from hpcllm.observe import read_metrics
-from hpcllm.parallel.roles import role
-from hpcllm.plan.costs import Model
 
-TINY = [
-    "model.preset=null",
-    "model.n_layer=4",
-    "model.n_head=4",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.dropout=0",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.lr=3e-3",
-    "train.warmup_steps=2",
-    "train.lr_decay_steps=6",
-    "train.log_interval=1",
-    "train.eval_interval=0",
-    "train.precision=fp32",
-    "run.tensorboard=false",
-]
+TESTS = REPO / "tests"
+# What a process needs to register the test family: its module's name and where it is.
+PROBE = {
+    "HPCLLM_FAMILIES": "probe_family",
+    "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]),
+}
+BUILT_IN = {"gpt2": "tiny", "llama": "llama-tiny"}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt2-gated"])
-def test_every_tensor_has_one_rule_that_says_how_it_is_split_and_where_it_lives(arch):
-    family = families.get(arch)
-    cfg = load_config(None, [f"model.arch={arch}", *TINY[:5]]).model
-    with torch.device("meta"):
-        whole = build(cfg, 300)
-        stages = build_chunks(
-            cfg, 300, p=2, rank=1, v=2, tp_group=None, seed=0, sequence_parallel=False
-        )
-    for name, param in whole.named_parameters():
-        rules = [rule for rule in family.tensors if rule.matches(name)]
-        assert len(rules) == 1, f"{name}: {rules}"
-        assert rules[0].split == getattr(param, "partition", None), name
-    # Rank 1 of p=2, v=2 holds stages 1 and 3 (the last): blocks 1 and 3, the tied copy of
-    # the embedding and the final LayerNorm, as the rules' stages say.
-    last = {name for name, _ in stages[1].named_parameters()}
-    assert {n for n in last if family.rule(n).stage in ("last", "first+last")} == {
-        "wte.weight",
-        "ln_f.weight",
-        "ln_f.bias",
-    }
-    assert not any(family.rule(n).stage == "first" for n in last)
-    assert "tied" in role(stages[1].wte.weight).sums and role(stages[1].wte.weight).stage_copy
+def _probe(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` with the test family registered; return the finished process."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **PROBE},
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
-def test_the_planner_and_flops_reach_the_family_through_the_registry():
-    plain, gated = Model.of("gpt2", 4, 64, 4, 32, 300), Model.of("gpt2-gated", 4, 64, 4, 32, 300)
-    assert gated.parameters() - plain.parameters() == 4 * (4 * 64 * 64 + 4 * 64)
-    with torch.device("meta"):
-        built = build(load_config(None, ["model.arch=gpt2-gated", *TINY[:5]]).model, 300)
-    # The spec counts the vocabulary as given; the module pads it (300 -> 384 rows).
-    padding = (384 - 300) * 64
-    assert sum(p.numel() for p in built.parameters()) == gated.parameters() + padding
-    from hpcllm.flops import step_flops
+@pytest.mark.parametrize("arch", sorted(BUILT_IN))
+def test_every_built_in_family_rules_its_tensors_and_counts_its_parameters(arch):
+    check_rules(arch, BUILT_IN[arch])
+    check_spec(arch, BUILT_IN[arch])
 
-    assert step_flops(8, 32, 4, 64, 300, arch="gpt2-gated") > step_flops(8, 32, 4, 64, 300)
+
+def test_the_test_family_rules_its_tensors_and_counts_its_parameters():
+    done = _probe(str(TESTS / "family_checks.py"), "probe", "probe-tiny")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok probe"
+    assert "probe" not in families.names()  # this process never registered it
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
     with pytest.raises(UserError, match="must be a model family"):
         load_config(None, ["model.arch=mamba"])
-    with pytest.raises(UserError, match="known: gpt2, gpt2-gated"):
+    with pytest.raises(UserError, match="known: gpt2, llama"):
         families.get("mamba")
 
 
@@ -105,38 +83,85 @@ def test_import_hpcllm_imports_no_torch_and_load_model_resolves_on_first_use():
         _ = hpcllm.nothing
 
 
-def _train(np: int, data, run, *layout: str) -> list[float]:
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    items = ["model.arch=gpt2-gated", *TINY, f"data.path={data}", f"run.dir={run}"]
-    for item in [*items, "train.steps=4", *layout]:
+def test_the_test_family_prints_its_own_key_and_refuses_a_bad_one():
+    sets = ["--set", "model.arch=probe", "--set", "model.preset=probe-tiny"]
+    done = _probe("-m", "hpcllm", "train", "--print-config", *sets)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.strip().startswith("mlp_ratio:"))
+    assert line.split("#")[0].split() == ["mlp_ratio:", "3"]  # the preset's, not the default
+    assert "squared-ReLU MLP's width" in line
+    bad = _probe("-m", "hpcllm", "train", "--print-config", *sets, "--set", "model.mlp_ratio=0")
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "model.mlp_ratio must be positive, got 0"
+    )
+    # Its key belongs to it alone: another family refuses it in one line.
+    other = _probe("-m", "hpcllm", "train", "--print-config", "--set", "model.mlp_ratio=3")
+    assert other.returncode == 2 and "model.mlp_ratio is not a gpt2 setting" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+
+
+def _train(np: int, config, data, run, *sets: str) -> list[float]:
+    """Train the test family from ``config`` on ``np`` ranks; return the logged losses."""
+    args = ["-m", "hpcllm", "train", "--no-progress", "--config", str(config)]
+    common = [f"data.path={data}", f"run.dir={run}", "train.steps=4", "train.log_interval=1"]
+    for item in [*common, "train.eval_interval=0", "run.tensorboard=false", *sets]:
         args += ["--set", item]
-    run_mpi(np, python(*args), timeout=300, env=toy_family.ENV).check()
+    run_mpi(np, python(*args), timeout=300, env=PROBE).check()
     return [r["loss"] for r in read_metrics(run)]
 
 
-def test_a_family_from_the_tests_trains_alike_at_t2_and_p2_recuts_and_loads(stdlib, tmp_path):
-    whole = _train(1, stdlib, tmp_path / "t1")
-    for name, np, layout in [
-        ("t2", 2, ["parallel.tp=2"]),
-        ("p2", 2, ["parallel.pp=2"]),
-        ("t2p2", 4, ["parallel.tp=2", "parallel.pp=2"]),
-    ]:
-        got = _train(np, stdlib, tmp_path / name, *layout)
-        assert got == pytest.approx(whole, rel=1e-5), name
-    # Re-cut t=2 x p=2 to one process; the run, the re-cut and the t=1 run give one model.
-    recut = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "convert", "--checkpoint", str(tmp_path / "t2p2")]
-        + ["--out", str(tmp_path / "one"), "--tp", "1", "--pp", "1"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **toy_family.ENV},
-        cwd=REPO,
-        timeout=300,
-    )
+@pytest.mark.mpi
+def test_the_test_family_plans_trains_at_t2_p2_as_on_one_process_recuts_and_loads(stdlib, tmp_path):
+    # Planned by `hpcllm plan` from its preset, written as a config through the family.
+    config = tmp_path / "planned.yaml"
+    plan = _probe(
+        "-m", "hpcllm", "plan", "--model", "probe-tiny", "--tp", "2", "--pp", "2",
+        "--gpus", "4", "--global-batch", "8", "--cluster", str(REPO / "jobs" / "clusters" /
+        "cpu-local.yaml"), "--precision", "fp32", "--write-config", str(config),
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    assert "probe: 4 layers" in plan.stdout
+    assert "mlp_ratio: 3" in config.read_text()
+    # The same model and batches on one process, and at t=2 x p=2 with sequence parallelism.
+    one_process = ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.schedule=1f1b"]
+    one = _train(1, config, stdlib, tmp_path / "t1", *one_process, "parallel.pipeline_layers=null")
+    grid = _train(4, config, stdlib, tmp_path / "t2p2", "parallel.sequence_parallel=true")
+    assert len(one) == 4 and grid == pytest.approx(one, rel=1e-5)
+    # Re-cut to one process; the run, the re-cut and the one-process run give one model.
+    recut = _probe(
+        "-m", "hpcllm", "convert", "--checkpoint", str(tmp_path / "t2p2"),
+        "--out", str(tmp_path / "one"), "--tp", "1", "--pp", "1",
+    )  # fmt: skip
     assert recut.returncode == 0, recut.stderr
-    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
-    logits = {name: hpcllm.load_model(tmp_path / name)(ids) for name in ("t1", "t2p2", "one")}
-    assert isinstance(hpcllm.load_model(tmp_path / "one"), toy_family.GatedGPT)
-    assert logits["t1"].shape == (2, 32, 257)
-    torch.testing.assert_close(logits["t2p2"], logits["one"], rtol=0, atol=0)
-    torch.testing.assert_close(logits["t2p2"], logits["t1"], rtol=1e-4, atol=1e-4)
+    code = (
+        "import sys, torch, hpcllm\n"
+        "from probe_family import Probe\n"
+        "ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))\n"
+        "models = {n: hpcllm.load_model(sys.argv[1] + '/' + n) for n in ('t1', 't2p2', 'one')}\n"
+        "assert all(isinstance(m, Probe) for m in models.values())\n"
+        "logits = {n: m(ids) for n, m in models.items()}\n"
+        "assert logits['t1'].shape == (2, 32, 257)\n"
+        "torch.testing.assert_close(logits['t2p2'], logits['one'], rtol=0, atol=0)\n"
+        "torch.testing.assert_close(logits['t2p2'], logits['t1'], rtol=1e-4, atol=1e-4)\n"
+        "print('same model')\n"
+    )
+    loaded = _probe("-c", code, str(tmp_path))
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "same model"
+
+
+def test_bench_step_measures_the_test_family_against_the_baseline_it_registers(tmp_path):
+    out = tmp_path / "step.json"
+    sizes = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.seq_len=16"]
+    sets = [arg for key in [*sizes, "train.micro_batch_size=2"] for arg in ("--set", key)]
+    done = _probe(
+        "-m", "hpcllm", "bench", "step", "--cpu-smoke", "--model", "probe-tiny", *sets,
+        "--steps", "1", "--rounds", "2", "--warmup", "1", "--loop-steps", "3",
+        "--json-out", str(out), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (shape,) = json.loads(out.read_text())["shapes"]
+    assert (shape["arch"], shape["baseline"]) == ("probe", "probe_family:PlainProbe")
+    rows = {r["key"]: r for r in shape["rows"]}
+    assert rows["plain_eager"]["step_ms"] > 0 and rows["hpcllm"]["step_ms"] > 0
+    assert "| plain probe eager |" in done.stdout

@@ -47,19 +47,13 @@ ENGINES = ["hpcllm.parallel.data"]
 # the name they export (hpcllm.load_model): the one import from the bottom layer upward.
 LAZY_EXPORTS = {("hpcllm", "hpcllm.generate")}
 
-# Where no module may name a model family's own modules (its spec under hpcllm.families, its
-# torch half, its plain baseline): they reach a family through the registry
-# (hpcllm.families, hpcllm.model.build).
-FAMILY_BLIND = [
-    "hpcllm.bench",
-    "hpcllm.config",
-    "hpcllm.train",
-    "hpcllm.plan",
-    "hpcllm.convert",
-    "hpcllm.flops",
-    "hpcllm.generate",
-    "hpcllm.evaluate",
-]
+# The packages a family's own modules live in (its spec, its torch half, its plain baseline):
+# every module outside them reaches a family through the registry (hpcllm.families,
+# hpcllm.model.build) and never names one.
+FAMILY_HOMES = ["hpcllm.families", "hpcllm.model"]
+# What the model may import of the parallel package: its layers and its tensors' roles, never
+# the pipeline or the data-parallel engines.
+MODEL_MUST_NOT_IMPORT = ["hpcllm.parallel.pipeline", "hpcllm.parallel.data"]
 
 # Private names another module may import: none.
 PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
@@ -333,7 +327,11 @@ def test_the_package_init_imports_hpcllm_modules_only_in_its_getattr():
     assert not eager, f"hpcllm/__init__.py imports hpcllm modules at lines {eager}"
 
 
-def test_no_module_names_a_model_familys_own_modules():
+def _family_blind(module: str) -> bool:
+    return not any(under(module, home) for home in FAMILY_HOMES)
+
+
+def test_no_module_outside_the_family_homes_names_a_model_familys_own_modules():
     from hpcllm import families
 
     modules, edges = _real_graph()
@@ -342,12 +340,79 @@ def test_no_module_names_a_model_familys_own_modules():
     references = [families.get(n).reference for n in families.names()]
     own |= {r.partition(":")[0] for r in references if r is not None}
     assert "hpcllm.families.gpt2" in own and "hpcllm.model.gpt" in own
+    assert "hpcllm.model.plain_llama" in own
     bad = [
         f"{_where(e, REPO)}  {e.importer} -> {e.imported}"
         for e in edges
-        if any(under(e.importer, p) for p in FAMILY_BLIND) and e.imported in own
+        if _family_blind(e.importer) and e.imported in own
     ]
     assert not bad, "modules that must reach a family through the registry:\n" + "\n".join(bad)
+
+
+def family_name_comparisons(source: str, names: set[str]) -> list[int]:
+    """Return the lines where ``source`` compares an ``arch`` (``model.arch``, ``arch``) with
+    a family's name, or keys a mapping by one (``{"llama": ...}``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            archs = any(
+                (isinstance(x, ast.Attribute) and x.attr == "arch")
+                or (isinstance(x, ast.Name) and x.id == "arch")
+                for x in sides
+            )
+            words = {
+                c.value
+                for x in sides
+                for c in ([x] if isinstance(x, ast.Constant) else getattr(x, "elts", []))
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
+            if archs and words & names:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if keys & names:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_outside_the_family_homes_compares_model_arch_with_a_familys_name():
+    from hpcllm import families
+
+    modules, _ = _real_graph()
+    names = set(families.names())
+    bad = [
+        f"{mod.path.relative_to(REPO)}:{line}"
+        for mod in modules.values()
+        if _family_blind(mod.name)
+        for line in family_name_comparisons(mod.path.read_text(), names)
+    ]
+    assert not bad, "modules that decide by a family's name:\n" + "\n".join(bad)
+
+
+def test_the_family_name_finder_sees_comparisons_and_keyed_mappings():
+    source = (
+        "def f(cfg, arch):\n"
+        "    if cfg.model.arch == 'llama':\n"
+        "        pass\n"
+        "    if arch in ('gpt2', 'x'):\n"
+        "        pass\n"
+        "    if cfg.model.arch != other:\n"
+        "        pass\n"
+        "    return {'llama': 1}, {'llamas': 2}, cfg.name == 'gpt2'\n"
+    )
+    assert family_name_comparisons(source, {"gpt2", "llama"}) == [2, 4, 8]
+
+
+def test_the_model_imports_no_pipeline_and_no_engine():
+    modules, edges = _real_graph()
+    bad = [
+        f"{_where(e, REPO)}  {e.importer} -> {e.imported}"
+        for e in edges
+        if under(e.importer, "hpcllm.model")
+        and any(under(e.imported, p) for p in MODEL_MUST_NOT_IMPORT)
+    ]
+    assert not bad, "the model importing the pipeline or an engine:\n" + "\n".join(bad)
 
 
 def test_data_parallel_engines_know_no_model_trainer_or_pipeline():

@@ -9,7 +9,6 @@ from hpcllm.config import ModelConfig, load_config, padded_vocab
 from hpcllm.convert import from_hf_state, to_hf_state
 from hpcllm.errors import UserError
 from hpcllm.families.gpt2 import hf_config
-from hpcllm.flops import step_flops
 from hpcllm.model.gpt import GPT
 from hpcllm.train.optim import lr_at
 
@@ -78,10 +77,11 @@ def _hand_count(b, s, layers, h, v):
 def test_flop_count_matches_a_hand_count():
     b, s, layers, h, v = 8, 128, 4, 128, 384
     total, layer_forward = _hand_count(b, s, layers, h, v)
-    assert step_flops(b, s, layers, h, v) == pytest.approx(total, rel=1e-12)
+    gpt2, shape = families.get("gpt2"), families.Shape(layers, h, 1, s, v)
+    assert gpt2.step_flops(b, shape, "none") == pytest.approx(total, rel=1e-12)
     # Full recomputation runs every layer's forward once more, not the logits.
-    assert step_flops(b, s, layers, h, v, "full") == pytest.approx(total + layer_forward, rel=1e-12)
-    assert step_flops(b, s, layers, h, v, "selective") == pytest.approx(
+    assert gpt2.step_flops(b, shape, "full") == pytest.approx(total + layer_forward, rel=1e-12)
+    assert gpt2.step_flops(b, shape, "selective") == pytest.approx(
         total + layers * 4 * b * s * s * h, rel=1e-12
     )
 

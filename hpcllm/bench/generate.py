@@ -1,10 +1,11 @@
 """``hpcllm bench generate``: sampling with and without the KV cache, on random weights.
 
-Per model (a preset of either family, at ``--seq-len``), one prompt of ``--prompt`` random
-token ids and ``--tokens`` new tokens at temperature 0, by :meth:`hpcllm.model.gpt.GPT.generate`
-with ``kv_cache`` on and off, in alternating runs; each side's figure is the median of
-``--repeats`` runs. The cached tokens must be the uncached ones (the run fails otherwise), and
-the speed-up is the uncached median over the cached one. Torch runs ``--threads`` threads.
+Per model (a preset of any family, at ``--seq-len``), one prompt of ``--prompt`` random
+token ids and ``--tokens`` new tokens at temperature 0, by
+:meth:`hpcllm.model.decoder.Decoder.generate` with ``kv_cache`` on and off, in alternating
+runs; each side's figure is the median of ``--repeats`` runs. The cached tokens must be the
+uncached ones (the run fails otherwise), and the speed-up is the uncached median over the
+cached one. Torch runs ``--threads`` threads.
 """
 
 from __future__ import annotations
