@@ -91,6 +91,9 @@ def test_dry_run_forwards_every_setting_the_ranks_read(tmp_path):
         "TRITON_INTERPRET": "1",
         "CUDA_VISIBLE_DEVICES": "0,1",
         "HPCLLM_CACHE": "/tmp/cache",
+        # A model family registered as a plugin (docs/models.md, "Adding a family").
+        "HPCLLM_FAMILIES": "my_family",
+        "PYTHONPATH": "/opt/families",
         "UNRELATED_SETTING": "x",
     }
     done = _dry_run(tmp_path, ["topo", "--tp", "2"], NP="4", **read)
