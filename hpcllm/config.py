@@ -796,7 +796,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_sections(cfg, {} if raw is None else raw, str(path))
     for text in overrides or []:
         _apply(cfg, *parse_override(text))
-    _fill_preset(cfg.model)
+    _fill_preset(cfg.model, _given_model_keys(raw, overrides or []))
     check(cfg)
     return cfg
 
@@ -818,12 +818,26 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     cfg = Config()
     _resolve_arch(cfg, raw, [])
     _apply_sections(cfg, raw, "config.yaml")
-    _fill_preset(cfg.model)
+    _fill_preset(cfg.model, _given_model_keys(raw, []))
     check(cfg)
     return cfg
 
 
-def _fill_preset(model: ModelConfig) -> None:
+def _given_model_keys(raw: Any, overrides: list[str]) -> set[str]:
+    """Return the model keys the file data ``raw`` or the overrides set."""
+    given = (
+        set(raw["model"]) if isinstance(raw, dict) and isinstance(raw.get("model"), dict) else set()
+    )
+    for text in overrides:
+        section, name, _ = parse_override(text)
+        if section == "model":
+            given.add(name)
+    return given
+
+
+def _fill_preset(model: ModelConfig, given: set[str]) -> None:
+    """Fill from ``model.preset`` every key it gives that the user did not (``given``) or
+    left null; a UserError for an unknown preset, another family's, or a size none gives."""
     if model.preset is not None:
         known = families.presets()
         if model.preset not in known:
@@ -837,8 +851,9 @@ def _fill_preset(model: ModelConfig) -> None:
                 f"model.preset {model.preset} is a {owner} preset and model.arch is "
                 f"{model.arch}; set model.arch={owner}, or a {model.arch} preset"
             )
+        # A key whose default is not null (Llama 3's rope_theta) is the preset's too.
         for name, value in known[model.preset].items():
-            if getattr(model, name) is None:
+            if name not in given or getattr(model, name) is None:
                 setattr(model, name, value)
     missing = [k for k in ("n_layer", "n_head", "d_model", "seq_len") if getattr(model, k) is None]
     if missing:
