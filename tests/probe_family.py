@@ -39,15 +39,7 @@ ENV = {
 class ProbeKeys:
     """The probe family's own model key."""
 
-    # Null rather than 2, so that a preset fills it as a preset fills any unset key.
-    mlp_ratio: int | None = key(
-        None, "the squared-ReLU MLP's width in units of d_model (probe); null: 2", POSITIVE
-    )
-
-
-def ratio(model: Any) -> int:
-    """Return the MLP's width in units of d_model."""
-    return model.mlp_ratio or 2
+    mlp_ratio: int = key(2, "the squared-ReLU MLP's width in units of d_model (probe)", POSITIVE)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -104,7 +96,7 @@ class SquaredReLU(nn.Module):
         self, cfg: Any, group: Any, gen: torch.Generator, sequence_parallel: bool = False
     ) -> None:
         super().__init__()
-        h, width = cfg.d_model, ratio(cfg) * cfg.d_model
+        h, width = cfg.d_model, cfg.mlp_ratio * cfg.d_model
         common = {"group": group, "gen": gen, "sequence_parallel": sequence_parallel}
         self.fc = ColumnParallelLinear(h, width, init=normal_init(cfg.init_std), **common)
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
@@ -134,7 +126,7 @@ class PlainProbe(nn.Module):
     def __init__(self, model: Any, vocab_size: int, *, seed: int = 1234) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        h, width = model.d_model, ratio(model) * model.d_model
+        h, width = model.d_model, model.mlp_ratio * model.d_model
         self.heads, self.eps = model.n_head, model.layer_norm_eps
         self.wte = nn.Embedding(vocab_size, h)
         self.blocks = nn.ModuleList(
@@ -233,9 +225,9 @@ def layer_gemms(rows: int, shape: Shape, t: int) -> list[tuple[int, int, int]]:
 
 def check(model: Any, tp: int) -> None:
     """Raise a UserError where the MLP's width does not divide over t."""
-    if ratio(model) * model.d_model % tp:
+    if model.mlp_ratio * model.d_model % tp:
         raise UserError(
-            f"model.mlp_ratio x model.d_model = {ratio(model) * model.d_model} is not "
+            f"model.mlp_ratio x model.d_model = {model.mlp_ratio * model.d_model} is not "
             f"divisible by parallel.tp {tp}"
         )
 
@@ -267,7 +259,7 @@ PROBE = families.register(
         tensors=TENSORS,
         check=check,
         keys=ProbeKeys,
-        shape_extra=lambda model: {"ffn": ratio(model) * model.d_model},
+        shape_extra=lambda model: {"ffn": model.mlp_ratio * model.d_model},
         keys_of_shape=lambda shape: {"mlp_ratio": _width(shape) // shape.hidden},
         reference="probe_family:PlainProbe",
     )
