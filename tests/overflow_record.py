@@ -53,8 +53,9 @@ def check_or_record(mode: str, run_dir: Path) -> None:
         if want["grad_norm"] is None:
             assert got["grad_norm"] is None, (got, want)
         else:
-            # fp16 matmuls on another CPU's kernels round differently: the commit that recorded
-            # these gives 3.0181229 for zero's step 2 on one machine and 3.0181170 on another.
-            assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=1e-5), (got, want)
+            # fp16 on another CPU's kernels rounds differently: the commit that recorded these
+            # gives, for step 2, 3.0181229 (zero) and 3.9358854 (pp) on an AMD EPYC where they
+            # were 3.0181170 and 3.9359858 (2.6e-5 apart); a changed step is far past that.
+            assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=1e-4), (got, want)
     # The overflow is where it was injected: step 2 (the third) is the one skipped.
     assert [r["skipped"] for r in mine].count(True) == 1
