@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_runs import HOROVOD_OVER_MPI, SMALL, cli, sets, train
 from mpirun import python, run_mpi
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
@@ -214,12 +215,7 @@ def test_local_sgd_is_its_one_process_replay_and_sync_sgd_at_h1(tmp_path):
 
 
 def _train(stdlib, run_dir, *extra):
-    from test_train import SMALL
-
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
-        args += ["--set", item]
-    return run_mpi(2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300)
+    return train(2, stdlib, run_dir, *SMALL, *extra)
 
 
 def test_ps_async_trains_logs_its_staleness_and_resumes(stdlib, tmp_path):
@@ -283,17 +279,12 @@ def test_local_sgd_averages_before_it_saves_and_resumes_exactly(stdlib, tmp_path
 
 def test_bench_sync_writes_its_table_chart_and_json(stdlib, tmp_path):
     import json
-    import subprocess
 
-    from test_train import SMALL
-
-    cmd = [sys.executable, "-m", "hpcllm", "bench", "sync", "--engines", "ddp", "ps-async"]
-    cmd += ["--staleness", "2", "--steps", "6", "--log-every", "3", "--out", str(tmp_path / "b")]
-    for item in [*SMALL, f"data.path={stdlib}"]:
-        cmd += ["--set", item]
-    env = {**__import__("os").environ, "HOROVOD_CPU_OPERATIONS": "MPI"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr
+    run = cli(
+        "bench", "sync", "--engines", "ddp", "ps-async", "--staleness", "2", "--steps", "6",
+        "--log-every", "3", "--out", str(tmp_path / "b"), *sets(*SMALL, f"data.path={stdlib}"),
+        env=HOROVOD_OVER_MPI, timeout=600, check=True,
+    )  # fmt: skip
     result = json.loads((tmp_path / "b" / "bench_sync.json").read_text())
     rows = {(r["strategy"], r["straggler"]): r for r in result["rows"]}
     assert sorted(rows) == [

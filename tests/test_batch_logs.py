@@ -4,22 +4,15 @@ returns when stdout is a file; `train --print-config` and `train --help` documen
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
+
+from family_runs import SMALLEST, cli, sets
 
 from hpcllm.config import Config, load_config
 
-REPO = Path(__file__).resolve().parent.parent
-
 SMALL = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=4",
     "train.global_batch_size=4",
     "train.log_interval=2",
@@ -35,25 +28,13 @@ INTERVAL = re.compile(
 
 
 def _hpcllm(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "hpcllm", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=REPO,
-    )
-
-
-def _sets(*items: str) -> list[str]:
-    return [arg for item in items for arg in ("--set", item)]
+    return cli(*args, env={"OMP_NUM_THREADS": "1"}, timeout=180)
 
 
 def test_a_batch_job_logs_a_banner_one_line_per_interval_and_a_run_summary(stdlib, tmp_path):
     folder = tmp_path / "run"
     run = _hpcllm(
-        "train", *_sets(*SMALL, "train.steps=6", f"data.path={stdlib}", f"run.dir={folder}")
+        "train", *sets(*SMALL, "train.steps=6", f"data.path={stdlib}", f"run.dir={folder}")
     )
     assert run.returncode == 0, run.stderr
     assert "\r" not in run.stdout + run.stderr
@@ -83,7 +64,7 @@ def test_print_config_round_trips_and_touches_nothing(stdlib, tmp_path):
         f"data.path={stdlib}",
         f"run.dir={folder}",
     ]
-    run = _hpcllm("train", *_sets(*items), "--print-config", "--world-size", "4")
+    run = _hpcllm("train", *sets(*items), "--print-config", "--world-size", "4")
     assert run.returncode == 0, run.stderr
     printed = tmp_path / "printed.yaml"
     printed.write_text(run.stdout)
@@ -101,7 +82,7 @@ def test_print_config_refuses_a_world_size_the_grid_cannot_use(stdlib, tmp_path)
         f"data.path={stdlib}",
         f"run.dir={folder}",
     ]
-    run = _hpcllm("train", *_sets(*items), "--print-config", "--world-size", "3")
+    run = _hpcllm("train", *sets(*items), "--print-config", "--world-size", "3")
     assert run.returncode == 2
     assert run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -1,13 +1,11 @@
 """Bench progress: which case of how many, on stderr; a bar on a terminal, else a line per case."""
 
 import io
-import os
 import re
-import subprocess
-import sys
 
 import pytest
-from mpirun import REPO, python, run_mpi
+from family_runs import cli
+from mpirun import python, run_mpi
 
 from hpcllm.observe import CaseProgress
 
@@ -25,23 +23,6 @@ class Terminal(io.StringIO):
 
 def _progress_lines(stderr: str, what: str) -> list[re.Match]:
     return [m for line in stderr.splitlines() if (m := LINE.match(line)) and m["what"] == what]
-
-
-def _hpcllm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    # Not under a launcher, whatever started pytest; Triton's interpreter only where asked.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_")) and k != "TRITON_INTERPRET"
-    }
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=env,
-    )
 
 
 def test_without_a_terminal_each_case_is_one_line_naming_its_number_and_label():
@@ -97,8 +78,7 @@ def test_done_without_start_is_a_mistake():
 
 
 def test_bench_data_prints_one_progress_line_per_cache_size(stdlib):
-    run = _hpcllm(
-        "hpcllm",
+    run = cli(
         "bench",
         "data",
         str(stdlib),
@@ -125,9 +105,7 @@ def test_bench_data_prints_one_progress_line_per_cache_size(stdlib):
 
 def test_bench_kernels_smoke_prints_one_progress_line_per_op():
     # As a user types it: every option after `bench kernels` reaches the kernels' parser.
-    run = _hpcllm(
-        "hpcllm", "bench", "kernels", "--cpu-smoke", "--no-training", "--iters", "1", timeout=300
-    )
+    run = cli("bench", "kernels", "--cpu-smoke", "--no-training", "--iters", "1", timeout=300)
     assert run.returncode == 0, run.stderr
     assert "\r" not in run.stderr
     lines = _progress_lines(run.stderr, "hpcllm bench kernels")

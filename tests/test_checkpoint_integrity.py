@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from datasets_fixtures import prepare_corpus
+from family_runs import SMALLEST
 from full_disk import open_on_full_disk
 
 from hpcllm.cli import main
@@ -24,11 +25,7 @@ from hpcllm.train import checkpoint
 from hpcllm.train.trainer import Trainer
 
 TINY = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=2",
     "train.steps=2",
     "train.save_interval=1",

@@ -4,27 +4,12 @@ import subprocess
 import sys
 
 import pytest
+from family_runs import cli
 from mpirun import REPO
 
 
-def _hpcllm(*args, env=None):
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "hpcllm", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**clean, **(env or {})},
-    )
-
-
 def test_topo_in_a_single_process_needs_no_launcher():
-    run = _hpcllm("topo", "--json")
+    run = cli("topo", "--json")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["world_size"] == 1 and report["launcher"] == "single"
@@ -33,7 +18,7 @@ def test_topo_in_a_single_process_needs_no_launcher():
 
 
 def test_bad_size_in_a_single_process_is_exit_2_without_traceback():
-    run = _hpcllm("topo", "--tp", "2")
+    run = cli("topo", "--tp", "2")
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "hpcllm: error: world size 1 is not divisible by tp*pp = 2*1 = 2; "
@@ -42,7 +27,7 @@ def test_bad_size_in_a_single_process_is_exit_2_without_traceback():
 
 
 def test_topo_help_explains_every_option():
-    run = _hpcllm("topo", "--help")
+    run = cli("topo", "--help")
     assert run.returncode == 0
     for option in ("--tp", "--pp", "--dp", "--vpp", "--json"):
         assert option in run.stdout
@@ -53,7 +38,7 @@ def test_train_help_names_every_config_key():
     from hpcllm import families
     from hpcllm.config import fields
 
-    run = _hpcllm("train", "--help")
+    run = cli("train", "--help")
     text = " ".join(run.stdout.split())
     for arch in families.names():  # the shared keys and each family's own
         for f in fields(arch):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpirun import python, run_mpi
-from test_one_step_path import RECORDED, prepare_data, read_losses, train_command
+from test_one_step_path import RECORDED, prepare_data, read_losses, train_case
 
 from hpcllm.config import ModelConfig
 from hpcllm.errors import UserError
@@ -56,8 +55,7 @@ def test_compiled_model_trains_to_the_uncompiled_losses(
 ) -> None:
     ranks, recorded_case, overrides = CASES[case]
     run_dir = tmp_path / case
-    command = python("-m", "hpcllm", *train_command(data, run_dir, overrides))
-    run_mpi(ranks, command, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=420).check()
+    train_case(ranks, data, run_dir, overrides, timeout=420)
     recorded = json.loads(RECORDED.read_text())[recorded_case]
     got = read_losses(run_dir)
     assert len(got["loss"]) == len(recorded["loss"]) == 4

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_runs import SMALL, sets, train, train_together
 from mpirun import python, run_mpi
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
@@ -101,19 +102,13 @@ def test_every_engine_equals_one_process_on_the_global_batch(tmp_path, dp, preci
 
 
 def test_trainer_with_each_engine_logs_the_same_losses(stdlib, tmp_path):
-    import json
-
-    from test_train import SMALL
-
     common = [*SMALL, "train.steps=4", "train.global_batch_size=16", "train.eval_interval=0"]
     runs = {engine: [*common, f"parallel.dp_engine={engine}"] for engine in ENGINES}
     # A dialled straggler: rank 1's compute takes 3 times as long.
     runs["straggler"] = [*common, "train.straggler_rank=1", "train.straggler_factor=3"]
-    script = python(
-        "tests/mpi_scripts/train_in_one_launch.py", stdlib, tmp_path, json.dumps(runs)
-    )  # the four runs share one launch
-    result = run_mpi(2, script, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
-    metrics = json.loads(result.rank_stdout[0].splitlines()[-1])
+    # The four runs share one launch.
+    ran = train_together(2, stdlib, tmp_path, runs, timeout=300)
+    metrics = {name: run["records"] for name, run in ran.items()}
     losses = {}
     for engine in ENGINES:
         records = metrics[engine]
@@ -135,10 +130,7 @@ def test_trainer_with_each_engine_logs_the_same_losses(stdlib, tmp_path):
         torch.tensor([r["loss"] for r in records]), torch.tensor(losses["ddp"]), rtol=1e-5, atol=0
     )
     # A straggler rank the job does not have: one line, as the user types it.
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [*common, f"data.path={stdlib}", f"run.dir={tmp_path / 'bad'}"]:
-        args += ["--set", item]
-    bad = run_mpi(2, python(*args, "--set", "train.straggler_rank=2"), timeout=120)
+    bad = train(2, stdlib, tmp_path / "bad", *common, "train.straggler_rank=2", timeout=120)
     assert bad.returncode != 0
     assert "train.straggler_rank 2 is not a rank of this job (world size 2)" in bad.stderr
 
@@ -194,8 +186,6 @@ def test_bench_dp_writes_its_table_chart_and_json(stdlib, tmp_path):
     import json
     import subprocess
 
-    from test_train import SMALL
-
     data = stdlib  # the session's prepared corpus (read only)
     cmd = [
         sys.executable,
@@ -216,9 +206,8 @@ def test_bench_dp_writes_its_table_chart_and_json(stdlib, tmp_path):
         "1",
         "--out",
         str(tmp_path / "b"),
+        *sets(*SMALL, f"data.path={data}", "parallel.horovod_cycle_ms=2"),
     ]
-    for item in [*SMALL, f"data.path={data}", "parallel.horovod_cycle_ms=2"]:
-        cmd += ["--set", item]
     env = {**os.environ, "HOROVOD_FUSION_THRESHOLD": str(16 * 2**20)}
     env.pop("HOROVOD_CACHE_CAPACITY", None)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -8,21 +8,16 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 from datasets_fixtures import prepare_corpus
-from mpirun import REPO, python, run_mpi
+from family_runs import SMALLEST, cli, train, train_args
 
 from hpcllm.errors import UserError
 from hpcllm.evaluate import evaluate
 
 TINY = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=2",
     "train.save_interval=1",
     "train.eval_interval=0",
@@ -32,10 +27,7 @@ TINY = [
 
 
 def _train(data, run, *extra: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
-    for item in [*TINY, f"data.path={data}", f"run.dir={run}", *extra]:
-        args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=300)
+    return cli(*train_args(data, run, *TINY, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +96,9 @@ def test_a_checkpoint_without_its_manifest_loads_only_when_asked(datasets, tmp_p
     )
     evaluate_words = ["evaluate", "--data", str(byte), "--split", "train", "--iters", "1"]
     for words in (evaluate_words, ["generate", "--prompt", "x", "--tokens", "2"]):
-        command = [sys.executable, "-m", "hpcllm", *words, "--checkpoint", str(run)]
-        got = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+        got = cli(*words, "--checkpoint", str(run))
         assert got.returncode == 2 and "--allow-unverified" in got.stderr, got.stderr
-        asked = subprocess.run(
-            [*command, "--allow-unverified"], capture_output=True, text=True, cwd=REPO, timeout=300
-        )
-        assert asked.returncode == 0, asked.stderr
+        cli(*words, "--checkpoint", str(run), "--allow-unverified", check=True)
     resumed = _train(byte, run, "train.steps=3", "run.allow_unverified=true")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from it unchecked" in resumed.stderr + resumed.stdout
@@ -136,15 +124,7 @@ def test_staging_folders_of_dead_writers_are_removed_and_live_ones_kept(datasets
     for folder in (dead, live, remote):
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"\0" * 1024)
-    command = [sys.executable, "-m", "hpcllm", "convert", "--checkpoint", str(run)]
-    got = subprocess.run(
-        [*command, "--to-hf", str(exports / "hf")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert got.returncode == 0, got.stderr
+    got = cli("convert", "--checkpoint", str(run), "--to-hf", str(exports / "hf"), check=True)
     assert f"removed {dead}, left by process" in got.stderr
     assert not dead.exists() and live.is_dir() and remote.is_dir()
     assert (exports / "hf" / "config.json").is_file()
@@ -172,15 +152,9 @@ def test_under_mpirun_every_rank_refuses_data_of_another_tokenizer(datasets, tmp
     byte, bpe = datasets
     run = tmp_path / "run"
 
-    def train(data, steps):
-        args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [*TINY, f"data.path={data}", f"run.dir={run}", f"train.steps={steps}"]:
-            args += ["--set", item]
-        return run_mpi(2, python(*args), timeout=300)
-
-    train(byte, 2).check()
+    train(2, byte, run, *TINY, "train.steps=2").check()
     tokenizer = (run / "tokenizer.json").read_bytes()
-    refused = train(bpe, 4)
+    refused = train(2, bpe, run, *TINY, "train.steps=4")
     assert refused.returncode != 0
     assert "another tokenizer" in refused.stderr + refused.stdout
     assert (run / "tokenizer.json").read_bytes() == tokenizer

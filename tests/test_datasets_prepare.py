@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 import pytest
 from datasets_fixtures import make_corpus, prepare_corpus, split_docs
+from family_runs import cli
 
 from hpcllm.datasets import inspection
 from hpcllm.datasets.prepare import PrepareOptions, prepare, split_of
@@ -192,12 +193,7 @@ def test_flipped_byte_is_reported_with_the_file_name(tmp_path):
     _flip_byte_in_tokens(shard)
     with pytest.raises(UserError, match=f"shard {shard} is corrupt: tokens.* checksum"):
         inspection.verify(load_manifest(tmp_path / "out"))
-    run = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"), "--verify"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = cli("inspect", str(tmp_path / "out"), "--verify", timeout=60)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [run.stderr.strip()]
     assert str(shard) in run.stderr and "corrupt" in run.stderr
@@ -247,16 +243,16 @@ def test_sequence_longer_than_data(tmp_path):
         MicroBatchReader(tmp_path / "out", seq_len=100000, micro_batch_size=1)
 
 
-def _prepare_command(out, *options: str) -> list[str]:
-    return [sys.executable, "-m", "hpcllm", "prepare", "--out", str(out), "--quiet", *options]
+def _prepare_args(out, *options: str) -> list[str]:
+    return ["prepare", "--out", str(out), "--quiet", *options]
 
 
 def test_killed_prepare_leaves_the_earlier_dataset_and_the_next_removes_its_stage(tmp_path):
     out = tmp_path / "out"
     prepare_corpus(tmp_path / "src", out, tokenizer="byte", val_fraction=0.0)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    command = _prepare_command(out, "--corpus", "python-stdlib", "--tokenizer", "byte")
-    proc = subprocess.Popen([*command, "--shards", "4"], cwd=REPO)
+    args = _prepare_args(out, "--corpus", "python-stdlib", "--tokenizer", "byte", "--shards", "4")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcllm", *args], cwd=REPO)
     deadline = time.monotonic() + 60
     # Killed while it writes a shard into its staging folder beside out.
     while not list(tmp_path.glob(".out.partial-*/.*.partial-*")) and time.monotonic() < deadline:
@@ -268,13 +264,7 @@ def test_killed_prepare_leaves_the_earlier_dataset_and_the_next_removes_its_stag
     assert len(stages) == 1
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
     MicroBatchReader(out, seq_len=8, micro_batch_size=1)  # and readable
-    again = subprocess.run(
-        _prepare_command(out, "--input", str(tmp_path / "src"), "--tokenizer", "byte"),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    again = cli(*_prepare_args(out, "--input", str(tmp_path / "src"), "--tokenizer", "byte"))
     assert again.returncode == 0, again.stderr
     assert f"removed {stages[0]}, left by process" in again.stderr
     assert not list(tmp_path.glob(".out.partial-*"))
@@ -293,25 +283,14 @@ def test_a_refused_prepare_leaves_the_dataset_already_there(tmp_path, options, m
     prepare_corpus(tmp_path / "src", out, tokenizer="byte", val_fraction=0.0)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     (tmp_path / "empty.txt").write_text("")
-    got = subprocess.run(
-        _prepare_command(out, "--input", str(tmp_path / options[0]), *options[1:]),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    got = cli(*_prepare_args(out, "--input", str(tmp_path / options[0]), *options[1:]))
     assert got.returncode == 2 and message in got.stderr, got.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not list(tmp_path.glob(".*.partial-*"))
 
 
 def test_prepare_cli_help_explains_every_option():
-    run = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "prepare", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = cli("prepare", "--help", timeout=60)
     for option in (
         "--input",
         "--corpus",
@@ -330,12 +309,7 @@ def test_prepare_cli_help_explains_every_option():
 
 def test_inspect_cli_summary_and_dump(tmp_path):
     _, docs = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0)
-    run = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "inspect", str(tmp_path / "out"), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = cli("inspect", str(tmp_path / "out"), "--json", timeout=60)
     info = json.loads(run.stdout)
     assert info["splits"]["train"]["documents"] == len(docs)
     assert info["tokenizer"]["vocab_size"] == 257

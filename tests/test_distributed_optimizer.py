@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
+from family_runs import HOROVOD_OVER_MPI, SMALL, train
 from mpirun import python, run_mpi
 from overflow_record import check_or_record
-from test_train import SMALL
 
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
@@ -33,20 +33,10 @@ def data(tmp_path_factory):
 
 
 def _train(ranks, data, run_dir, *extra, steps=4):
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [
-        *SMALL,
-        "model.n_layer=4",
-        "train.micro_batch_size=2",
-        "train.global_batch_size=16",
-        f"train.steps={steps}",
-        "train.eval_interval=0",
-        f"data.path={data}",
-        f"run.dir={run_dir}",
-        *extra,
-    ]:
-        args += ["--set", item]
-    return run_mpi(ranks, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    sets = [*SMALL, "model.n_layer=4", "train.micro_batch_size=2", "train.global_batch_size=16"]
+    return train(
+        ranks, data, run_dir, *sets, f"train.steps={steps}", "train.eval_interval=0", *extra
+    ).check()
 
 
 def _losses(run_dir):
@@ -295,7 +285,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(data, tmp_path):
             str(tmp_path / "run"),
             json.dumps(SMALL),
         ),
-        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
+        env=HOROVOD_OVER_MPI,
         timeout=300,
     ).check()
     outs = [json.loads(result.rank_stdout[r].splitlines()[-1]) for r in range(2)]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_runs import SMALLEST
 
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
@@ -16,11 +17,7 @@ from hpcllm.train import checkpoint
 from hpcllm.train.trainer import Trainer
 
 SMALL = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=4",
     "train.global_batch_size=8",
     "train.log_interval=1",

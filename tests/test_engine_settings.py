@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from family_runs import SMALL, train
 from mpirun import python, run_mpi
 
 from hpcllm.config import ParallelConfig, load_config
@@ -156,38 +157,13 @@ def test_the_engine_hands_horovod_its_settings_before_init(monkeypatch):
 def test_autotune_and_response_cache_reach_horovod_in_training(stdlib, tmp_path, monkeypatch):
     """Two ranks train with Horovod's autotune logging and its response cache off: the banner
     reports both, and Horovod writes the autotune log it was given."""
-    from test_train import SMALL
-
-    data = stdlib  # the session's prepared corpus (read only)
     log = tmp_path / "autotune.csv"
     for name in VARIABLES:  # the ranks inherit this environment: none of Horovod's set
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    run = run_mpi(
-        2,
-        python(
-            "-m",
-            "hpcllm",
-            "train",
-            "--no-progress",
-            *[
-                arg
-                for item in [
-                    *SMALL,
-                    f"data.path={data}",
-                    f"run.dir={tmp_path / 'run'}",
-                    "parallel.dp_engine=horovod",
-                    "parallel.horovod_autotune=true",
-                    f"parallel.horovod_autotune_log={log}",
-                    "parallel.horovod_response_cache=0",
-                    "train.steps=4",
-                ]
-                for arg in ("--set", item)
-            ],
-        ),
-        env={"HOROVOD_CPU_OPERATIONS": "MPI"},
-        timeout=300,
-    )
+    horovod = ["parallel.dp_engine=horovod", "parallel.horovod_autotune=true"]
+    horovod += [f"parallel.horovod_autotune_log={log}", "parallel.horovod_response_cache=0"]
+    run = train(2, stdlib, tmp_path / "run", *SMALL, *horovod, "train.steps=4")
     run.check()
     banner = next(line for line in run.stdout.splitlines() if "data parallel horovod:" in line)
     assert "response cache off (config)" in banner and "autotune on (config)" in banner

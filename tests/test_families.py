@@ -13,16 +13,17 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from family_checks import check_rules, check_spec
-from mpirun import REPO, python, run_mpi
+from family_runs import cli, losses, sets, train
+from mpirun import REPO
 
 import hpcllm
 from hpcllm import families
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
-from hpcllm.observe import read_metrics
 
 TESTS = REPO / "tests"
 # What a process needs to register the test family: its module's name and where it is.
@@ -33,15 +34,15 @@ PROBE = {
 BUILT_IN = {"gpt2": "tiny", "llama": "llama-tiny"}
 
 
-def _probe(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``python ARGS`` with the test family registered; return the finished process."""
+def _probe(*args: str) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` (a script, or ``-c``) with the test family registered."""
     return subprocess.run(
         [sys.executable, *args],
         capture_output=True,
         text=True,
         env={**os.environ, **PROBE},
         cwd=REPO,
-        timeout=timeout,
+        timeout=300,
     )
 
 
@@ -84,42 +85,38 @@ def test_import_hpcllm_imports_no_torch_and_load_model_resolves_on_first_use():
 
 
 def test_the_test_family_prints_its_own_key_and_refuses_a_bad_one():
-    sets = ["--set", "model.arch=probe", "--set", "model.preset=probe-tiny"]
-    done = _probe("-m", "hpcllm", "train", "--print-config", *sets)
-    assert done.returncode == 0, done.stderr
+    items = sets("model.arch=probe", "model.preset=probe-tiny")
+    done = cli("train", "--print-config", *items, env=PROBE, check=True)
     line = next(x for x in done.stdout.splitlines() if x.strip().startswith("mlp_ratio:"))
     assert line.split("#")[0].split() == ["mlp_ratio:", "3"]  # the preset's, not the default
     assert "squared-ReLU MLP's width" in line
-    bad = _probe("-m", "hpcllm", "train", "--print-config", *sets, "--set", "model.mlp_ratio=0")
-    assert bad.returncode == 2 and bad.stderr.strip().endswith(
-        "model.mlp_ratio must be positive, got 0"
-    )
+    bad = cli("train", "--print-config", *items, *sets("model.mlp_ratio=0"), env=PROBE)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().endswith("model.mlp_ratio must be positive, got 0")
     # Its key belongs to it alone: another family refuses it in one line.
-    other = _probe("-m", "hpcllm", "train", "--print-config", "--set", "model.mlp_ratio=3")
+    other = cli("train", "--print-config", *sets("model.mlp_ratio=3"), env=PROBE)
     assert other.returncode == 2 and "model.mlp_ratio is not a gpt2 setting" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
 
 
-def _train(np: int, config, data, run, *sets: str) -> list[float]:
+def _train(np: int, config: Path, data: Path, run: Path, *items: str) -> list[float]:
     """Train the test family from ``config`` on ``np`` ranks; return the logged losses."""
-    args = ["-m", "hpcllm", "train", "--no-progress", "--config", str(config)]
-    common = [f"data.path={data}", f"run.dir={run}", "train.steps=4", "train.log_interval=1"]
-    for item in [*common, "train.eval_interval=0", "run.tensorboard=false", *sets]:
-        args += ["--set", item]
-    run_mpi(np, python(*args), timeout=300, env=PROBE).check()
-    return [r["loss"] for r in read_metrics(run)]
+    common = ["train.steps=4", "train.log_interval=1", "train.eval_interval=0"]
+    done = train(np, data, run, *common, "run.tensorboard=false", *items, config=config, env=PROBE)
+    done.check()
+    return losses(run)
 
 
 @pytest.mark.mpi
 def test_the_test_family_plans_trains_at_t2_p2_as_on_one_process_recuts_and_loads(stdlib, tmp_path):
     # Planned by `hpcllm plan` from its preset, written as a config through the family.
     config = tmp_path / "planned.yaml"
-    plan = _probe(
-        "-m", "hpcllm", "plan", "--model", "probe-tiny", "--tp", "2", "--pp", "2",
-        "--gpus", "4", "--global-batch", "8", "--cluster", str(REPO / "jobs" / "clusters" /
-        "cpu-local.yaml"), "--precision", "fp32", "--write-config", str(config),
+    cluster = REPO / "jobs" / "clusters" / "cpu-local.yaml"
+    plan = cli(
+        "plan", "--model", "probe-tiny", "--tp", "2", "--pp", "2", "--gpus", "4",
+        "--global-batch", "8", "--cluster", str(cluster), "--precision", "fp32",
+        "--write-config", str(config), env=PROBE, check=True,
     )  # fmt: skip
-    assert plan.returncode == 0, plan.stderr
     assert "probe: 4 layers" in plan.stdout
     assert "mlp_ratio: 3" in config.read_text()
     # The same model and batches on one process, and at t=2 x p=2 with sequence parallelism.
@@ -128,11 +125,10 @@ def test_the_test_family_plans_trains_at_t2_p2_as_on_one_process_recuts_and_load
     grid = _train(4, config, stdlib, tmp_path / "t2p2", "parallel.sequence_parallel=true")
     assert len(one) == 4 and grid == pytest.approx(one, rel=1e-5)
     # Re-cut to one process; the run, the re-cut and the one-process run give one model.
-    recut = _probe(
-        "-m", "hpcllm", "convert", "--checkpoint", str(tmp_path / "t2p2"),
-        "--out", str(tmp_path / "one"), "--tp", "1", "--pp", "1",
+    cli(
+        "convert", "--checkpoint", str(tmp_path / "t2p2"), "--out", str(tmp_path / "one"),
+        "--tp", "1", "--pp", "1", env=PROBE, check=True,
     )  # fmt: skip
-    assert recut.returncode == 0, recut.stderr
     code = (
         "import sys, torch, hpcllm\n"
         "from probe_family import Probe\n"
@@ -153,11 +149,10 @@ def test_the_test_family_plans_trains_at_t2_p2_as_on_one_process_recuts_and_load
 def test_bench_step_measures_the_test_family_against_the_baseline_it_registers(tmp_path):
     out = tmp_path / "step.json"
     sizes = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.seq_len=16"]
-    sets = [arg for key in [*sizes, "train.micro_batch_size=2"] for arg in ("--set", key)]
-    done = _probe(
-        "-m", "hpcllm", "bench", "step", "--cpu-smoke", "--model", "probe-tiny", *sets,
-        "--steps", "1", "--rounds", "2", "--warmup", "1", "--loop-steps", "3",
-        "--json-out", str(out), timeout=600,
+    done = cli(
+        "bench", "step", "--cpu-smoke", "--model", "probe-tiny",
+        *sets(*sizes, "train.micro_batch_size=2"), "--steps", "1", "--rounds", "2",
+        "--warmup", "1", "--loop-steps", "3", "--json-out", str(out), env=PROBE, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (shape,) = json.loads(out.read_text())["shapes"]

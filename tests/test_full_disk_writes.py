@@ -8,6 +8,7 @@ import os
 from collections import namedtuple
 
 import pytest
+from family_runs import SMALLEST
 from full_disk import open_on_full_disk
 
 from hpcllm import observe
@@ -18,11 +19,7 @@ from hpcllm.train import checkpointer as checkpointer_module
 from hpcllm.train.trainer import Trainer
 
 SMALL = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=2",
     "train.global_batch_size=2",
     "train.log_interval=1",

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from datasets_fixtures import full_stream, split_docs
+from family_runs import cli
 from mpirun import REPO
 
 import hpcllm
@@ -31,19 +32,6 @@ ROPE_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "hpcllm", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 def hf_llama(folder, *, tied: bool = False, **save) -> torch.nn.Module:
@@ -113,7 +101,7 @@ def rewrite_rope(folder, form: str) -> None:
 def test_llama_imports_and_exports_with_transformers_logits(tmp_path, tied):
     reference = hf_llama(tmp_path / "hf", tied=tied)
     expected = logits(reference, IDS)
-    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), check=True)
     model = hpcllm.load_model(tmp_path / "run")
     assert model.cfg.arch == "llama" and model.cfg.tie_embeddings is tied
     assert model.cfg.n_kv_heads == 2 and model.cfg.rope_scaling == 4.0
@@ -124,7 +112,8 @@ def test_llama_imports_and_exports_with_transformers_logits(tmp_path, tied):
         from_hf(tmp_path / "hf", tmp_path / f"run-{form}")
         assert_same_logits(logits(hpcllm.load_model(tmp_path / f"run-{form}"), IDS), expected)
     # Out again: transformers reads the folder and gives the same logits.
-    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"))
+    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"),
+        check=True)  # fmt: skip
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["rope_theta"] == 10000.0 and written["rope_scaling"]["rope_type"] == "llama3"
     assert (written["bos_token_id"], written["eos_token_id"]) == (1, 2)  # kept from the import
@@ -153,7 +142,7 @@ def test_sharded_safetensors_in_and_out_and_bf16(tmp_path):
     )
     # bf16 out: every tensor is the fp32 one rounded.
     cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "bf16"),
-        "--dtype", "bfloat16")  # fmt: skip
+        "--dtype", "bfloat16", check=True)  # fmt: skip
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     from safetensors.torch import load_file
 
@@ -190,8 +179,7 @@ def test_imports_refuse_what_the_family_cannot_hold_in_one_line(tmp_path):
         assert not (tmp_path / "run").exists()  # nothing half-written
     (tmp_path / "hf" / "config.json").write_text(original)
     (tmp_path / "hf" / "model.safetensors").unlink()
-    result = cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"),
-                 check=False)  # fmt: skip
+    result = cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "has no model.safetensors" in result.stderr
 
@@ -273,7 +261,7 @@ def test_prepare_with_a_tokenizer_folder_writes_its_bos_and_eos(tmp_path, style,
     assert (tok.bos_token, tok.eos_token) == (bos, eos)
     out = tmp_path / "data"
     result = cli("prepare", "--input", *_corpus(tmp_path), "--out", str(out),
-                 "--tokenizer", str(tmp_path / "tok"), "--quiet")  # fmt: skip
+                 "--tokenizer", str(tmp_path / "tok"), "--quiet", check=True)  # fmt: skip
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tokenizer"]["bos_id"] == tok.bos_id
     assert manifest["tokenizer"]["eos_id"] == tok.eos_id
@@ -336,11 +324,11 @@ def test_convert_and_generate_take_a_tokenizer_folder_with_its_bos(tmp_path):
     reference = hf_llama(tmp_path / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "hf" / name).write_bytes((tmp_path / "tok" / name).read_bytes())
-    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), check=True)
     assert (tmp_path / "run" / "tokenizer_config.json").is_file()
     prompt = "def f(x):"
     text = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", prompt,
-               "--tokens", "6", "--temperature", "0").stdout  # fmt: skip
+               "--tokens", "6", "--temperature", "0", check=True).stdout  # fmt: skip
     # transformers' greedy continuation of BOS + the prompt's ids, decoded.
     ids = torch.tensor([[tok.bos_id, *tok.encode_batch([prompt])[0]]])
     greedy = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_id)
@@ -370,30 +358,28 @@ def test_a_gpt2_import_without_a_tokenizer_exports_back_and_samples_ids(tmp_path
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(config).eval()
     reference.save_pretrained(tmp_path / "hf")
-    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), check=True)
     assert not (tmp_path / "run" / "tokenizer.json").exists()
-    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"))
+    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"),
+        check=True)  # fmt: skip
     again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
     ids = IDS[:, :32]
     torch.testing.assert_close(logits(again, ids), logits(reference, ids), rtol=0, atol=0)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 7
     out = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "1,2,3",
-              "--tokens", "8", "--temperature", "0").stdout  # fmt: skip
+              "--tokens", "8", "--temperature", "0", check=True).stdout  # fmt: skip
     greedy = reference.generate(
         torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False, eos_token_id=7
     )
     assert out.strip() == ",".join(map(str, greedy[0].tolist()))
     # GPT-2's positions are weights: it cannot train at another length.
     result = cli("train", "--config", str(tmp_path / "run" / "config.yaml"),
-                 "--set", "model.seq_len=16", "--set", "data.synthetic=true",
-                 check=False)  # fmt: skip
+                 "--set", "model.seq_len=16", "--set", "data.synthetic=true")  # fmt: skip
     assert result.returncode == 2 and "seq_len 32 vs 16" in result.stderr
     # Text needs a tokenizer: one line saying how to get on without one.
-    result = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x",
-                 check=False)  # fmt: skip
+    result = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x")
     assert result.returncode == 2 and "--prompt-ids" in result.stderr
-    bad = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "1,300",
-              check=False)  # fmt: skip
+    bad = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "1,300")
     assert bad.returncode == 2 and "ids from 0 to 299" in bad.stderr
 
 
@@ -405,7 +391,8 @@ def test_an_imported_llama_trains_at_a_shorter_length(stdlib, tmp_path):
     result = cli("train", "--config", str(tmp_path / "run" / "config.yaml"), "--no-progress",
                  "--set", f"data.path={stdlib}", "--set", "model.seq_len=32",
                  "--set", "train.steps=2", "--set", "train.micro_batch_size=2",
-                 "--set", "train.eval_interval=0", "--set", "run.tensorboard=false")  # fmt: skip
+                 "--set", "train.eval_interval=0", "--set", "run.tensorboard=false",
+                 check=True)  # fmt: skip
     assert "resumes from step 0" in result.stdout
     assert hpcllm.load_model(tmp_path / "run").cfg.seq_len == 32
 

@@ -1,31 +1,29 @@
 """The Llama family: its spec against its module (tensors, parameters, FLOPs counted from the
 module's own matrices), rotary frequencies against Meta's piecewise rule, the config's
-refusals, and llama-tiny trained under every layout to its one-process losses."""
+refusals, and its own shapes (a tied output layer, key/value heads replicated over t) and
+fused kernels trained to their one-process losses. llama-tiny under every layout and engine,
+as every family, is tests/test_family_training.py's."""
 
 from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from mpirun import REPO, python, run_mpi
+from family_runs import cli, losses, tiny, train, train_together
 
 import hpcllm
 from hpcllm import families
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
-from hpcllm.evaluate import evaluate
 from hpcllm.model import build
 from hpcllm.model.llama import Llama, ReplicatedHeadLinear, rope_frequencies
 from hpcllm.model.stages import build_chunks
-from hpcllm.observe import read_metrics
 from hpcllm.parallel.roles import role
 from hpcllm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
-LLAMA = ["model.arch=llama", "model.preset=llama-tiny"]
+LLAMA = tiny("llama")
 
 
 def _model_cfg(*extra: str):
@@ -184,115 +182,46 @@ def test_meta_s_mlp_width_rule():
     assert ffn_size(cfg) == families.get("llama").presets["llama3-8b"]["ffn_size"] == 14336
 
 
-TRAIN = [
-    *LLAMA,
-    "model.seq_len=32",
-    "model.dropout=0",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.lr=3e-3",
-    "train.warmup_steps=2",
-    "train.lr_decay_steps=6",
-    "train.log_interval=1",
-    "train.eval_interval=0",
-    "train.precision=fp32",
-    "run.tensorboard=false",
-]
-
-
-BANNERS: dict[str, str] = {}  # each run folder's rank-0 output
-
-
-def _train(np: int, data, run, *layout: str, steps: int = 4, env=None) -> list[float]:
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [*TRAIN, f"data.path={data}", f"run.dir={run}", f"train.steps={steps}", *layout]:
-        args += ["--set", item]
-    result = run_mpi(np, python(*args), timeout=300, env=env).check()
-    BANNERS[str(run)] = result.rank_stdout.get(0, result.stdout) + result.rank_stderr.get(0, "")
-    return [r["loss"] for r in read_metrics(run)]
-
-
-def _parameters(run) -> str:
-    """Return the parameter count the run's banner printed."""
-    return re.search(r"model ([\d.]+ M) parameters", BANNERS[str(run)]).group(1)
-
-
 @pytest.mark.mpi
-def test_llama_tiny_trains_alike_under_tensor_and_pipeline_parallelism(stdlib, tmp_path):
-    whole = _train(1, stdlib, tmp_path / "t1")
-    for name, np, layout in [
-        ("t2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-        ("p2-interleaved", 2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]),
-        ("t2p2", 4, ["parallel.tp=2", "parallel.pp=2"]),
-        ("p2-gpipe-tied", 2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
-        ("p2-zb-h1", 2, ["parallel.pp=2", "parallel.schedule=zb-h1"]),
-        ("recompute-full", 1, ["model.recompute=full"]),
-        ("recompute-selective", 1, ["model.recompute=selective"]),
-    ]:
-        if name.endswith("tied"):  # a tied model is another model: its own reference
-            tied = ["model.tie_embeddings=true"]
-            reference = _train(1, stdlib, tmp_path / "t1-tied", *tied)
-            got = _train(np, stdlib, tmp_path / name, *layout, *tied)
-            assert got == pytest.approx(reference, rel=1e-5), name
-            continue
-        got = _train(np, stdlib, tmp_path / name, *layout)
-        assert got == pytest.approx(whole, rel=1e-5), name
-    # One kv head for two tp ranks: each keeps it, sums its gradient, counts it once.
-    # (A vocabulary that t = 1 and t = 2 pad alike, so that the parameter counts compare.)
+def test_llama_s_tied_output_and_replicated_kv_heads_train_alike_and_recut(stdlib, tmp_path):
+    # A tied model and one with a single kv head are other models: each its own reference.
+    # One kv head for two tp ranks: each keeps it, sums its gradient, counts it once (a
+    # vocabulary that t = 1 and t = 2 pad alike, so that the parameter counts compare), also
+    # under the distributed optimizer over d = 2, whose norm takes its own parts.
+    tied = ["model.tie_embeddings=true"]
     kv1 = ["model.n_kv_heads=1", "model.vocab_size=512"]
-    one_kv = _train(1, stdlib, tmp_path / "kv1-t1", *kv1)
-    got = _train(2, stdlib, tmp_path / "kv1-t2", *kv1, "parallel.tp=2",
-                 "parallel.sequence_parallel=true")  # fmt: skip
-    assert got == pytest.approx(one_kv, rel=1e-5)
-    assert _parameters(tmp_path / "kv1-t2") == _parameters(tmp_path / "kv1-t1")  # once
-    # ... also with the distributed optimizer over d = 2, whose norm takes its own parts.
-    got = _train(4, stdlib, tmp_path / "kv1-t2-zero", *kv1, "parallel.tp=2",
-                 "parallel.distributed_optimizer=true")  # fmt: skip
-    assert got == pytest.approx(one_kv, rel=1e-5)
-    assert one_kv != pytest.approx(whole, rel=1e-3)  # another model
-    # Every layout is one model: merged whole, the logits agree.
-    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
-    logits = {n: hpcllm.load_model(tmp_path / n)(ids) for n in ("t1", "t2p2", "kv1-t1", "kv1-t2")}
-    assert isinstance(hpcllm.load_model(tmp_path / "t2p2"), Llama)
-    torch.testing.assert_close(logits["t2p2"], logits["t1"], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits["kv1-t2"], logits["kv1-t1"], rtol=1e-4, atol=1e-4)
-    # Exported from its t = 2 × p = 2 checkpoint, transformers' Llama gives the same logits.
-    import transformers
-
-    from hpcllm.convert import to_hf
-
-    to_hf(tmp_path / "t2p2", tmp_path / "t2p2-hf")
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "t2p2-hf").eval()
-    with torch.no_grad():
-        gap = (theirs(ids).logits - logits["t2p2"]).abs().max().item()
-    assert gap <= 1e-5 * logits["t2p2"].abs().max().item()
-    # Re-cut into replicated heads (one kv head, t = 2, p = 2), and the model is the same.
-    recut = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "convert", "--checkpoint", str(tmp_path / "kv1-t1")]
-        + ["--out", str(tmp_path / "kv1-recut"), "--tp", "2", "--pp", "2"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert recut.returncode == 0, recut.stderr
-    again = hpcllm.load_model(tmp_path / "kv1-recut")(ids)
-    torch.testing.assert_close(again, logits["kv1-t1"], rtol=0, atol=0)
-    assert evaluate(tmp_path / "t2p2", stdlib, split="train", iters=1).loss > 0
-
-
-@pytest.mark.mpi
-def test_llama_tiny_trains_alike_under_every_data_parallel_engine(stdlib, tmp_path):
-    whole = _train(1, stdlib, tmp_path / "d1")
-    for engine in [
-        ["parallel.dp_engine=ddp"],
-        ["parallel.dp_engine=horovod"],
-        ["parallel.dp_engine=ps"],
-        ["parallel.dp_engine=ddp", "parallel.distributed_optimizer=true"],
-        ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"],
+    runs = {
+        "t1": (1, []),
+        "tied-t1": (1, tied),
+        "kv1-t1": (1, kv1),
+        "tied-p2-gpipe": (2, [*tied, "parallel.pp=2", "parallel.schedule=gpipe"]),
+        "kv1-t2-sp": (2, [*kv1, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        "kv1-t2-zero1": (4, [*kv1, "parallel.tp=2", "parallel.distributed_optimizer=true"]),
+    }
+    logged = {}
+    for ranks in (1, 2, 4):
+        mine = {name: [*LLAMA, *sets] for name, (n, sets) in runs.items() if n == ranks}
+        logged |= train_together(ranks, stdlib, tmp_path, mine)
+    losses = {name: [r["loss"] for r in run["records"]] for name, run in logged.items()}
+    for name, reference in [
+        ("tied-p2-gpipe", "tied-t1"),
+        ("kv1-t2-sp", "kv1-t1"),
+        ("kv1-t2-zero1", "kv1-t1"),
     ]:
-        got = _train(2, stdlib, tmp_path / "-".join(engine).replace("=", "_"), *engine)
-        assert got == pytest.approx(whole, rel=1e-5), engine
+        assert losses[name] == pytest.approx(losses[reference], rel=1e-5), name
+    assert losses["kv1-t1"] != pytest.approx(losses["t1"], rel=1e-3)  # another model
+    assert losses["tied-t1"] != pytest.approx(losses["t1"], rel=1e-3)
+    parameters = {name: run["summary"]["parameters"] for name, run in logged.items()}
+    assert parameters["kv1-t2-sp"] == parameters["kv1-t1"] == parameters["kv1-t2-zero1"]
+    # Merged whole, the replicated heads are the one head; re-cut into replicated heads
+    # (t = 2, p = 2), the model is the same to the last bit.
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    one = hpcllm.load_model(tmp_path / "kv1-t1")(ids)
+    torch.testing.assert_close(hpcllm.load_model(tmp_path / "kv1-t2-sp")(ids), one,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    cli("convert", "--checkpoint", str(tmp_path / "kv1-t1"), "--out", str(tmp_path / "recut"),
+        "--tp", "2", "--pp", "2", check=True)  # fmt: skip
+    torch.testing.assert_close(hpcllm.load_model(tmp_path / "recut")(ids), one, rtol=0, atol=0)
 
 
 @pytest.mark.mpi
@@ -300,31 +229,22 @@ def test_llama_tiny_trains_alike_with_its_fused_kernels(stdlib, tmp_path):
     # RMSNorm, SwiGLU and the rotation as Triton kernels (on the CPU under Triton's
     # interpreter, which fused_kernels: on requires there) against the torch references, at
     # t = 1 and at t = 2 with sequence parallelism. Short runs: the interpreter is slow.
-    short = ["train.global_batch_size=4", "train.eval_iters=1"]
+    short = ["train.global_batch_size=4", "train.eval_iters=1", "train.steps=2"]
     for name, np, layout in [
         ("t1", 1, []),
         ("t2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ]:
-        off = _train(np, stdlib, tmp_path / f"{name}-off", *layout, *short,
-                     "model.fused_kernels=off", steps=2)  # fmt: skip
-        on = _train(np, stdlib, tmp_path / f"{name}-on", *layout, *short,
-                    "model.fused_kernels=on", steps=2, env={"TRITON_INTERPRET": "1"})  # fmt: skip
-        assert on == pytest.approx(off, rel=1e-5), name
-        ran = re.search(r"fused kernels \(Triton\): (.*)", BANNERS[str(tmp_path / f"{name}-on")])
+        said, logged = {}, {}
+        for fused, env in [("off", None), ("on", {"TRITON_INTERPRET": "1"})]:
+            run = tmp_path / f"{name}-{fused}"
+            result = train(np, stdlib, run, *LLAMA, *layout, *short,
+                           f"model.fused_kernels={fused}", env=env).check()  # fmt: skip
+            said[fused] = result.rank_stdout.get(0, result.stdout) + result.rank_stderr.get(0, "")
+            logged[fused] = losses(run)
+        assert logged["on"] == pytest.approx(logged["off"], rel=1e-5), name
+        ran = re.search(r"fused kernels \(Triton\): (.*)", said["on"])
         assert ran and {"rms_norm", "rotary", "swiglu"} <= set(ran.group(1).split(", ")), name
-        assert "fused kernels" not in BANNERS[str(tmp_path / f"{name}-off")]
-
-
-@pytest.mark.mpi
-def test_llama_tiny_resumes_across_layouts_with_the_uninterrupted_losses(stdlib, tmp_path):
-    whole = _train(1, stdlib, tmp_path / "straight", "train.save_interval=2")
-    run = tmp_path / "moved"
-    first = _train(4, stdlib, run, "parallel.tp=2", "parallel.pp=2", "train.save_interval=2",
-                   steps=2)  # fmt: skip
-    resumed = _train(2, stdlib, run, "parallel.tp=2", "model.n_kv_heads=2",
-                     "parallel.sequence_parallel=true", "run.reshard=true")  # fmt: skip
-    assert first == pytest.approx(whole[:2], rel=1e-5)
-    assert resumed[2:] == pytest.approx(whole[2:], rel=1e-5)
+        assert "fused kernels" not in said["off"]
 
 
 def test_compiled_llama_blocks_share_one_graph_and_match_eager():

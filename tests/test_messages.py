@@ -5,24 +5,17 @@ written as a shell would read them, and files that follow the umask."""
 from __future__ import annotations
 
 import json
-import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from mpirun import REPO
+from family_runs import SMALLEST, cli, train_args
 
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
 
 TINY = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=2",
     "train.global_batch_size=2",
     "train.eval_interval=0",
@@ -32,20 +25,8 @@ TINY = [
 ]
 
 
-def hpcllm(*args: str, cwd: Path = REPO, env: dict | None = None, umask: int | None = None):
-    command = [sys.executable, "-m", "hpcllm", *args]
-    preexec = (lambda: os.umask(umask)) if umask is not None else None
-    return subprocess.run(
-        command, capture_output=True, text=True, cwd=cwd, timeout=300,
-        env={**os.environ, **(env or {})}, preexec_fn=preexec,
-    )  # fmt: skip
-
-
-def train(run: Path, data: Path, *sets: str, umask: int | None = None, steps: int = 2):
-    args = ["train", "--no-progress"]
-    for item in [*TINY, f"data.path={data}", f"run.dir={run}", f"train.steps={steps}", *sets]:
-        args += ["--set", item]
-    return hpcllm(*args, umask=umask)
+def train(run: Path, data: Path, *sets: str, umask: int | None = None):
+    return cli(*train_args(data, run, *TINY, "train.steps=2", *sets), umask=umask)
 
 
 def test_commands_that_read_a_run_name_the_step_they_used(stdlib, tmp_path):
@@ -56,17 +37,17 @@ def test_commands_that_read_a_run_name_the_step_they_used(stdlib, tmp_path):
     assert done.returncode == 0, done.stderr
     newest = sorted((run / "checkpoints").glob("step_*"))[-1]
     (newest / "meta.json").write_text("{}")
-    evaluated = hpcllm("evaluate", "--checkpoint", str(run), "--data", str(stdlib), "--iters",
+    evaluated = cli("evaluate", "--checkpoint", str(run), "--data", str(stdlib), "--iters",
                        "1", "--json")  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["step"] == 1
     assert "resuming" not in evaluated.stderr
     assert "reading step_00000001" in evaluated.stderr
-    line = hpcllm("evaluate", "--checkpoint", str(run), "--data", str(stdlib), "--iters", "1")
+    line = cli("evaluate", "--checkpoint", str(run), "--data", str(stdlib), "--iters", "1")
     assert line.stdout.startswith("step 1: loss ")
-    sampled = hpcllm("generate", "--checkpoint", str(run), "--prompt", "def", "--tokens", "3")
+    sampled = cli("generate", "--checkpoint", str(run), "--prompt", "def", "--tokens", "3")
     assert sampled.returncode == 0 and "sampling from step 1" in sampled.stderr
-    exported = hpcllm("convert", "--checkpoint", str(run), "--to-hf", str(tmp_path / "hf"))
+    exported = cli("convert", "--checkpoint", str(run), "--to-hf", str(tmp_path / "hf"))
     assert exported.returncode == 0 and exported.stdout.strip().endswith("from step 1")
 
 
@@ -104,7 +85,7 @@ def test_a_key_or_section_given_twice_is_refused_naming_both_lines(tmp_path):
         load_config(twice)
     sections = tmp_path / "sections.yaml"
     sections.write_text("train:\n  steps: 3\nrun:\n  dir: x\ntrain:\n  lr: 0.1\n")
-    done = hpcllm("train", "--config", str(sections), "--print-config")
+    done = cli("train", "--config", str(sections), "--print-config")
     assert done.returncode == 2
     assert "'train' is given twice, on lines 1 and 5; give each key once" in done.stderr
     assert done.stderr.count("\n") == 1
@@ -122,7 +103,7 @@ def test_paths_expand_home_and_variables_as_a_shell_would(tmp_path, monkeypatch)
 
 def test_a_config_that_is_a_folder_says_so(tmp_path):
     (tmp_path / "config.yaml").write_text("train:\n  steps: 3\n")
-    done = hpcllm("train", "--config", str(tmp_path), "--print-config")
+    done = cli("train", "--config", str(tmp_path), "--print-config")
     assert done.returncode == 2
     assert f"config file {tmp_path} is a folder" in done.stderr
     assert f"{tmp_path / 'config.yaml'} is one" in done.stderr

@@ -16,18 +16,17 @@ from __future__ import annotations
 import json
 import math
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from mpirun import python, run_mpi
+from family_runs import cli, train
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = REPO / "tests" / "recorded" / "losses_before_one_step_path.json"
 RECORDED_FORMAT = REPO / "tests" / "recorded" / "checkpoints_before_one_step_path.json"
+TINY_CPU = REPO / "jobs" / "configs" / "tiny-cpu.yaml"
 
 # The tiny preset (4 layers, d_model 128, seq 128) at fp32, 4 steps of 32 sequences.
 COMMON = [
@@ -85,34 +84,14 @@ def prepare_data(scratch: Path) -> Path:
     """Write the corpus and its byte-level shards under ``scratch``; return the data folder."""
     write_corpus(scratch / "corpus")
     out = scratch / "data"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcllm",
-            "prepare",
-            "--input",
-            str(scratch / "corpus"),
-            "--out",
-            str(out),
-            "--tokenizer",
-            "byte",
-            "--val-fraction",
-            "0.1",
-            "--quiet",
-        ],
-        check=True,
-    )
+    cli("prepare", "--input", str(scratch / "corpus"), "--out", str(out), "--tokenizer", "byte",
+        "--val-fraction", "0.1", "--quiet", check=True)  # fmt: skip
     return out
 
 
-def train_command(data: Path, run_dir: Path, overrides: list[str]) -> list[str]:
-    """Return the ``hpcllm train`` arguments of one case."""
-    sets = [*COMMON, f"data.path={data}", f"run.dir={run_dir}", *overrides]
-    args = ["train", "--config", str(REPO / "jobs" / "configs" / "tiny-cpu.yaml"), "--no-progress"]
-    for item in sets:
-        args += ["--set", item]
-    return args
+def train_case(ranks: int, data: Path, run_dir: Path, overrides: list[str], timeout: float) -> None:
+    """Train one case (the tiny preset, :data:`COMMON`, ``overrides``) on ``ranks`` ranks."""
+    train(ranks, data, run_dir, *COMMON, *overrides, config=TINY_CPU, timeout=timeout).check()
 
 
 def checkpoint_format(run_dir: Path) -> dict[str, Any]:
@@ -165,8 +144,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_losses_equal_the_recorded_ones(case: str, data: Path, tmp_path: Path) -> None:
     ranks, overrides = CASES[case]
     run_dir = tmp_path / case
-    command = python("-m", "hpcllm", *train_command(data, run_dir, overrides))
-    run_mpi(ranks, command, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    train_case(ranks, data, run_dir, overrides, timeout=300)
     recorded = json.loads(RECORDED.read_text())[case]
     got = read_losses(run_dir)
     assert len(got["loss"]) == len(recorded["loss"]) == 4

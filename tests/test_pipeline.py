@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from family_runs import SMALL, cli, train
 from mpirun import python, run_mpi
 from overflow_record import check_or_record
 
@@ -108,42 +109,21 @@ _SERIAL: dict[str, tuple] = {}
 def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
     stdlib, tmp_path, schedule, vpp, engine, common, rel
 ):
-    import subprocess
-    import sys
-
-    from test_train import SMALL
-
     from hpcllm.observe import read_metrics
 
-    data = stdlib  # the session's prepared corpus (read only)
-
-    def train(run, *extra, engine=engine, common=common):
-        args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [
-            *SMALL,
-            "model.n_layer=4",
-            f"data.path={data}",
-            f"run.dir={run}",
-            "train.steps=4",
-            "train.global_batch_size=32",
-            "train.eval_interval=2",
-            f"parallel.dp_engine={engine}",
-            *common,
-            *extra,
-        ]:
-            args += ["--set", item]
-        result = run_mpi(
-            4 if extra else 2, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300
-        ).check()
+    def trained(run, *extra, engine=engine, common=common):
+        sets = [*SMALL, "model.n_layer=4", "train.steps=4", "train.global_batch_size=32"]
+        sets += ["train.eval_interval=2", f"parallel.dp_engine={engine}", *common, *extra]
+        result = train(4 if extra else 2, stdlib, run, *sets).check()
         summary = [line for line in result.rank_stdout[0].splitlines() if "parameters" in line]
         return read_metrics(run), summary[0].split(", ")[1]
 
     precision = [c for c in common if c.startswith("train.precision=")]
     key = precision[0] if precision else "fp32"
     if key not in _SERIAL:
-        _SERIAL[key] = train(tmp_path / "p1", engine="ddp", common=precision)
+        _SERIAL[key] = trained(tmp_path / "p1", engine="ddp", common=precision)
     serial, serial_size = _SERIAL[key]
-    piped, piped_size = train(
+    piped, piped_size = trained(
         tmp_path / "p2", "parallel.pp=2", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}"
     )
     assert piped_size == serial_size  # the whole model's count, not one stage's
@@ -156,13 +136,7 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
             assert b["val_loss"] == pytest.approx(a["val_loss"], rel=rel)
     # Every rank recorded its last step; `hpcllm timeline` draws one pipeline of them.
     assert len(list((tmp_path / "p2" / "timeline").glob("rank*.json"))) == 4
-    drawn = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "timeline", str(tmp_path / "p2")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert drawn.returncode == 0, drawn.stderr
+    cli("timeline", str(tmp_path / "p2"), timeout=120, check=True)
     assert (tmp_path / "p2" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((tmp_path / "p2" / "timeline.json").read_text())
     compute = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"][0] in "FBW"]
@@ -181,20 +155,8 @@ def test_trainer_with_a_pipeline_logs_the_losses_of_p1(
 def test_a_pipeline_the_schedule_cannot_run_is_refused_on_every_rank(
     stdlib, tmp_path, extra, message
 ):
-    from test_train import SMALL
-
-    data = stdlib  # the session's prepared corpus (read only)
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [
-        *SMALL,
-        "model.n_layer=4",
-        f"data.path={data}",
-        f"run.dir={tmp_path / 'r'}",
-        "parallel.pp=2",
-        *extra,
-    ]:
-        args += ["--set", item]
-    result = run_mpi(2, python(*args), timeout=120)
+    sets = [*SMALL, "model.n_layer=4", "parallel.pp=2", *extra]
+    result = train(2, stdlib, tmp_path / "r", *sets, timeout=120)
     assert result.returncode == 2
     printed = result.stdout + result.stderr + "".join(result.rank_stderr.values())
     assert message in printed
@@ -236,8 +198,6 @@ def test_bench_pipeline_reports_every_schedule(tmp_path):
 
 
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(stdlib, tmp_path):
-    from test_train import SMALL
-
     data = stdlib  # the session's prepared corpus (read only)
     result = run_mpi(
         2,

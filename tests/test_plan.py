@@ -7,7 +7,8 @@ import sys
 import time
 
 import pytest
-from mpirun import REPO, python, run_mpi
+from family_runs import cli, train
+from mpirun import REPO
 
 from hpcllm.parallel.pipeline.schedule import build, peak_in_flight
 from hpcllm.parallel.pipeline.simulate import simulate
@@ -38,13 +39,7 @@ TABLE_1_TOLERANCE = 0.17
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hpcllm", "plan", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    return cli("plan", *args, timeout=120)
 
 
 def table_1_predictions() -> list[tuple[int, float, float]]:
@@ -290,10 +285,7 @@ def test_the_written_config_trains_under_mpirun_with_its_layout(stdlib, tmp_path
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     run = tmp_path / "run"
-    args = ["-m", "hpcllm", "train", "--config", str(config), "--no-progress"]
-    for item in (f"data.path={stdlib}", f"run.dir={run}", "train.steps=2", "run.tensorboard=false"):
-        args += ["--set", item]
-    result = run_mpi(4, python(*args), timeout=300).check()
+    result = train(4, stdlib, run, "train.steps=2", "run.tensorboard=false", config=config).check()
     assert "grid t=2 p=2 d=1" in result.stdout + result.stderr
     meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert (meta["tp"], meta["pp"], meta["dp"]) == (2, 2, 1)
@@ -382,11 +374,7 @@ def test_when_nothing_fits_the_closest_layout_comes_first():
 
 def test_bench_device_writes_a_gpu_spec_the_planner_takes(tmp_path):
     fragment = tmp_path / "gpu.yaml"
-    done = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "bench", "device", "--cpu-smoke", "--out", str(fragment)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done = cli("bench", "device", "--cpu-smoke", "--out", str(fragment), check=True)
     assert "| smallest GEMM dimension |" in done.stdout
     network = (
         "gpus_per_node: 4\nintra_node_gbps: 1\ninter_node_gbps: 1\n"

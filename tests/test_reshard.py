@@ -1,19 +1,18 @@
 """Checkpoints that outlive their layout: re-cut for any (t, p, v, d), read whole anywhere.
 
 The mpirun cases resume a run at another layout and assert the losses the original layout
-logged; the one-process cases check the re-cut itself (round trips are exact), the parameter
-lists the re-cut derives against the real chunks and optimizer, and the tools around it
-(generate and evaluate at a chosen step, keep_checkpoints, the export's file modes).
+logged, each case run by one of the registered families in turn; the one-process cases check
+the re-cut itself (round trips are exact), the parameter lists the re-cut derives against the
+real chunks and optimizer, and the tools around it (generate and evaluate at a chosen step,
+keep_checkpoints, the export's file modes).
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from family_runs import cli, rotate, tiny, train, train_args
 from mpirun import python, run_mpi
 
 from hpcllm.config import load_config
@@ -24,43 +23,15 @@ from hpcllm.train import checkpoint, reshard
 from hpcllm.train.optim import build_optimizer
 from hpcllm.train.trainer import Trainer
 
-TINY = [
-    "model.preset=null",
-    "model.n_layer=4",
-    "model.n_head=4",
-    "model.d_model=64",
-    "model.seq_len=32",
-    "model.dropout=0",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.lr=3e-3",
-    "train.warmup_steps=2",
-    "train.lr_decay_steps=6",
-    "train.log_interval=1",
-    "train.eval_interval=0",
-    "run.tensorboard=false",
-]
+TINY = tiny("gpt2")
 
 
 def _layout_args(layout: dict) -> list[str]:
     return [f"parallel.{k}={v}" for k, v in layout.items()]
 
 
-def _hpcllm(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hpcllm", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=None if umask is None else lambda: os.umask(umask),
-    )
-
-
-def _train_mpi(np: int, data, run, steps: int, *extra: str) -> dict[int, float]:
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [*TINY, f"data.path={data}", f"run.dir={run}", f"train.steps={steps}", *extra]:
-        args += ["--set", item]
-    run_mpi(np, python(*args), timeout=300).check()
+def _logged(run) -> dict[int, float]:
+    """Return each logged step's training loss."""
     return {r["step"]: r["loss"] for r in read_metrics(run)}
 
 
@@ -73,42 +44,50 @@ def _keep_only(run, step: int) -> None:
 
 
 # (ranks, layout) before and after; d follows from the ranks. "convert" re-cuts a copy with
-# hpcllm convert instead of run.reshard on resume.
+# hpcllm convert instead of run.reshard on resume. The registered families take the cases in
+# turn (family_runs.rotate), so that each is re-cut both ways.
 TRANSITIONS = {
     "t2-to-t1": ((2, {"tp": 2}), (2, {"tp": 1}), "reshard"),
     "p2-to-p1": ((2, {"pp": 2}), (2, {"pp": 1}), "reshard"),
     "p1-to-p2": ((2, {"pp": 1}), (2, {"pp": 2}), "convert"),
-    "t2p2-to-t1p4": ((4, {"tp": 2, "pp": 2}), (4, {"tp": 1, "pp": 4}), "reshard"),
     "v2-to-1f1b": (
         (2, {"pp": 2, "vpp": 2, "schedule": "interleaved"}),
         (2, {"pp": 2, "vpp": 1, "schedule": "1f1b"}),
         "convert",
     ),
+    "t2p2-to-t1p4": ((4, {"tp": 2, "pp": 2}), (4, {"tp": 1, "pp": 4}), "reshard"),
+    "t2p2-to-t2-sp": (
+        (4, {"tp": 2, "pp": 2}),
+        (2, {"tp": 2, "sequence_parallel": "true"}),
+        "reshard",
+    ),
 }
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", list(TRANSITIONS))
-def test_a_run_resumed_at_another_layout_logs_the_original_losses(case, stdlib, tmp_path):
+@pytest.mark.parametrize(("case", "arch"), rotate(TRANSITIONS))
+def test_a_run_resumed_at_another_layout_logs_the_original_losses(case, arch, stdlib, tmp_path):
     (np_a, before), (np_b, after), how = TRANSITIONS[case]
     original = tmp_path / "original"
-    losses = _train_mpi(np_a, stdlib, original, 5, "train.save_interval=2", *_layout_args(before))
+    sets = [*tiny(arch), "train.steps=5"]
+    train(np_a, stdlib, original, *sets, "train.save_interval=2", *_layout_args(before)).check()
+    losses = _logged(original)
     assert sorted(losses) == [1, 2, 3, 4, 5]
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
     _keep_only(copy, 2)
     if how == "convert":
         args = [f"--{k}={v}" for k, v in after.items()]
-        done = _hpcllm("convert", "--checkpoint", str(copy), "--out", str(tmp_path / "b"), *args)
-        assert done.returncode == 0, done.stderr
+        cli("convert", "--checkpoint", str(copy), "--out", str(tmp_path / "b"), *args, check=True)
         resumed_run, extra = tmp_path / "b", []
     else:
         resumed_run, extra = copy, ["run.reshard=true"]
-    resumed = _train_mpi(np_b, stdlib, resumed_run, 5, *extra, *_layout_args(after))
+    train(np_b, stdlib, resumed_run, *sets, *extra, *_layout_args(after)).check()
+    resumed = _logged(resumed_run)
     saved = json.loads((resumed_run / "checkpoints" / "step_00000005" / "meta.json").read_text())
     assert (saved["tp"], saved["pp"]) == (after.get("tp", 1), after.get("pp", 1))
     for step in (3, 4, 5):  # weights, Adam moments, step count, LR and data position carried
-        assert resumed[step] == pytest.approx(losses[step], rel=1e-5), (case, step)
+        assert resumed[step] == pytest.approx(losses[step], rel=1e-5), (case, arch, step)
 
 
 @pytest.mark.mpi
@@ -121,12 +100,11 @@ def test_hf_export_of_a_sharded_run_matches_its_distributed_forward(
     from hpcllm.generate import load_run_model
 
     run = tmp_path / "run"
-    _train_mpi(ranks, stdlib, run, 2, *_layout_args(layout))
+    train(ranks, stdlib, run, *TINY, "train.steps=2", *_layout_args(layout)).check()
     out = tmp_path / "logits.pt"
     run_mpi(ranks, python("tests/mpi_scripts/checkpoint_logits.py", str(run), str(out))).check()
     ours = torch.load(out)
-    done = _hpcllm("convert", "--checkpoint", str(run), "--to-hf", str(tmp_path / "hf"))
-    assert done.returncode == 0, done.stderr
+    cli("convert", "--checkpoint", str(run), "--to-hf", str(tmp_path / "hf"), check=True)
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         logits = theirs(ours["tokens"]).logits
@@ -189,8 +167,7 @@ def test_recut_there_and_back_is_exact(stdlib, tmp_path):
         (tmp_path / "run", there, ["--tp", "2", "--pp", "2", "--vpp", "2", "--dp", "1"]),
         (there, back, ["--tp", "1", "--pp", "1"]),
     ):
-        done = _hpcllm("convert", "--checkpoint", str(source), "--out", str(out), *args)
-        assert done.returncode == 0, done.stderr
+        cli("convert", "--checkpoint", str(source), "--out", str(out), *args, check=True)
     step = "checkpoints/step_00000002"
     assert len(list((there / step).glob("model_tp*_pp*.pt"))) == 4
     shown = load_config(there / "config.yaml", []).parallel
@@ -224,16 +201,13 @@ def test_resume_at_another_layout_without_reshard_is_one_line(stdlib, tmp_path):
     cfg = load_config(None, [*TINY, f"data.path={stdlib}", f"run.dir={run}", "train.steps=1"])
     with Trainer(cfg) as trainer:
         trainer.run(progress=False)
-    done = _hpcllm("convert", "--checkpoint", str(run), "--out", str(tmp_path / "p2"), "--pp", "2")
-    assert done.returncode == 0, done.stderr
-    args = ["train", "--no-progress"]
-    for item in [*TINY, f"data.path={stdlib}", f"run.dir={tmp_path / 'p2'}", "train.steps=2"]:
-        args += ["--set", item]
-    refused = _hpcllm(*args)  # one process, pp = 1: the checkpoint has pp = 2
+    cli("convert", "--checkpoint", str(run), "--out", str(tmp_path / "p2"), "--pp", "2", check=True)
+    args = train_args(stdlib, tmp_path / "p2", *TINY, "train.steps=2")
+    refused = cli(*args)  # one process, pp = 1: the checkpoint has pp = 2
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "run.reshard=true" in lines[0] and "tp=1, pp=2" in lines[0]
-    resumed = _hpcllm(*args, "--set", "run.reshard=true")
+    resumed = cli(*args, "--set", "run.reshard=true")
     assert resumed.returncode == 0, resumed.stderr
     assert "re-cut from tp=1, pp=2" in resumed.stdout + resumed.stderr
 
@@ -264,7 +238,7 @@ def one_step_run(stdlib, tmp_path_factory):
 def test_convert_refuses_bad_layouts_in_one_line(args, message, one_step_run, tmp_path, capfd):
     command = ["convert", "--checkpoint", str(one_step_run), "--out", str(tmp_path / "x"), *args]
     if args == ["--tp", "3"]:  # one case as a user types it, in its own process
-        done = _hpcllm(*command)
+        done = cli(*command)
         code, stderr = done.returncode, done.stderr
     else:  # the same entry point in this process, without a second interpreter's start-up
         from hpcllm.cli import main
@@ -297,10 +271,10 @@ def test_keep_checkpoints_generate_step_and_evaluate(stdlib, tmp_path):
 
     # The logged validation loss, read back by evaluate from the same micro-batches.
     logged = [r["val_loss"] for r in read_metrics(run) if r.get("val_loss") is not None]
-    done = _hpcllm(
-        "evaluate", "--checkpoint", str(run), "--data", str(stdlib), "--iters", "3", "--json"
-    )
-    assert done.returncode == 0, done.stderr
+    done = cli(
+        "evaluate", "--checkpoint", str(run), "--data", str(stdlib), "--iters", "3", "--json",
+        check=True,
+    )  # fmt: skip
     result = json.loads(done.stdout)
     assert result["loss"] == pytest.approx(logged[-1], rel=1e-5)
     assert result["perplexity"] == pytest.approx(2.718281828 ** result["loss"], rel=1e-9)
@@ -313,9 +287,9 @@ def test_keep_checkpoints_generate_step_and_evaluate(stdlib, tmp_path):
             model.blocks["0"].mlp.fc.weight, saved["model"]["blocks.0.mlp.fc.weight"]
         )
     greedy = ["generate", "--checkpoint", str(run), "--prompt", "def ", "--temperature", "0"]
-    at_3 = _hpcllm(*greedy, "--step", "3", "--tokens", "5")
+    at_3 = cli(*greedy, "--step", "3", "--tokens", "5")
     assert at_3.returncode == 0 and at_3.stdout.startswith("def "), at_3.stderr
-    gone = _hpcllm(*greedy, "--step", "2")
+    gone = cli(*greedy, "--step", "2")
     assert gone.returncode == 2 and "has steps 3, 4" in gone.stderr
 
 
@@ -340,8 +314,7 @@ def test_exports_take_the_users_umask(mask, mode, one_step_run, tmp_path):
     run = one_step_run
     hf, recut = tmp_path / "hf", tmp_path / "t2"
     for args in (["--to-hf", str(hf)], ["--out", str(recut), "--tp", "2"]):
-        done = _hpcllm("convert", "--checkpoint", str(run), *args, umask=mask)
-        assert done.returncode == 0, done.stderr
+        cli("convert", "--checkpoint", str(run), *args, umask=mask, check=True)
     files = [p for p in [*hf.rglob("*"), *recut.rglob("*")] if p.is_file()]
     assert files and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(mode)}
 

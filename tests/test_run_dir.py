@@ -13,19 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from family_runs import SMALLEST, cli, train_args
+from mpirun import REPO
 
 from hpcllm.errors import UserError
 from hpcllm.train import run_dir
 from hpcllm.train.run_dir import EXCLUSIVE_LOCK, LOCK
 
-REPO = Path(__file__).resolve().parent.parent
-
 SMALL = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=4",
     "train.global_batch_size=4",
     "train.log_interval=1",
@@ -36,11 +32,8 @@ SMALL = [
 
 
 def _train(stdlib: Path, folder: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
-    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={folder}", *extra]:
-        args += ["--set", item]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    args = train_args(stdlib, folder, *SMALL, *extra)
+    return cli(*args, env={"OMP_NUM_THREADS": "1"}, timeout=180)
 
 
 def _tree(folder: Path) -> dict[str, str]:

@@ -34,7 +34,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mpirun import python, run_mpi  # noqa: E402
+from family_runs import train_together  # noqa: E402
 from test_one_step_path import prepare_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,11 +101,9 @@ FIXTURE_CASE = [
 def _launch(ranks: int, data: Path, scratch: Path, runs: dict[str, list[str]]) -> dict[str, Any]:
     """Train ``runs`` one after another in one launch of ``ranks``; return their metrics."""
     runs = {name: [*COMMON, *overrides] for name, overrides in runs.items()}
-    script = python("tests/mpi_scripts/train_in_one_launch.py", str(data), str(scratch))
-    result = run_mpi(
-        ranks, [*script, json.dumps(runs)], env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=400
-    ).check()
-    return json.loads(result.rank_stdout[0].splitlines()[-1])
+    return {
+        name: run["records"] for name, run in train_together(ranks, data, scratch, runs).items()
+    }
 
 
 def _losses(records: list[dict[str, Any]]) -> dict[str, list[float]]:

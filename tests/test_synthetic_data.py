@@ -4,13 +4,12 @@ never mixed with real data in one run; the benchmarks that train need no corpus.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 from datasets_fixtures import prepare_corpus
+from family_runs import SMALLEST, cli, train_args
 from mpirun import REPO
 
 from hpcllm.datasets.reader import MicroBatchReader
@@ -19,11 +18,7 @@ from hpcllm.errors import UserError
 from hpcllm.evaluate import evaluate
 
 TINY = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=2",
     "train.save_interval=1",
     "train.eval_interval=0",
@@ -32,11 +27,8 @@ TINY = [
 ]
 
 
-def _train(run, *extra: str, cwd=REPO) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
-    for item in [*TINY, f"run.dir={run}", *extra]:
-        args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=300)
+def _train(run, *extra: str) -> subprocess.CompletedProcess:
+    return cli(*train_args(None, run, *TINY, *extra))
 
 
 def _batches(seed: int, n: int, **kw) -> list[np.ndarray]:
@@ -131,22 +123,7 @@ def test_synthetic_and_real_data_never_resume_each_others_runs(byte_data, tmp_pa
     message = refused.stderr.strip().splitlines()[-1]
     assert "data.synthetic has no tokenizer" in message, message
     assert (real / "tokenizer.json").is_file() and not (real / "synthetic-data.json").exists()
-    generate = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcllm",
-            "generate",
-            "--checkpoint",
-            str(synthetic),
-            "--prompt",
-            "a",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    generate = cli("generate", "--checkpoint", str(synthetic), "--prompt", "a", timeout=120)
     assert generate.returncode == 2 and "trained on synthetic data" in generate.stderr
 
 
@@ -160,15 +137,8 @@ def test_a_missing_data_path_says_which_command_makes_it(tmp_path):
 
 def test_bench_step_smoke_runs_in_an_empty_folder_of_a_fresh_checkout(tmp_path):
     """No data/ anywhere: bench step trains on synthetic data (the acceptance of issue 42)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "bench", "step", "--cpu-smoke", "--rounds", "2"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=600,
-    )
+    done = cli("bench", "step", "--cpu-smoke", "--rounds", "2", env={"PYTHONPATH": str(REPO)},
+               cwd=tmp_path, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "token ids synthetic (random over 512)" in done.stdout
     assert "| hpcllm step (as configured) |" in done.stdout
@@ -177,14 +147,6 @@ def test_bench_step_smoke_runs_in_an_empty_folder_of_a_fresh_checkout(tmp_path):
 
 def test_bench_sync_without_its_data_is_one_line_naming_the_command(tmp_path):
     """bench sync keeps needing its data: one line that says how to make it, no traceback."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "hpcllm", "bench", "sync"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
+    done = cli("bench", "sync", env={"PYTHONPATH": str(REPO)}, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "hpcllm prepare --out data/stdlib" in done.stderr

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from family_runs import SMALL, cli, train
 from mpirun import python, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -108,34 +109,19 @@ _SERIAL: dict[tuple[str, int], list] = {}
     ],
 )
 def test_trainer_with_tp_logs_the_losses_of_t1(stdlib, tmp_path, engine, tp, sp):
-    from test_train import SMALL
-
     from hpcllm.observe import read_metrics
 
-    data = stdlib  # the session's prepared corpus (read only)
-
-    def train(np, run, *extra):
-        args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [
-            *SMALL,
-            "model.n_head=4",
-            f"data.path={data}",
-            f"run.dir={run}",
-            "train.steps=5",
-            "train.global_batch_size=16",
-            "train.eval_interval=0",
-            f"parallel.dp_engine={engine}",
-            *extra,
-        ]:
-            args += ["--set", item]
-        run_mpi(np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    def trained(np, run, *extra):
+        sets = [*SMALL, "model.n_head=4", "train.steps=5", "train.global_batch_size=16"]
+        sets += ["train.eval_interval=0", f"parallel.dp_engine={engine}", *extra]
+        train(np, stdlib, run, *sets).check()
         return read_metrics(run)
 
     dp = 4 // tp
     if (engine, dp) not in _SERIAL:
-        _SERIAL[engine, dp] = train(dp, tmp_path / "t1")
+        _SERIAL[engine, dp] = trained(dp, tmp_path / "t1")
     serial = _SERIAL[engine, dp]
-    parallel = train(
+    parallel = trained(
         4, tmp_path / "t2", f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}"
     )
     assert [r["step"] for r in parallel] == [1, 2, 3, 4, 5]
@@ -149,53 +135,21 @@ def test_trainer_with_tp_logs_the_losses_of_t1(stdlib, tmp_path, engine, tp, sp)
 
 
 def test_convert_tp_resumes_where_the_original_run_would(stdlib, tmp_path):
-    import subprocess
-    import sys
-
     import torch
-    from test_train import SMALL
 
     from hpcllm.generate import load_run_model
     from hpcllm.observe import read_metrics
 
-    data = stdlib  # the session's prepared corpus (read only)
-
-    def train(np, run, steps, tp):
-        args = ["-m", "hpcllm", "train", "--no-progress"]
-        for item in [
-            *SMALL,
-            "model.n_head=4",
-            f"data.path={data}",
-            f"run.dir={run}",
-            f"train.steps={steps}",
-            "train.lr_decay_steps=6",
-            "train.eval_interval=0",
-            f"parallel.tp={tp}",
-        ]:
-            args += ["--set", item]
-        run_mpi(np, python(*args), timeout=300).check()
+    def trained(np, run, steps, tp):
+        sets = [*SMALL, "model.n_head=4", f"train.steps={steps}", "train.lr_decay_steps=6"]
+        train(np, stdlib, run, *sets, "train.eval_interval=0", f"parallel.tp={tp}").check()
         return {r["step"]: r["loss"] for r in read_metrics(run)}
 
-    train(2, tmp_path / "t2", 3, 2)
+    trained(2, tmp_path / "t2", 3, 2)
     for tp in (1, 4):
-        convert = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hpcllm",
-                "convert",
-                "--tp",
-                str(tp),
-                "--checkpoint",
-                str(tmp_path / "t2"),
-                "--out",
-                str(tmp_path / f"t{tp}"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert convert.returncode == 0, convert.stderr
+        out = str(tmp_path / f"t{tp}")
+        cli("convert", "--tp", str(tp), "--checkpoint", str(tmp_path / "t2"), "--out", out,
+            timeout=120, check=True)  # fmt: skip
     model, _ = load_run_model(tmp_path / "t1")  # a tp = 1 checkpoint again
     assert model.wte.weight.shape[0] == 384  # 257 padded for t = 1, not for t = 2 (512)
     step = tmp_path / "t4" / "checkpoints" / "step_00000003"
@@ -207,10 +161,10 @@ def test_convert_tp_resumes_where_the_original_run_would(stdlib, tmp_path):
         merged.state_dict().items(), source.state_dict().values(), strict=True
     ):
         assert torch.equal(got, want), name
-    original = train(2, tmp_path / "t2", 6, 2)
+    original = trained(2, tmp_path / "t2", 6, 2)
     # The t = 4 copy was checked above, merged; resuming it too (4 ranks on this machine's
     # two cores) would add little to what t = 1 shows, and test_reshard resumes other re-cuts.
-    converted = train(1, tmp_path / "t1", 6, 1)
+    converted = trained(1, tmp_path / "t1", 6, 1)
     assert sorted(converted) == [4, 5, 6]  # resumed at step 3: weights and Adam state
     for step in (4, 5, 6):
         assert converted[step] == pytest.approx(original[step], rel=1e-5)
@@ -219,8 +173,6 @@ def test_convert_tp_resumes_where_the_original_run_would(stdlib, tmp_path):
 def test_a_resume_with_tensor_parallel_dropout_logs_the_uninterrupted_losses(stdlib, tmp_path):
     # Dropout inside the tp regions draws from each tp rank's own stream: a checkpoint must
     # carry that stream too, or the resumed run draws other masks.
-    from test_train import SMALL
-
     script = python("tests/mpi_scripts/tp_dropout_resume.py", stdlib, tmp_path, json.dumps(SMALL))
     result = run_mpi(2, script, timeout=300).check()
     runs = json.loads(result.rank_stdout[0].splitlines()[-1])

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from family_runs import HOROVOD_OVER_MPI, SMALL, train_args
 from mpirun import REPO, python, run_mpi
 
 from hpcllm.commands.train import STOPPED_EXIT
@@ -16,21 +17,6 @@ from hpcllm.generate import load_run_model
 from hpcllm.observe import read_metrics
 from hpcllm.train import checkpoint
 from hpcllm.train.trainer import Trainer
-
-SMALL = [
-    "model.preset=null",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.d_model=64",
-    "model.seq_len=64",
-    "train.micro_batch_size=4",
-    "train.lr=3e-3",
-    "train.min_lr=3e-4",
-    "train.warmup_steps=5",
-    "train.log_interval=1",
-    "train.eval_iters=4",
-    "run.tensorboard=false",
-]
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +78,6 @@ def test_fp16_skips_a_step_with_an_inf_gradient_and_goes_on(stdlib, tmp_path):
     assert records[-1]["skipped_steps"] == 1 and math.isfinite(records[-1]["loss"])
 
 
-def _train_cli(np, stdlib, run_dir, *extra, timeout=300):
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
-        args += ["--set", item]
-    return run_mpi(
-        np, python(*args), env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=timeout
-    ).check()
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("engine", ["ddp", "horovod", "ps"])
 def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path, engine):
@@ -117,7 +94,7 @@ def test_resume_reproduces_the_uninterrupted_run(stdlib, tmp_path, engine):
     script = python(
         "tests/mpi_scripts/resume_in_one_launch.py", stdlib, tmp_path, "8", json.dumps(common)
     )
-    result = run_mpi(2, script, env={"HOROVOD_CPU_OPERATIONS": "MPI"}, timeout=300).check()
+    result = run_mpi(2, script, env=HOROVOD_OVER_MPI, timeout=300).check()
     runs = json.loads(result.rank_stdout[0].splitlines()[-1])
     whole = {r["step"]: r for r in runs["whole"]}
     split = {r["step"]: r for r in runs["split"]}
@@ -143,15 +120,8 @@ def _wait_for_metrics(run_dir, proc, timeout=120):
 @pytest.mark.parametrize("launcher, sig", [("single", signal.SIGTERM), ("mpirun", signal.SIGUSR1)])
 def test_signal_saves_a_loadable_checkpoint_and_exits_75(stdlib, tmp_path, launcher, sig):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
-    for item in [
-        *SMALL,
-        f"data.path={stdlib}",
-        f"run.dir={run_dir}",
-        "train.steps=100000",
-        "train.eval_interval=0",
-    ]:
-        cmd += ["--set", item]
+    args = train_args(stdlib, run_dir, *SMALL, "train.steps=100000", "train.eval_interval=0")
+    cmd = [sys.executable, "-m", "hpcllm", *args]
     if launcher == "mpirun":
         from mpirun import mpi_env
 

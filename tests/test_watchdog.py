@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from family_runs import train
 from mpirun import python, run_mpi
 
 from hpcllm import watchdog
@@ -258,15 +259,11 @@ def test_a_rank_stopped_during_start_up_ends_the_job_naming_the_phase(tmp_path, 
     # process forked before it does. Rank 1 stops itself (SIGSTOP) as it enters the phase.
     import time
 
-    from mpirun import python, run_mpi
-
     allowance = 10
-    args = ["-m", "hpcllm", "train", "--no-progress"]
-    for item in ["data.synthetic=true", "model.vocab_size=512", f"run.dir={tmp_path / 'run'}",
-                 f"run.startup_timeout_s={allowance}", "train.steps=2"]:  # fmt: skip
-        args += ["--set", item]
+    sets = ["data.synthetic=true", "model.vocab_size=512", f"run.startup_timeout_s={allowance}"]
     started = time.monotonic()
-    result = run_mpi(2, python(*args), timeout=120, env={"HPCLLM_STOP_AT": f"{phase}:1"})
+    result = train(2, None, tmp_path / "run", *sets, "train.steps=2", timeout=120,
+                   env={"HPCLLM_STOP_AT": f"{phase}:1"})  # fmt: skip
     took = time.monotonic() - started
     assert result.returncode != 0 and took < allowance + 10, took
     said = [

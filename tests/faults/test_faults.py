@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from family_runs import HOROVOD_OVER_MPI, SMALLEST, rotate, train_args
 from mpirun import REPO, mpi_env
 
 from hpcllm.commands.train import STOPPED_EXIT
@@ -29,11 +30,7 @@ from hpcllm.train import checkpoint
 pytestmark = pytest.mark.mpi
 
 SMALL = [
-    "model.preset=null",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.d_model=32",
-    "model.seq_len=32",
+    *SMALLEST,
     "train.micro_batch_size=4",
     "train.global_batch_size=16",  # two micro-batches per rank and step
     "train.lr=3e-3",
@@ -47,27 +44,34 @@ SMALL = [
 ]
 
 
-# What each faulted kind of run sets: an engine, or the Llama family at t = 2 with one
-# key/value head that both tensor-parallel ranks keep (its gradient summed between them).
+# What each faulted kind of run sets: an engine or a layout, and the family that runs it, the
+# registered families in turn (family_runs.rotate; any family runs SMALLEST's shared keys).
+# Named "<kind>-<family>".
 KINDS = {
-    "ddp": ["parallel.dp_engine=ddp"],
-    "horovod": ["parallel.dp_engine=horovod"],
-    "llama-t2": ["model.arch=llama", "model.n_kv_heads=1", "parallel.tp=2"],
+    f"{kind}-{arch}": [f"model.arch={arch}", *sets]
+    for (kind, sets), arch in rotate(
+        [
+            ("ddp", ["parallel.dp_engine=ddp"]),
+            ("t2", ["parallel.tp=2"]),
+            ("horovod", ["parallel.dp_engine=horovod"]),
+        ]
+    )
 }
+# The default family under the default engine: the kind whose finished run the damaged
+# checkpoints and the bad values start from, trained on as a run that names neither.
+PLAIN = next(iter(KINDS))
 
 
 def _command(stdlib: Path, run_dir: Path, *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "hpcllm", "train", "--no-progress"]
-    for item in [*SMALL, f"data.path={stdlib}", f"run.dir={run_dir}", *extra]:
-        cmd += ["--set", item]
-    return mpirun_command(2, cmd)
+    args = train_args(stdlib, run_dir, *SMALL, *extra)
+    return mpirun_command(2, [sys.executable, "-m", "hpcllm", *args])
 
 
 def _start(stdlib: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         _command(stdlib, run_dir, *extra),
         cwd=REPO,
-        env=mpi_env({"HOROVOD_CPU_OPERATIONS": "MPI"}),
+        env=mpi_env(HOROVOD_OVER_MPI),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -231,7 +235,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(
     stdlib, tmp_path, reference, damage
 ):
     run_dir = tmp_path / "run"
-    shutil.copytree(reference["ddp"], run_dir)
+    shutil.copytree(reference[PLAIN], run_dir)
     for late in ("step_00000008", "step_00000006"):  # keep steps 2 and 4
         shutil.rmtree(run_dir / "checkpoints" / late)
     shard = run_dir / "checkpoints" / "step_00000004" / "model_tp00_pp00.pt"
@@ -248,7 +252,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(
     print(f"fault: checkpoint {damage} {time.monotonic() - started:.1f}")
     assert code == 0, err
     assert "model_tp00_pp00.pt" in err and "step_00000004" in err  # named, then passed over
-    got, want = _losses(run_dir), _losses(reference["ddp"])
+    got, want = _losses(run_dir), _losses(reference[PLAIN])
     assert [got[s] for s in range(3, 9)] == [want[s] for s in range(3, 9)]
 
 
@@ -357,7 +361,7 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def finished(reference: dict[str, Path]) -> Path:
-    return reference["ddp"]
+    return reference[PLAIN]
 
 
 @pytest.mark.parametrize("bad", BAD, ids=lambda overrides: " ".join(overrides))

@@ -4,7 +4,7 @@ Usage: train_in_one_launch.py DATA RUN_DIR RUNS_JSON
 
 RUNS_JSON maps a run's name to its config overrides; each trains in RUN_DIR/NAME, as
 ``hpcllm train --set ...`` would, without paying a launch per run. Rank 0 prints one JSON
-line: each run's metrics records.
+line: each run's metrics records and summary (``{"records": [...], "summary": {...}}``).
 """
 
 import json
@@ -19,11 +19,13 @@ from hpcllm.train.trainer import Trainer
 def main() -> None:
     data, run = sys.argv[1], Path(sys.argv[2])
     runs = json.loads(sys.argv[3])
+    done = {}
     for name, overrides in runs.items():
         sets = [*overrides, f"data.path={data}", f"run.dir={run / name}"]
         with Trainer(load_config(None, sets)) as trainer:
-            trainer.run(progress=False)
-    print(json.dumps({name: read_metrics(run / name) for name in runs}), flush=True)
+            summary = trainer.run(progress=False)
+        done[name] = {"records": read_metrics(run / name), "summary": summary}
+    print(json.dumps(done), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""Every registered model family trains alike under every layout and data-parallel engine.
+
+Each family's tiny model (tests/family_runs.py) trains four steps on one process, then under
+each layout and engine below, and must log the same losses; its checkpoints merge into one
+model (``hpcllm.load_model``), a re-cut by ``hpcllm convert`` changes nothing, and where the
+family maps to Hugging Face, transformers gives the logits of the export. The runs of one
+rank count share one launch (tests/mpi_scripts/train_in_one_launch.py): three a family. A
+family registered in hpcllm.families is trained here once family_runs.TINY holds its tiny
+model; a family's own shapes (Llama's tied output layer, its replicated key/value heads) are
+its own tests' (tests/test_llama.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_runs import cli, registered, tiny, train_together
+
+import hpcllm
+from hpcllm import families
+from hpcllm.evaluate import evaluate
+
+# name: (ranks, sets), each against the one-process run.
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "recompute-full": (1, ["model.recompute=full"]),
+    "recompute-selective": (1, ["model.recompute=selective"]),
+    "t2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "p2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]),
+    "p2-gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
+    "p2-zb-h1": (2, ["parallel.pp=2", "parallel.schedule=zb-h1"]),
+    "d2-ddp": (2, ["parallel.dp_engine=ddp"]),
+    "d2-horovod": (2, ["parallel.dp_engine=horovod"]),
+    "d2-ps": (2, ["parallel.dp_engine=ps"]),
+    "d2-ddp-zero1": (2, ["parallel.dp_engine=ddp", "parallel.distributed_optimizer=true"]),
+    "d2-ps-async-k0": (2, ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"]),
+    "t2p2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("arch", registered())
+def test_a_family_trains_alike_under_every_layout_and_engine_and_recuts(arch, stdlib, tmp_path):
+    runs = {"t1": (1, []), **LAYOUTS}
+    logged = {}
+    for ranks in (1, 2, 4):
+        mine = {name: [*tiny(arch), *sets] for name, (n, sets) in runs.items() if n == ranks}
+        logged |= train_together(ranks, stdlib, tmp_path, mine)
+    losses = {name: [r["loss"] for r in run["records"]] for name, run in logged.items()}
+    assert len(losses["t1"]) == 4
+    wrong = {
+        name: losses[name]
+        for name in LAYOUTS
+        if losses[name] != pytest.approx(losses["t1"], rel=1e-5)
+    }
+    assert not wrong, (losses["t1"], wrong)
+    # Every layout is one model: merged whole, the logits agree; re-cut into t = 2 × p = 2
+    # and merged again, the one-process checkpoint is the same model to the last bit.
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    whole = hpcllm.load_model(tmp_path / "t1")
+    assert isinstance(whole, families.model_class(arch))
+    logits = whole(ids)
+    torch.testing.assert_close(
+        hpcllm.load_model(tmp_path / "t2p2")(ids), logits, rtol=1e-4, atol=1e-4
+    )
+    recut = tmp_path / "t1-recut"
+    cli("convert", "--checkpoint", str(tmp_path / "t1"), "--out", str(recut), "--tp", "2",
+           "--pp", "2", check=True)  # fmt: skip
+    torch.testing.assert_close(hpcllm.load_model(recut)(ids), logits, rtol=0, atol=0)
+    assert evaluate(tmp_path / "t2p2", stdlib, split="train", iters=1).loss > 0
+    if families.get(arch).hf_model_type is None:
+        return
+    # Exported from its t = 2 × p = 2 checkpoint, transformers gives the same logits.
+    import transformers
+
+    from hpcllm.convert import to_hf
+
+    to_hf(tmp_path / "t2p2", tmp_path / "t2p2-hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "t2p2-hf").eval()
+    ours = hpcllm.load_model(tmp_path / "t2p2")(ids)
+    with torch.no_grad():
+        gap = (theirs(ids).logits - ours).abs().max().item()
+    assert gap <= 1e-5 * ours.abs().max().item()
