@@ -98,7 +98,7 @@ def _mark_tied(part: nn.Module, family: families.Family) -> None:
 def chunks_state_dict(chunks: nn.ModuleList, pp: int) -> dict[str, Any]:
     """Return the chunks' weights keyed as checkpoints hold them.
 
-    With one pipeline stage the keys are the whole GPT's (``blocks.3.attn.qkv.weight``); a
+    With one pipeline stage the keys are the whole model's (``blocks.3.attn.qkv.weight``); a
     pipeline rank's keys start with the chunk's index (``0.blocks.3.attn.qkv.weight``).
     :mod:`hpcllm.train.reshard` reads both.
     """
