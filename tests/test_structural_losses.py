@@ -40,6 +40,11 @@ from test_one_step_path import prepare_data  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = REPO / "tests" / "recorded" / "losses_before_components.json"
 FIXTURE = REPO / "tests" / "recorded" / "checkpoint_before_components"
+# Recorded before checkpoints were named by their axes (format 3): t = 2 x p = 2 at fp32, saved
+# at step 2 of 4, and the losses of the uninterrupted run.
+AXES_FIXTURE = REPO / "tests" / "recorded" / "checkpoint_before_axes"
+AXES_RECORDED = REPO / "tests" / "recorded" / "losses_before_axes.json"
+AXES_CASE = ["parallel.tp=2", "parallel.pp=2", "train.save_interval=2"]
 
 # Four layers so that p = 2 interleaves v = 2 chunks; small enough for seconds per case.
 COMMON = [
@@ -154,6 +159,26 @@ def test_every_engine_and_layout_logs_the_recorded_losses_and_the_old_checkpoint
     assert _close(resumed["val_loss"], whole["val_loss"], DEFAULT_TOLERANCE), (resumed, whole)
 
 
+def _keep_step_2(run: Path, fixture: Path) -> None:
+    """Copy only the step-2 checkpoint of ``run`` to ``fixture``, named newest."""
+    shutil.rmtree(fixture, ignore_errors=True)
+    source = run / "checkpoints"
+    (fixture / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "step_00000002", fixture / "checkpoints" / "step_00000002")
+    (fixture / "checkpoints" / "latest").write_text("step_00000002\n")
+    shutil.copy(run / "tokenizer.json", fixture / "tokenizer.json")
+
+
+def record_axes() -> None:
+    """Run the t2 x p2 fixture case on this commit; write its losses and its checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        data = prepare_data(scratch / "prepared")
+        metrics = _launch(4, data, scratch, {"axes": AXES_CASE})
+        AXES_RECORDED.write_text(json.dumps(_losses(metrics["axes"]), indent=1) + "\n")
+        _keep_step_2(scratch / "axes", AXES_FIXTURE)
+
+
 def record() -> None:
     """Run every case on this commit; write the recorded losses and the checkpoint fixture."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,6 +202,9 @@ def record() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
-        sys.exit("usage: python tests/test_structural_losses.py --record")
-    record()
+    if sys.argv[1:] == ["--record"]:
+        record()
+    elif sys.argv[1:] == ["--record-axes"]:
+        record_axes()
+    else:
+        sys.exit("usage: python tests/test_structural_losses.py --record | --record-axes")
