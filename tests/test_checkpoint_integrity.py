@@ -209,7 +209,7 @@ def _disk_full_for(monkeypatch, suffix):
             return open_on_full_disk(path, mode, *args, **kwargs)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "open", open_full, raising=False)
+    monkeypatch.setattr(checkpoint.write, "open", open_full, raising=False)
 
 
 def _save(run, grid, step, **options):
@@ -251,7 +251,7 @@ def test_a_full_disk_can_warn_and_go_on(run, trained, monkeypatch):
 
 def test_a_quota_reads_as_no_space_left():
     err = OSError(errno.EDQUOT, "Disk quota exceeded", "/scratch/run/x.pt")
-    assert checkpoint._describe(err) == (
+    assert checkpoint.describe(err) == (
         "/scratch/run/x.pt: no space left on device (disk quota exceeded)"
     )
 

@@ -18,7 +18,8 @@ from hpcllm.config import load_config
 from hpcllm.errors import UserError
 from hpcllm.model.gpt import GPT
 from hpcllm.observe import read_metrics
-from hpcllm.parallel.data.distributed_optimizer import TorchCollectives, ZeroState, merge_shards
+from hpcllm.parallel.data.distributed_optimizer import TorchCollectives, ZeroState
+from hpcllm.parallel.data.optimizer_parts import merge_shards
 from hpcllm.train import checkpoint
 from hpcllm.train.optim import build_optimizer
 

@@ -30,7 +30,7 @@ def main(run_dir: Path) -> None:
                 return open_on_full_disk(path, mode, *args, **kwargs)
             return real_open(path, mode, *args, **kwargs)
 
-        checkpoint.open = open_full
+        checkpoint.write.open = open_full  # where the checkpoint's files are opened
     try:
         checkpoint.save(run_dir, 2, grid, shard, {}, "{}\n")
     except UserError as err:

@@ -23,13 +23,13 @@ Reduce-scatter + all-gather move the bytes of one all-reduce. torch collectives 
 ``reducescatter``/``allgather`` on the dp communicator for ``horovod``.
 
 The optimizer state converts to and from the plain AdamW ``state_dict`` of the same
-parameters (:func:`merge_shards`, :meth:`DistributedAdamW.load_state_dict`), so checkpoints
-of either kind resume at any d and every checkpoint reader keeps working.
+parameters (:mod:`~hpcllm.parallel.data.optimizer_parts`,
+:meth:`DistributedAdamW.load_state_dict`), so checkpoints of either kind resume at any d and
+every checkpoint reader keeps working.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,10 +50,9 @@ from hpcllm.parallel.data.horovod import (
     start_horovod,
 )
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
+from hpcllm.parallel.data.optimizer_parts import FORMAT, merge_shards
 from hpcllm.parallel.roles import role
 from hpcllm.topology import Grid
-
-FORMAT = "hpcllm-distributed-optimizer-1"
 
 
 @dataclass
@@ -513,49 +512,6 @@ class ZeroState:
         """Remove the gradient hooks (the engine is done)."""
         for hook in self._hooks:
             hook.remove()
-
-
-def is_shard_state(state: Any) -> bool:
-    """Return whether ``state`` is one dp rank's distributed-optimizer shard."""
-    return isinstance(state, dict) and state.get("format") == FORMAT
-
-
-def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """Return the plain AdamW ``state_dict`` of the parameters from every dp rank's shard.
-
-    ``shards`` of one layout, one per dp rank. Each parameter's moments are cut out of the
-    buckets whole again (padding dropped); the step and the param groups' settings are the
-    same on every rank.
-    """
-    shards = sorted(shards, key=lambda s: s["dp_rank"])
-    layout = shards[0]["layout"]
-    dp = layout["dp"]
-    if [s["dp_rank"] for s in shards] != list(range(dp)):
-        raise ValueError(f"the distributed optimizer's shards are incomplete (d = {dp})")
-    shapes = layout["shapes"]
-    state: dict[int, dict[str, Any]] = {}
-    if shards[0]["state"]:
-        for bucket in layout["buckets"]:
-            slot = bucket["slot"]
-            step = shards[0]["state"][slot]["step"]
-            names = [
-                k
-                for k in ("exp_avg", "exp_avg_sq", "master_weight")
-                if k in shards[0]["state"][slot]
-            ]
-            for name in names:
-                flat = torch.cat([s["state"][slot][name] for s in shards])
-                for i, off in zip(bucket["indices"], bucket["offsets"], strict=True):
-                    n = math.prod(shapes[i])
-                    entry = state.setdefault(i, {"step": step.clone()})
-                    entry[name] = flat[off : off + n].reshape(shapes[i]).clone()
-    param_groups = []
-    start = 0
-    for g, size in enumerate(layout["group_sizes"]):
-        settings = {k: v for k, v in shards[0]["param_groups"][g].items() if k != "params"}
-        param_groups.append({**settings, "params": list(range(start, start + size))})
-        start += size
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
 
 class ShardedOptimizer(MixedPrecisionOptimizer):
