@@ -3,10 +3,17 @@
 It claims and locks the run folder before the model is built, so a run that is refused leaves
 the folder as it was (:mod:`hpcllm.train.run_dir`); it finds the checkpoint to resume from
 (the newest that verifies, re-cut with ``run.reshard`` when the layout changed); it loads the
-model, optimizer, scaler and random states into the built run and gives back the
-:class:`~hpcllm.train.state.TrainState`; it saves every ``train.save_interval`` steps and at
-the end, synchronously on every rank (:func:`hpcllm.train.checkpoint.save`), and prunes and
-verifies older checkpoints on a thread of rank 0, beside training.
+named parts of the built run and gives back the :class:`~hpcllm.train.state.TrainState`; it
+saves every ``train.save_interval`` steps and at the end, synchronously on every rank
+(:func:`hpcllm.train.checkpoint.save`), and prunes and verifies older checkpoints on a thread
+of rank 0, beside training.
+
+What a checkpoint holds is a set of named parts (:meth:`Checkpointer.track`), each any object
+with ``state_dict`` and ``load_state_dict``: the trainer names ``model``, ``optimizer``,
+``scaler`` and ``rng``; another component (a data blend's position, say) adds its own under a
+new name, and each is saved, verified and loaded under it. A part is the same on every
+data-parallel replica of a (tp, pp) shard (the model's weights and persistent buffers, the
+optimizer, whose per-dp parts the format itself splits off, and anything replicated).
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import yaml
@@ -30,7 +38,6 @@ from hpcllm.datasets.tokenizer import CONFIG_FILE
 from hpcllm.errors import UserError
 from hpcllm.files import sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
-from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 from hpcllm.train import checkpoint, reshard
@@ -40,8 +47,68 @@ from hpcllm.train.state import Cadence, TrainState
 
 Warn = Callable[[str], None]
 
-# What a checkpoint holds, as :meth:`Checkpointer.track` names it.
-Tracked = tuple[nn.ModuleList, MixedPrecisionOptimizer, GradScaler, Engine]
+
+class Stateful(Protocol):
+    """What a named part of a checkpoint is: anything whose state a dict holds."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class _Part:
+    obj: Stateful
+    optional: bool  # a checkpoint without it (written before it existed) leaves it as built
+
+
+class ModelChunks:
+    """This rank's model chunks as a named part: weights and persistent buffers, keyed as
+    checkpoints hold them (:func:`hpcllm.model.stages.chunks_state_dict`)."""
+
+    def __init__(self, chunks: nn.ModuleList, pp: int) -> None:
+        self.chunks, self.pp = chunks, pp
+
+    def state_dict(self) -> dict[str, Any]:
+        return chunks_state_dict(self.chunks, self.pp)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_chunks_state_dict(self.chunks, self.pp, state)
+
+
+class OptimizerState:
+    """The optimizer as a named part; a checkpoint without its state (an imported model:
+    None) leaves the fresh optimizer, and settings that are not state are not restored
+    (:func:`hpcllm.train.optim.load_optimizer_state`)."""
+
+    def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> Any:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        if state is not None:
+            load_optimizer_state(self.optimizer, state)
+
+    @property
+    def per_replica(self) -> bool:
+        """Whether each dp replica steps (and saves) its own state (local SGD)."""
+        return self.optimizer.state_per_replica
+
+
+class ScalerState:
+    """The loss scaler as a named part (an fp32 or bf16 run's disabled scaler saves {})."""
+
+    def __init__(self, scaler: GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
 
 
 class Checkpointer:
@@ -63,7 +130,8 @@ class Checkpointer:
         self.enabled = True
         self._lock: run_folder.RunLock | None = None
         self._pruning: threading.Thread | None = None
-        self._tracked: Tracked | None = None
+        self._parts: dict[str, _Part] = {}
+        self._before_save: list[Callable[[], None]] = []
         # The newest checkpoint that verifies (a damaged newer one is named and passed over),
         # and the saved layout when it differs from this run's (run.reshard re-cuts it).
         self.resume_from: Path | None = None
@@ -178,15 +246,34 @@ class Checkpointer:
                 self._lock.undo_move()
             self._lock = None
 
-    def track(
+    def track(self, name: str, part: Stateful, *, optional: bool = False) -> None:
+        """Name a part of what a checkpoint holds: saved under ``name``, loaded from it.
+
+        ``optional``: a checkpoint without the part (one saved before it existed, or a re-cut
+        that cannot place it) leaves the part as built instead of refusing to resume.
+        """
+        if name in self._parts:
+            raise ValueError(f"the checkpoint already holds a part named {name!r}")
+        self._parts[name] = _Part(part, optional)
+
+    def before_save(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` on every rank before each save (local SGD: one model, not d)."""
+        self._before_save.append(hook)
+
+    def track_run(
         self,
         chunks: nn.ModuleList,
         optimizer: MixedPrecisionOptimizer,
         scaler: GradScaler,
-        engine: Engine,
+        before_save: Callable[[], None],
     ) -> None:
-        """Name what a checkpoint holds: this rank's model chunks, optimizer, scaler, engine."""
-        self._tracked = (chunks, optimizer, scaler, engine)
+        """Name the parts every run has: its model chunks, optimizer, scaler, random states."""
+        self.track("model", ModelChunks(chunks, self.grid.pp))
+        self.track("optimizer", OptimizerState(optimizer), optional=True)  # none: an import
+        self.track("scaler", ScalerState(scaler), optional=True)
+        # A re-cut rank whose saved stage started elsewhere keeps its fresh streams.
+        self.track("rng", checkpoint.RandomStates(self.grid.device), optional=True)
+        self.before_save(before_save)
 
     def describe_resume(self, step: int) -> str:
         """Return where the run starts, for the banner."""
@@ -205,7 +292,7 @@ class Checkpointer:
         folder = self.resume_from
         if self.cfg.run.resume != "auto" or folder is None:
             return TrainState()
-        chunks, optimizer, scaler, _ = self._objects()
+        self._check_tracked()
         g = self.grid
         if self.reshard_from is None:
             shard = checkpoint.load_shard(folder, g.tp_rank, g.pp_rank, g.tp, g.pp, g.dp_rank)
@@ -213,13 +300,18 @@ class Checkpointer:
             shard = reshard.cut_shard(
                 reshard.SavedState(folder), reshard.Cut.of(self.cfg), g.tp_rank, g.pp_rank
             )
-        load_chunks_state_dict(chunks, g.pp, shard["model"])
-        if shard.get("optimizer") is not None:
-            load_optimizer_state(optimizer, shard["optimizer"])
-        if shard.get("scaler"):
-            scaler.load_state_dict(shard["scaler"])
-        if shard.get("rng") is not None:
-            checkpoint.set_rng_state(shard["rng"], g.device)
+        for name, part in self._parts.items():
+            if name in shard:
+                part.obj.load_state_dict(shard[name])
+            elif not part.optional:
+                raise UserError(
+                    f"checkpoint {folder} holds no {name!r} (its parts: "
+                    f"{', '.join(shard) or 'none'}); it was saved by a run without it",
+                    same_on_all_ranks=False,
+                )
+        unknown = sorted(set(shard) - set(self._parts))
+        if unknown and g.rank == 0:
+            self.warn(f"{folder} holds parts this run does not use, left unread: {unknown}")
         return TrainState.from_meta(checkpoint.read_meta(folder), folder, global_batch)
 
     def should_save(self, step: int, last_step: int) -> bool:
@@ -239,7 +331,7 @@ class Checkpointer:
         """
         if not self.enabled:
             return None
-        chunks, optimizer, scaler, engine = self._objects()
+        self._check_tracked()
         self.finish_pruning()  # one pruning at a time, and never of a folder being written
         short = self.on_rank0(self._space_short)  # every rank the same answer
         if short is not None:
@@ -247,13 +339,9 @@ class Checkpointer:
                 raise UserError(short)
             self.on_rank0(lambda: self.warn(short + "; the run goes on (run.save_failure: warn)"))
             return None
-        engine.before_save()  # local SGD: one model in the checkpoint, not d
-        shard = {
-            "model": chunks_state_dict(chunks, self.grid.pp),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            "rng": checkpoint.rng_state(self.grid.device),
-        }
+        for hook in self._before_save:
+            hook()
+        shard = {name: part.obj.state_dict() for name, part in self._parts.items()}
         folder = checkpoint.save(
             self.run_dir,
             state.step,
@@ -263,7 +351,7 @@ class Checkpointer:
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
             on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self.warn,
-            per_replica=optimizer.state_per_replica,
+            per_replica=self._per_replica(),
         )
         keep = self.cfg.run.keep_checkpoints
         if folder is not None and keep is not None and self.grid.rank == 0:
@@ -301,7 +389,11 @@ class Checkpointer:
             self._pruning.join()
             self._pruning = None
 
-    def _objects(self) -> Tracked:
-        if self._tracked is None:
+    def _per_replica(self) -> bool:
+        """Whether each dp replica saves its own optimizer state (local SGD's replicas)."""
+        part = self._parts.get("optimizer")
+        return part is not None and bool(getattr(part.obj, "per_replica", False))
+
+    def _check_tracked(self) -> None:
+        if "model" not in self._parts:
             raise RuntimeError("Checkpointer.track names the model before a load or save")
-        return self._tracked

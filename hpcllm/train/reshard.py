@@ -10,16 +10,18 @@ Re-cutting goes through the names of the whole model:
    embedding on the first stage with its tied copy on the last, the final LayerNorm on the
    last), and only those files are read, memory-mapped, so the Adam moments are not even
    read when only weights are wanted;
-2. the tp slices of a name are merged with the partition its layer declares (``stride`` 3
-   for the fused q|k|v projection), and the embedding's vocabulary padding is dropped;
-3. for the new layout each rank's names are listed in its chunks' parameter order, cut
-   again (the vocabulary padded to 128·t with zeros) and numbered as
+2. the tp slices of a name (a parameter, or a persistent buffer, split as its family's rule
+   says) are merged with the partition its layer declares (``stride`` 3 for the fused q|k|v
+   projection), and the embedding's vocabulary padding is dropped;
+3. for the new layout each rank's names are listed in its chunks' state order, cut
+   again (the vocabulary padded to 128·t with zeros), and its parameters numbered as
    :func:`hpcllm.train.optim.build_optimizer` numbers them.
 
 The optimizer step, loss scale, data position, skipped-step count and the random states
-carry over. Data parallelism needs no re-cut: the d replicas hold the same state (dp rank 0
-saved it), and a run resumed at another d reads the same global batches as long as the
-global batch is the same.
+carry over, and so does every other named part of the checkpoint (the same on every rank:
+tp rank 0, pp rank 0's). Data parallelism needs no re-cut: the d replicas hold the same
+state (dp rank 0 saved it), and a run resumed at another d reads the same global batches as
+long as the global batch is the same.
 
 Why not ``torch.distributed.checkpoint``: its planners re-cut tensors that are contiguous
 chunks of a global tensor (DTensor, ShardedTensor). Ours are not: the q|k|v projection's
@@ -111,6 +113,7 @@ class Param:
     padded: bool = False  # vocabulary rows, padded to a multiple of 128·t
     grad: str = "local"  # its rule's gradient kind: "kv-replicas" is kept on t / heads ranks
     kv_heads: int = 1  # the model's key/value heads
+    buffer: bool = False  # a persistent buffer: saved and re-cut like a weight, not optimized
 
     def replicas(self, tp: int) -> int:
         """Return how many tp ranks of ``tp`` hold each slice (1 but for kv heads)."""
@@ -124,10 +127,17 @@ def _stage(cfg: ModelConfig, layers: range, pre: bool, post: bool) -> list[Param
         stage = build(cfg, 1, layers=layers, pre=pre, post=post)
     family = families.get(cfg.arch)
     kv = families.shape(cfg, 1).kv_heads or cfg.n_head
+    weights = dict(stage.named_parameters())
     params = []
-    for name, param in stage.named_parameters():
-        part = role(param)
-        params.append(Param(name, param.dim(), part.split, part.padded, family.rule(name).grad, kv))
+    # In state_dict order: the parameters, and the persistent buffers a state_dict holds too
+    # (a buffer's split is its rule's: buffers carry no role, which a move would drop).
+    for name, tensor in stage.state_dict(keep_vars=True).items():
+        rule = family.rule(name)
+        if name in weights:
+            part = role(tensor)
+            params.append(Param(name, tensor.dim(), part.split, part.padded, rule.grad, kv))
+        else:
+            params.append(Param(name, tensor.dim(), rule.split, rule.padded, rule.grad, kv, True))
     return params
 
 
@@ -145,8 +155,9 @@ def rank_parameters(cfg: ModelConfig, layout: Cut, pp_rank: int) -> list[list[Pa
 
 
 def optimizer_order(chunks: list[list[Param]]) -> list[tuple[int, Param]]:
-    """Return (chunk, parameter) in the optimizer's index order: matrices, then the rest."""
-    flat = [(c, param) for c, params in enumerate(chunks) for param in params]
+    """Return (chunk, parameter) in the optimizer's index order: matrices, then the rest
+    (buffers, which no optimizer holds, left out)."""
+    flat = [(c, param) for c, params in enumerate(chunks) for param in params if not param.buffer]
     return [item for item in flat if item[1].dim >= 2] + [item for item in flat if item[1].dim < 2]
 
 
@@ -337,6 +348,10 @@ def cut_shard(
             if own is not None:
                 rng["tp_stream"] = _owned(own)
         shard["rng"] = rng
+    # Any other named part (checkpointer.track) is the same on every rank: tp 0, pp 0's.
+    for name, value in first.items():
+        if name not in shard and name not in ("scaler", "rng"):
+            shard[name] = _owned(value)
     if optimizer and saved.has_optimizer():
         order = optimizer_order(chunks)
         state = {}

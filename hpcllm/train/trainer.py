@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from hpcllm.datasets.synthetic import load_data
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
-from hpcllm.train.checkpointer import Checkpointer
+from hpcllm.train.checkpointer import Checkpointer, Stateful
 from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.metrics import Metrics
 from hpcllm.train.parallelize import parallelize
@@ -56,9 +56,16 @@ class Trainer:
 
     checkpointer: Checkpointer
 
-    def __init__(self, cfg: Config, grad_hooks: list[GradHook] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        grad_hooks: list[GradHook] | None = None,
+        parts: Mapping[str, Stateful] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.grad_hooks = grad_hooks if grad_hooks is not None else []
+        # Named parts a checkpoint holds beside the run's own (Checkpointer.track).
+        self.parts = dict(parts or {})
         self.process = ProcessSettings()
         self._closed = False
         try:
@@ -114,7 +121,11 @@ class Trainer:
         self.parallelized = parallelize(cfg, self.grid, vocab, self.accumulation)
         self.padded_vocab = padded_vocab(vocab, parallel.tp)
         self.scaler = self.optimizer.scaler
-        self.checkpointer.track(self.model, self.optimizer, self.scaler, self.engine)
+        self.checkpointer.track_run(
+            self.model, self.optimizer, self.scaler, before_save=self.engine.before_save
+        )
+        for name, part in self.parts.items():
+            self.checkpointer.track(name, part)
         self.state = self.checkpointer.load(self.global_batch)
         self.engine.resume_at(self.state.step)
         self.engine.broadcast_state()
