@@ -14,10 +14,16 @@ The same commit also wrote a checkpoint halfway through the ``fixture`` case
 that per-rank optimizer files and meta.json's keys take part); the test trains
 on from it (in the same test) and must log the uninterrupted run's last two losses.
 
+Before checkpoint files were named by their axes (format 3), commit cfa3f4b recorded a
+t = 2 × p = 2 checkpoint at fp32 halfway through its run
+(``tests/recorded/checkpoint_before_axes/``, with ``losses_before_axes.json``): it resumes as
+it was cut, and re-cut to t = 1 × p = 4 (``run.reshard``), with the uninterrupted losses.
+
 Two launches hold every case (``tests/mpi_scripts/train_in_one_launch.py``): one of two ranks
 for the eight two-rank cases and the resume, one of four ranks for t·p. Re-record (after a
 change that is meant to alter the numbers, and said so) with
-``python tests/test_structural_losses.py --record``.
+``python tests/test_structural_losses.py --record`` (the t2 × p2 checkpoint:
+``--record-axes``).
 """
 
 from __future__ import annotations
@@ -141,6 +147,17 @@ def test_every_engine_and_layout_logs_the_recorded_losses_and_the_old_checkpoint
     two["resumed"] = [*FIXTURE_CASE, "run.resume=auto"]
     metrics = _launch(2, data, tmp_path, two)
     four = {name: o for name, (ranks, o) in CASES.items() if ranks == 4}
+    # The t2 x p2 checkpoint of format 2 resumes as it was cut and re-cut to t1 x p4.
+    for name in ("axes-resumed", "axes-recut"):
+        shutil.copytree(AXES_FIXTURE, tmp_path / name)
+    four["axes-resumed"] = [*AXES_CASE, "run.resume=auto"]
+    four["axes-recut"] = [
+        *AXES_CASE,
+        "parallel.tp=1",
+        "parallel.pp=4",
+        "run.reshard=true",
+        "run.resume=auto",
+    ]
     metrics |= _launch(4, data, tmp_path, four)
     failures = []
     for name in CASES:
@@ -157,6 +174,18 @@ def test_every_engine_and_layout_logs_the_recorded_losses_and_the_old_checkpoint
     assert resumed["steps"] == [3, 4]
     assert _close(resumed["loss"], whole["loss"][2:], DEFAULT_TOLERANCE), (resumed, whole)
     assert _close(resumed["val_loss"], whole["val_loss"], DEFAULT_TOLERANCE), (resumed, whole)
+    whole = json.loads(AXES_RECORDED.read_text())
+    for name in ("axes-resumed", "axes-recut"):
+        resumed = _losses(metrics[name])
+        assert resumed["steps"] == [3, 4], name
+        assert _close(resumed["loss"], whole["loss"][2:], DEFAULT_TOLERANCE), (name, resumed, whole)
+        assert _close(resumed["val_loss"], whole["val_loss"], DEFAULT_TOLERANCE), (name, resumed)
+    # What the resumed runs wrote is format 3: the layout and the parts in the manifest.
+    newest = tmp_path / "axes-recut" / "checkpoints" / "step_00000004" / "manifest.json"
+    manifest = json.loads(newest.read_text())
+    assert manifest["format_version"] == 3
+    assert manifest["layout"]["axes"] | {"dp": 1} == {"tp": 1, "pp": 4, "dp": 1}
+    assert manifest["parts"] == ["model", "optimizer", "scaler", "rng"]
 
 
 def _keep_step_2(run: Path, fixture: Path) -> None:

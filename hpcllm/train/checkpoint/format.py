@@ -128,7 +128,7 @@ class Layout:
         """Return whether the rank at ``ranks`` (its rank on every axis) writes its ``kind``
         file: it is the first of the replicas holding it."""
         return kind in self.files and all(
-            ranks.get(axis, 0) == 0 for axis in self.sizes if axis not in self.files[kind]
+            rank == 0 for axis, rank in ranks.items() if axis not in self.files[kind]
         )
 
 
