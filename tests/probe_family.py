@@ -1,10 +1,11 @@
 """A model family defined only in the tests, sharing nothing with GPT-2 or Llama but the decoder.
 
 Importing this module registers ``probe``: its spec and its torch half in one file, as a plugin
-may. It subclasses neither built-in family: its blocks are its own parts (a ScaleNorm, attention
-with separate biased q, k and v projections and no positions at all, a squared-ReLU MLP), it
-declares its own config key (``model.mlp_ratio``), its own preset (``probe-tiny``), tensor rules,
-FLOPs, parameter count and plain PyTorch baseline. Ranks started by mpirun import it through
+may. It subclasses neither built-in family: its blocks are its own parts (a ScaleNorm,
+attention with separate biased q, k and v projections and no positions at all, a squared-ReLU
+MLP with a persistent buffer split over t), it declares its own config key
+(``model.mlp_ratio``), its own preset (``probe-tiny``), tensor rules, FLOPs, parameter count
+and plain PyTorch baseline. Ranks started by mpirun import it through
 ``HPCLLM_FAMILIES=probe_family`` with this folder on ``PYTHONPATH`` (:data:`ENV`); nothing
 outside tests/ names it.
 """
@@ -25,7 +26,12 @@ from hpcllm import families
 from hpcllm.families import Family, Shape, TensorRule
 from hpcllm.keys import POSITIVE, key
 from hpcllm.model.decoder import Decoder, DecoderParts, SelfAttention
-from hpcllm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from hpcllm.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    mark_split,
+    normal_init,
+)
 from hpcllm.user_error import UserError
 
 HERE = Path(__file__).resolve().parent
@@ -79,7 +85,7 @@ class SeparateAttention(SelfAttention):
         self.proj = RowParallelLinear(h, h, init=normal_init(std), **common)
 
     def project(
-        self, x: torch.Tensor, offset: int
+        self, x: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return q, k and v (b, heads, s, d); no positions."""
         q, k, v = self.q(x), self.k(x), self.v(x)
@@ -101,10 +107,18 @@ class SquaredReLU(nn.Module):
         self.fc = ColumnParallelLinear(h, width, init=normal_init(cfg.init_std), **common)
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
         self.proj = RowParallelLinear(width, h, init=normal_init(std), **common)
+        # A persistent buffer, split over t as fc's rows are (a router's statistics would be
+        # one): the squared norm of each of this rank's fc rows at the last training forward.
+        # The checkpoint saves it and the re-cut cuts it by its rule; it changes no output.
+        self.register_buffer("usage", torch.zeros(self.fc.weight.shape[0]))
+        mark_split(self.usage, dim=0)
 
     def forward(
         self, x: torch.Tensor, add_bias: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.training:
+            with torch.no_grad():
+                self.usage.copy_(self.fc.weight.detach().float().square().sum(dim=1))
         y = F.relu(self.fc(x)).square()
         return self.proj(y, add_bias=add_bias), None if add_bias else self.proj.bias
 
@@ -240,6 +254,7 @@ TENSORS = (
     TensorRule(_BLOCK + r"attn\.proj\.weight", (1, 1), "local", "block"),
     TensorRule(_BLOCK + r"(attn|mlp)\.proj\.bias", None, "tp-sum-if-sequence-parallel", "block"),
     TensorRule(_BLOCK + r"mlp\.fc\.(weight|bias)", (0, 1), "local", "block"),
+    TensorRule(_BLOCK + r"mlp\.usage", (0, 1), "local", "block"),  # a persistent buffer
     TensorRule(_BLOCK + r"mlp\.proj\.weight", (1, 1), "local", "block"),
     TensorRule(r"norm_f\.g", None, "tp-sum-if-sequence-parallel", "last"),
 )

@@ -124,21 +124,31 @@ def test_the_test_family_plans_trains_at_t2_p2_as_on_one_process_recuts_and_load
     one = _train(1, config, stdlib, tmp_path / "t1", *one_process, "parallel.pipeline_layers=null")
     grid = _train(4, config, stdlib, tmp_path / "t2p2", "parallel.sequence_parallel=true")
     assert len(one) == 4 and grid == pytest.approx(one, rel=1e-5)
-    # Re-cut to one process; the run, the re-cut and the one-process run give one model.
-    cli(
-        "convert", "--checkpoint", str(tmp_path / "t2p2"), "--out", str(tmp_path / "one"),
-        "--tp", "1", "--pp", "1", env=PROBE, check=True,
-    )  # fmt: skip
+    # Re-cut to one process and to p = 4; the run, the re-cuts and the one-process run give
+    # one model, its persistent buffer (split over t) included, loaded on the meta device.
+    for name, layout in (("one", ["--pp", "1"]), ("p4", ["--pp", "4", "--vpp", "1"])):
+        cli(
+            "convert", "--checkpoint", str(tmp_path / "t2p2"), "--out", str(tmp_path / name),
+            "--tp", "1", *layout, env=PROBE, check=True,
+        )  # fmt: skip
     code = (
         "import sys, torch, hpcllm\n"
         "from probe_family import Probe\n"
         "ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))\n"
-        "models = {n: hpcllm.load_model(sys.argv[1] + '/' + n) for n in ('t1', 't2p2', 'one')}\n"
+        "names = ('t1', 't2p2', 'one', 'p4')\n"
+        "models = {n: hpcllm.load_model(sys.argv[1] + '/' + n) for n in names}\n"
         "assert all(isinstance(m, Probe) for m in models.values())\n"
         "logits = {n: m(ids) for n, m in models.items()}\n"
         "assert logits['t1'].shape == (2, 32, 257)\n"
         "torch.testing.assert_close(logits['t2p2'], logits['one'], rtol=0, atol=0)\n"
+        "torch.testing.assert_close(logits['t2p2'], logits['p4'], rtol=0, atol=0)\n"
         "torch.testing.assert_close(logits['t2p2'], logits['t1'], rtol=1e-4, atol=1e-4)\n"
+        "stack = lambda m: torch.stack([b.mlp.usage for b in m.blocks.values()])\n"
+        "usage = {n: stack(m) for n, m in models.items()}\n"
+        "assert usage['t1'].shape == (4, 192) and usage['t2p2'].min() > 0\n"
+        "for n in ('one', 'p4'):\n"
+        "    torch.testing.assert_close(usage['t2p2'], usage[n], rtol=0, atol=0)\n"
+        "torch.testing.assert_close(usage['t2p2'], usage['t1'], rtol=1e-4, atol=1e-6)\n"
         "print('same model')\n"
     )
     loaded = _probe("-c", code, str(tmp_path))

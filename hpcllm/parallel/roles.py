@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from hpcllm.families import Family
+from hpcllm.families import Family, TensorRule
 
 
 @dataclass(frozen=True)
@@ -90,18 +90,20 @@ def assign_roles(
     tp_rank: int,
     sequence_parallel: bool,
     kv_heads: int,
+    buffers: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> None:
     """Give each parameter (by whole-model name) the role its family's rule says at this
     layout; a ValueError where a rule's split is not the one its layer made
-    (``param.partition``, which the tensor-parallel layers set)."""
+    (``param.partition``, which the tensor-parallel layers set).
+
+    ``buffers``: the persistent buffers (:func:`persistent_buffers`), which a checkpoint
+    saves and the re-cut cuts by their rule: checked the same way, given no role (a buffer is
+    a new tensor after a move or a cast, which would drop it).
+    """
+    for name, buffer in buffers:
+        _checked_rule(family, name, buffer)
     for name, param in named:
-        rule = family.rule(name)
-        made = getattr(param, "partition", None)
-        if rule.split != (made[:2] if made else None):
-            raise ValueError(
-                f"family {family.name}: the rule of {name} splits it as {rule.split}, its "
-                f"layer as {made}"
-            )
+        rule = _checked_rule(family, name, param)
         count = replicas(rule.grad, t, kv_heads)
         kind = GRADIENT_KINDS.get(rule.grad)
         needed = kind is not None and not (
@@ -115,6 +117,23 @@ def assign_roles(
             padded=rule.padded,
             sums=(rule.grad,) if needed else (),
         )
+
+
+def _checked_rule(family: Family, name: str, tensor: torch.Tensor) -> TensorRule:
+    rule = family.rule(name)
+    made = getattr(tensor, "partition", None)
+    if rule.split != (made[:2] if made else None):
+        raise ValueError(
+            f"family {family.name}: the rule of {name} splits it as {rule.split}, its "
+            f"layer as {made}"
+        )
+    return rule
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Return the buffers ``module``'s state_dict holds (the persistent ones), by name."""
+    params = {name for name, _ in module.named_parameters()}
+    return [(n, t) for n, t in module.state_dict(keep_vars=True).items() if n not in params]
 
 
 def tie_across_stages(param: nn.Parameter, stage_copy: bool) -> None:
