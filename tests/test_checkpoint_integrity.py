@@ -274,7 +274,11 @@ def test_inspect_verify_prints_a_table_and_exits_1_on_a_bad_checkpoint(run, caps
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["step", "files", "bytes", "status", "reason"]
     assert [line.split()[::3] for line in out[1:3]] == [["2", "ok"], ["1", "ok"]]
-    assert out[-1] == "latest: step_00000002"
+    assert out[-2] == "latest: step_00000002"
+    assert out[-1] == (
+        "newest that verifies: step 2: format 3, tp 1 x pp 1 x dp 1 (model by tp, pp), "
+        "parts: model, optimizer, scaler, rng"
+    )
     _flip(_step(run, 1) / SHARD)
     assert main(["inspect", "--verify", str(run)]) == 1
     out = capsys.readouterr().out.splitlines()
@@ -286,7 +290,7 @@ def test_inspect_verify_prints_a_table_and_exits_1_on_a_bad_checkpoint(run, caps
     shutil.rmtree(_step(run, 1))
     (run / "checkpoints" / "latest").write_text("nonsense\n")
     assert main(["inspect", "--verify", str(run)]) == 1
-    assert capsys.readouterr().out.splitlines()[-1].endswith("latest holds no checkpoint name")
+    assert capsys.readouterr().out.splitlines()[-2].endswith("latest holds no checkpoint name")
 
 
 @pytest.mark.mpi

@@ -32,6 +32,7 @@ class RunCheck:
     verdicts: list[Any]  # hpcllm.train.checkpoint.Verdict
     latest: str | None  # the folder `latest` names, None if there is no `latest`
     latest_problem: str | None = None
+    newest: str | None = None  # the newest good checkpoint's format, layout and parts
 
     @property
     def ok(self) -> bool:
@@ -42,11 +43,28 @@ class RunCheck:
 def verify_run(run_dir: Path) -> RunCheck:
     """Return the verdict on every checkpoint of a run folder, reading all their files."""
     verdicts = [checkpoint.verify(folder) for folder in checkpoint.checkpoints(run_dir)]
+    good = next((v.folder for v in verdicts if v.status == "ok"), None)
+    newest = describe_checkpoint(good) if good is not None else None
     try:
         pointed = checkpoint.latest(run_dir)
     except UserError as err:
-        return RunCheck(Path(run_dir), verdicts, None, str(err).split(";")[0])  # no advice
-    return RunCheck(Path(run_dir), verdicts, pointed.name if pointed else None)
+        return RunCheck(Path(run_dir), verdicts, None, str(err).split(";")[0], newest)
+    return RunCheck(Path(run_dir), verdicts, pointed.name if pointed else None, None, newest)
+
+
+def describe_checkpoint(folder: Path) -> str:
+    """Return one line: a verified checkpoint's step, format, layout and named parts."""
+    from hpcllm.train.checkpoint.format import layout_of, parts_of
+
+    manifest = checkpoint.read_manifest(folder) or {}
+    meta = checkpoint.read_meta(folder)
+    layout = layout_of(manifest, meta)
+    sizes = " x ".join(f"{axis} {size}" for axis, size in layout.sizes.items())
+    files = "; ".join(f"{kind} by {', '.join(axes)}" for kind, axes in layout.files.items())
+    return (
+        f"step {meta['step']}: format {manifest.get('format_version', 1)}, {sizes} "
+        f"({files}), parts: {', '.join(parts_of(manifest))}"
+    )
 
 
 def render_run(check: RunCheck) -> str:
@@ -62,4 +80,6 @@ def render_run(check: RunCheck) -> str:
         numbers = "  ".join(cell.rjust(w) for cell, w in zip(row[:3], widths, strict=False))
         lines.append(f"{numbers}  {row[3].ljust(widths[3])}  {reason}".rstrip())
     lines.append(f"latest: {check.latest_problem or check.latest}")
+    if check.newest is not None:
+        lines.append(f"newest that verifies: {check.newest}")
     return "\n".join(lines)
