@@ -42,13 +42,14 @@ def _commands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, ob
 
 def current() -> dict[str, object]:
     """Return the option sets of the command line as it is now."""
-    from hpcllm.bench import device, kernels
+    from hpcllm.bench import collectives, device, kernels
     from hpcllm.cli import build_parser
 
     found = _commands(build_parser())
-    # These two hand every word to their own parser.
+    # These hand every word to their own parser.
     found["bench kernels"] = _options(kernels.build_parser())
     found["bench device"] = _options(device.build_parser())
+    found["bench collectives"] = _options(collectives.build_parser())
     return found
 
 

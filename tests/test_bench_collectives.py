@@ -1,11 +1,13 @@
-"""bench collectives: nccl-tests' factors, the size list, the checks' arithmetic, and one
-two-rank CPU run read back from its JSON (torch over gloo, MPI, Horovod where installed)."""
+"""bench collectives: nccl-tests' factors, the size list, the checks' arithmetic, one
+two-rank CPU run read back from its JSON (torch over gloo, MPI, Horovod where installed), and
+the all-reduce alone, which replaced ``bench allreduce`` (now a one-line refusal naming it)."""
 
 import json
 import os
 
 import numpy as np
 import pytest
+from family_runs import cli
 from mpirun import REPO, python, run_mpi
 
 from hpcllm.bench import collectives
@@ -18,6 +20,7 @@ from hpcllm.bench.collectives import (
     parse_sizes,
     size_range,
 )
+from hpcllm.errors import UserError
 
 SIZES = [8 << 10, 64 << 10]
 HVD_ENV = {"HOROVOD_CPU_OPERATIONS": "MPI"}
@@ -57,6 +60,20 @@ def test_size_range_and_iterations_that_shrink_as_sizes_grow():
     assert iterations(256 << 20, 20) == 4  # the budget, 1 GiB, over the size
     assert iterations(1 << 30, 20) == 3  # never fewer than 3 ...
     assert iterations(1 << 30, 2) == 2  # ... unless asked for fewer
+
+
+def test_collectives_it_does_not_have_are_refused_before_it_starts_torch():
+    with pytest.raises(
+        UserError, match=r"need collectives among all_reduce, .*\(got all_reduce, broadcast\)"
+    ):
+        collectives.run_collectives([8 << 10], 1, 0, collectives=["all_reduce", "broadcast"])
+
+
+def test_bench_allreduce_is_refused_naming_the_command_that_replaced_it():
+    run = cli("bench", "allreduce", "--bytes", "4096", "--iters", "3", timeout=60)
+    assert run.returncode == 2
+    (line,) = run.stderr.splitlines()
+    assert "hpcllm bench collectives --collectives all_reduce --sizes BYTES" in line
 
 
 def _simulate(collective: str, inputs: list[np.ndarray], mixup: bool = False) -> list[np.ndarray]:
@@ -150,6 +167,21 @@ def test_rank_0_prints_the_table_and_the_others_nothing(two_ranks):
         r["collective"] == "all_to_all" for r in report["rows"]
     )
     assert not result.rank_stdout.get(1, "").strip()
+
+
+@pytest.mark.mpi
+def test_all_reduce_alone_through_every_transport_what_bench_allreduce_measured(tmp_path):
+    out = tmp_path / "result.json"
+    args = ["--collectives", "all_reduce", "--sizes", "64K", "--iters", "3", "--json", str(out)]
+    run_mpi(
+        2, python("-m", "hpcllm", "bench", "collectives", *args), env=HVD_ENV, timeout=120
+    ).check()
+    report = json.loads(out.read_text())
+    rows = {(r["collective"], r["transport"]): r for r in report["rows"]}
+    assert set(rows) == {("all_reduce", t) for t in TRANSPORTS} and report["skipped"] == []
+    for row in rows.values():
+        assert row["bytes"] == 64 << 10 and row["time_us"] > 0
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(n-1)/n = 1 at n = 2
 
 
 @pytest.mark.mpi

@@ -77,7 +77,7 @@ def test_a_broken_pipe_elsewhere_is_still_a_traceback(capfd):
     assert "BrokenPipeError" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize(("args", "code"), [(["topo", "--json"], 0), (["bench", "allreduce"], 2)])
+@pytest.mark.parametrize(("args", "code"), [(["topo", "--json"], 0), (["bench", "collectives"], 2)])
 def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_path, args, code):
     # The hpcllm command (cli.run) ends such a process with os._exit after its exit handlers (so a
     # Gloo worker thread never meets a finalising interpreter): the handlers still run, the
@@ -105,7 +105,7 @@ def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_pa
     if code == 0:
         assert json.loads(run.stdout)["world_size"] == 1
     else:  # a user error met after torch.distributed started
-        assert run.stderr.startswith("hpcllm: error: hpcllm bench allreduce runs under mpirun")
+        assert run.stderr.startswith("hpcllm: error: hpcllm bench collectives runs under mpirun")
 
 
 def test_every_command_keeps_the_options_it_had():

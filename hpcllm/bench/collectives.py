@@ -39,7 +39,9 @@ part r of rank s, ...): a wrong call is skipped as a wrong result and gives no b
 
 Run: ``mpirun -np N hpcllm bench collectives [--sizes 8K,64K,1M | --min-bytes 8K
 --max-bytes 1G --factor 2] [--iters 20] [--warmup 5] [--transports torch,mpi,horovod]
-[--json PATH]``; rank 0 prints the table and writes the JSON.
+[--collectives all_reduce,...] [--json PATH]``; rank 0 prints the table and writes the JSON.
+``--collectives all_reduce --sizes BYTES`` is what ``hpcllm bench allreduce`` measured (it is
+gone); ``bench dp`` runs all_reduce, reduce_scatter and all_gather at its gradient's size.
 """
 
 from __future__ import annotations
@@ -342,13 +344,15 @@ def run_collectives(
     warmup: int,
     transports: Sequence[str] | None = None,
     *,
+    collectives: Sequence[str] | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     progress: bool = True,
 ) -> dict[str, Any] | None:
-    """Time every collective at every size through each transport; rank 0 gets the result.
+    """Time each collective at every size through each transport; rank 0 gets the result.
 
     ``transports`` (None: all of :data:`TRANSPORTS`) names those to run; one that is not
-    present here is listed as skipped. ``progress`` False keeps rank 0 from reporting each
+    present here is listed as skipped. ``collectives`` (None: all of :data:`COLLECTIVES`)
+    names those to time. ``progress`` False keeps rank 0 from reporting each
     case on stderr. Returns the JSON's dict on rank 0, None on the others: world_size, nodes
     (distinct hosts), ranks_per_node (the most on one), device,
     backend, transports (those that ran), skipped ({collective, transport, reason}), rows
@@ -366,6 +370,13 @@ def run_collectives(
             f"{', '.join(asked) or 'none'}), sizes above 0 bytes, --iters 1 or more and "
             "--warmup 0 or more"
         )
+    named = list(COLLECTIVES if collectives is None else dict.fromkeys(collectives))
+    timed = [c for c in COLLECTIVES if c in named]
+    if len(timed) != len(named) or not timed:
+        raise UserError(
+            f"{_WHAT}: need collectives among {', '.join(COLLECTIVES)} (got "
+            f"{', '.join(named) or 'none'})"
+        )
     grid = topology.init()
     comm = _world_of_two_or_more(grid)
     bench = _Bench(grid, comm, _Horovod(grid))
@@ -375,13 +386,13 @@ def run_collectives(
     present: list[str] = []
     measured: list[tuple[str, str, int, int]] = []  # collective, transport, bytes, iters
     local: list[float] = []  # this rank's median seconds of each
-    cases = len(wanted) * len(COLLECTIVES)
+    cases = len(wanted) * len(timed)
     with CaseProgress(cases, _WHAT, show=progress and grid.rank == 0) as shown:
         for transport in wanted:
             absent = bench.start(transport)
             if absent is None:
                 present.append(transport)
-            for collective in COLLECTIVES:
+            for collective in timed:
                 shown.start(f"{collective} {transport}")
                 reason = (
                     absent
@@ -551,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(TRANSPORTS),
         help=f"comma-separated, among {','.join(TRANSPORTS)} [default: all]",
     )
+    parser.add_argument(
+        "--collectives",
+        default=",".join(COLLECTIVES),
+        help=f"comma-separated, among {','.join(COLLECTIVES)} [default: all]",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     return parser
@@ -574,11 +590,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             parser.error(str(err))
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    collectives = [c.strip() for c in args.collectives.split(",") if c.strip()]
     result = run_collectives(
         sizes,
         args.iters,
         args.warmup,
         transports,
+        collectives=collectives,
         budget_bytes=args.budget,
         progress=not args.no_progress,
     )

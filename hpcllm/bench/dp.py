@@ -8,8 +8,9 @@ reports throughput per rank and in total, speedup over the single rank, scaling 
 (total / (d x single)), each rank's busy share of the step (and NVML utilisation on GPUs),
 and the share of the step spent waiting for gradients.
 
-Then ``bench allreduce`` (:mod:`hpcllm.bench.allreduce`) measures the transport underneath
-at the largest d, and its table goes under this one.
+Then ``bench collectives`` (:mod:`hpcllm.bench.collectives`) measures the transports
+underneath at the largest d, at the gradient's size: the all-reduce of the engines, the
+reduce-scatter and all-gather of the distributed optimizer; its table goes under this one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcllm.bench.allreduce import render_allreduce
+from hpcllm.bench import collectives
 from hpcllm.bench.runs import fresh_run_dir, launch_ranks
 from hpcllm.observe import CaseProgress
 from hpcllm.train.preflight import cpu_has_native_bf16
@@ -57,10 +58,15 @@ def default_precisions(gpu: bool, native_bf16: bool) -> tuple[list[str], str | N
     )
 
 
-def _launch_allreduce(
+# What the engines move their gradients with: DDP and Horovod all-reduce them, the -zero
+# engines reduce-scatter the gradients and all-gather the parameters.
+DP_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def _launch_collectives(
     np_: int, args: list[str], timeout: float, config: Path | None, overrides: list[str]
 ) -> None:
-    """Run ``bench allreduce`` with the Horovod settings the config's training runs used."""
+    """Run ``bench collectives`` with the Horovod settings the config's training runs used."""
     from hpcllm.config import load_config
     from hpcllm.parallel.data.horovod import HOROVOD_KEYS
 
@@ -214,8 +220,8 @@ def bench_dp(
     }
 
 
-def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
-    """Return the comparison as a text table (and the all-reduce micro-benchmark under it)."""
+def render_dp(result: dict[str, Any], measured: dict[str, Any] | None) -> str:
+    """Return the comparison as a text table (and ``bench collectives``' table under it)."""
     head = (
         f"{'engine':<12} {'d':>2} {'prec':<5} {'ms/step':>8} {'tok/s total':>11} "
         f"{'tok/s/rank':>10} "
@@ -223,13 +229,12 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
         f"{'slowest':>7} {'GPU util':>8} {'busbw GB/s':>10} {'opt. MB':>8}"
     )
     # Each engine's gradient all-reduce rides one of the measured transports.
-    transports = (allreduce or {}).get("results", {})
-    busbw = {
-        "ddp": next(
-            (v["busbw_GBps"] for k, v in transports.items() if k.startswith("torch-")), None
-        ),
-        "horovod": transports.get("horovod", {}).get("busbw_GBps"),
+    all_reduce = {
+        row["transport"]: row["busbw_gbps"]
+        for row in (measured or {}).get("rows", [])
+        if row["collective"] == "all_reduce"
     }
+    busbw = {"ddp": all_reduce.get("torch"), "horovod": all_reduce.get("horovod")}
     threads = result.get("threads_per_rank")
     lines = [
         f"{result['steps']} steps per run, first {result['warmup']} left out; "
@@ -253,7 +258,7 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
     lines.append("")
     lines.append(
         "busbw: the bus bandwidth of the transport each engine's all-reduce rides, "
-        "from the micro-benchmark below (ps reduces and broadcasts instead; -zero engines "
+        "from bench collectives below (ps reduces and broadcasts instead; -zero engines "
         "reduce-scatter and all-gather on the same transport); opt. MB: the busiest rank's "
         "optimizer state"
     )
@@ -264,8 +269,8 @@ def render_dp(result: dict[str, Any], allreduce: dict[str, Any] | None) -> str:
             "device > Horovod's):"
         )
         lines += [f"  {name}: {text}" for name, text in result["settings"].items()]
-    if allreduce:
-        lines += ["", render_allreduce(allreduce)]
+    if measured:
+        lines += ["", collectives.render(measured)]
     return "\n".join(lines)
 
 
@@ -318,7 +323,7 @@ def run(
     warmup: int,
     out: Path,
 ) -> int:
-    """The ``bench dp`` verb: every run, then the all-reduce benchmark, table, JSON, PNG.
+    """The ``bench dp`` verb: every run, then ``bench collectives``, table, JSON, PNG.
 
     ``precisions`` None compares :func:`default_precisions`.
     """
@@ -326,22 +331,24 @@ def run(
         precisions, note = default_precisions(torch.cuda.is_available(), cpu_has_native_bf16())
         if note:
             print(note, flush=True)
-    # The all-reduce benchmark is one more case: it starts mpirun and Horovod, seconds each.
+    # bench collectives is one more case: it starts mpirun and Horovod, seconds each.
     total = len(precisions) * len(engine_runs(dps, engines)) + 1
     with CaseProgress(total, "hpcllm bench dp") as progress:
         result = bench_dp(config, overrides, dps, engines, precisions, steps, warmup, out, progress)
         nbytes = gradient_bytes(config, overrides)
-        allreduce_json = out / "allreduce.json"
-        progress.start(f"all-reduce of {nbytes / 1e6:.1f} MB, d={max(dps)}")
-        _launch_allreduce(
+        collectives_json = out / "collectives.json"
+        progress.start(f"{', '.join(DP_COLLECTIVES)} of {nbytes / 1e6:.1f} MB, d={max(dps)}")
+        _launch_collectives(
             max(dps),
             [
                 "bench",
-                "allreduce",
-                "--bytes",
+                "collectives",
+                "--collectives",
+                ",".join(DP_COLLECTIVES),
+                "--sizes",
                 str(nbytes),
-                "--json-out",
-                str(allreduce_json),
+                "--json",
+                str(collectives_json),
                 "--no-progress",
             ],
             timeout=600,
@@ -349,11 +356,11 @@ def run(
             overrides=overrides,
         )
         progress.done()
-    result["allreduce"] = json.loads(allreduce_json.read_text())
+    result["collectives"] = json.loads(collectives_json.read_text())
     result["gradient_bytes"] = nbytes
     (out / "bench_dp.json").write_text(json.dumps(result, indent=2))
     plot_dp(result, out / "bench_dp.png")
-    text = render_dp(result, result["allreduce"])
+    text = render_dp(result, result["collectives"])
     (out / "bench_dp.txt").write_text(text + "\n")
     print(text)
     print(f"\nsaved {out / 'bench_dp.json'}, {out / 'bench_dp.png'}, {out / 'bench_dp.txt'}")

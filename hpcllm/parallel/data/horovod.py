@@ -6,7 +6,7 @@ accumulated a step's backwards (tensor fusion batches them); :meth:`HorovodEngin
 reduce_grads` waits for them, and the optimizer then steps without synchronising a second
 time. The ``parallel.horovod_*`` keys, the ``HOROVOD_*`` variables and hpcllm's tuned defaults
 resolve here (:func:`horovod_settings`), for the engine, the distributed optimizer's Horovod
-collectives, local SGD's averaging and ``bench dp``/``bench allreduce``.
+collectives, local SGD's averaging and ``bench dp``/``bench collectives``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ HOROVOD_DEFAULTS = {
 }
 
 # hpcllm's defaults where they differ from Horovod's, per device type, from `bench dp` and
-# `bench allreduce` sweeps (docs/benchmarks.md, "Horovod's settings"). On CPU ranks the
+# all-reduce sweeps (docs/benchmarks.md, "Horovod's settings"). On CPU ranks the
 # background thread shares the rank's cores: each cycle's negotiation costs compute time, so
 # fewer cycles per step pay. GPUs keep Horovod's defaults until they are measured there.
 HOROVOD_TUNED: dict[str, dict[str, str]] = {
