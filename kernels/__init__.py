@@ -1,12 +1,14 @@
 """Fused operators (imported as ``hpcllm.kernels``), one dispatch point per op.
 
-The model calls these functions and never an implementation. Where fused kernels are enabled
-(:func:`set_enabled`) and the tensor is on a CUDA device, or on the CPU under Triton's
-interpreter (``TRITON_INTERPRET=1``, for tests), an op calls its torch custom op
-(:mod:`~hpcllm.kernels.custom_ops`, namespace ``hpcllm``: the Triton kernels of
-:mod:`~hpcllm.kernels.triton_ops`, which torch.compile traces through); otherwise it calls its
-torch reference (:mod:`~hpcllm.kernels.reference`, plain torch that inductor fuses itself, and
-the kernels' test oracle). Enabled with ``choose`` (``model.fused_kernels: auto``), the first
+The model calls these functions and never an implementation. Each op is a module of
+:mod:`~hpcllm.kernels.ops` (its kernels, launchers, reference, custom ops, public function
+and bench case) listed in :data:`OPS`; the package exports its public function
+(``hpcllm.kernels.rotary``), which runs the implementation :func:`_call` picks. Where fused
+kernels are enabled (:func:`set_enabled`) and the tensor is on a CUDA device, or on the CPU
+under Triton's interpreter (``TRITON_INTERPRET=1``, for tests), an op calls its torch custom op
+(namespace ``hpcllm``: its Triton kernels, which torch.compile traces through); otherwise it
+calls its torch reference (plain torch that inductor fuses itself, and the kernels' test
+oracle). Enabled with ``choose`` (``model.fused_kernels: auto``), the first
 call of an op at each signature times the Triton op against the compiled reference and runs
 the faster from then on (:mod:`~hpcllm.kernels.choice`). Inside a torch.compile trace, ``auto``
 (``compiled_reference``) gives inductor the reference to fuse with its neighbours (the
@@ -19,26 +21,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from hpcllm.errors import UserError
-from hpcllm.kernels import custom_ops, reference
-from hpcllm.kernels.choice import Chooser, Timer, wall_clock_ms
+from hpcllm.kernels.choice import Chooser
 from hpcllm.kernels.interpreter import interpreting
-
-# LayerNorm's kernel keeps a whole row in registers; wider rows run the torch reference.
-LAYER_NORM_MAX_COLS = 16384
+from hpcllm.kernels.ops import OPS
+from hpcllm.kernels.registry import TRITON_RAN, FusedOp
+from hpcllm.kernels.timing import Clock
 
 _enabled = False
 _chooser: Chooser | None = None  # set where auto times the implementations
 _compiled_reference = False  # inside a compiled graph, the reference for inductor to fuse
+_by_name = {op.name: op for op in OPS}  # what _pick runs of each op
 # Ops whose Triton kernel auto keeps inside compiled graphs: a reduction over the vocabulary
 # that inductor has no neighbour to fuse with, where the kernel beat inductor's code 1.7x
 # forward + backward on an H200 (docs/kernels.md).
-TRITON_IN_COMPILED_GRAPHS = frozenset({"cross_entropy", "vocab_ce_partials", "vocab_ce_backward"})
+TRITON_IN_COMPILED_GRAPHS = frozenset(op.name for op in OPS if op.in_compiled_graphs)
 _used: dict[str, str] = {}
 
 
@@ -86,13 +89,14 @@ def resolve_fused(setting: str, device: torch.device) -> bool:
 def set_enabled(
     flag: bool,
     choose: bool = False,
-    timer: Timer = wall_clock_ms,
+    clock: Clock | None = None,
     compiled_reference: bool = False,
 ) -> None:
     """Make every op run its Triton kernel (where its tensors allow) or its torch reference.
 
     With ``choose`` (``model.fused_kernels: auto``) each op runs whichever of its Triton op and
-    its compiled reference ``timer`` finds faster, per signature (:mod:`~hpcllm.kernels.choice`);
+    its compiled reference ``clock`` times faster, per signature (:mod:`~hpcllm.kernels.choice`;
+    None: a :class:`~hpcllm.kernels.timing.Clock` of its defaults);
     every call forgets earlier choices. With ``compiled_reference`` (``auto`` too) an op traced
     by torch.compile is the reference, which inductor fuses into the ops around it (except
     those of :data:`TRITON_IN_COMPILED_GRAPHS`): measured on
@@ -105,7 +109,7 @@ def set_enabled(
             "fused kernels need Triton, which does not import here (pip install triton)"
         )
     _enabled = flag
-    _chooser = Chooser(timer) if flag and choose else None
+    _chooser = Chooser(clock) if flag and choose else None
     _compiled_reference = flag and compiled_reference
 
 
@@ -151,13 +155,13 @@ def implementations_used() -> dict[str, str]:
     Inside compiled graphs only Triton kernels are noted (where they run): the torch
     references there are the compiler's own code.
     """
-    return {**_used, **dict.fromkeys(custom_ops.TRITON_RAN, "triton")}
+    return {**_used, **dict.fromkeys(TRITON_RAN, "triton")}
 
 
 def reset_implementations_used() -> None:
     """Forget what :func:`implementations_used` reports."""
     _used.clear()
-    custom_ops.TRITON_RAN.clear()
+    TRITON_RAN.clear()
 
 
 def fused(x: torch.Tensor) -> bool:
@@ -177,16 +181,16 @@ def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = Tru
         and torch.compiler.is_compiling()
     )
     if not (supported and fused(x)) or left_to_inductor:
-        impl, fn = "torch", getattr(reference, op)
+        impl, fn = "torch", _by_name[op].reference
     elif _chooser is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        impl, fn = "triton", getattr(custom_ops, op)
+        impl, fn = "triton", _by_name[op].fused
     else:
-        impl = _chooser.choose(op, getattr(custom_ops, op), args)
-        fn = getattr(custom_ops, op) if impl == "triton" else _chooser.torch_impl(op, x.device)
+        impl = _chooser.choose(op, _by_name[op].fused, args)
+        fn = _by_name[op].fused if impl == "triton" else _chooser.torch_impl(op, x.device)
     if not torch.compiler.is_compiling():  # a traced write would guard every compiled graph
         _used[op] = impl
         if impl == "torch":
-            custom_ops.TRITON_RAN.discard(op)
+            TRITON_RAN.discard(op)
     return fn
 
 
@@ -206,106 +210,23 @@ def _call(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = Tru
         return fn(*args)
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Return GeLU(x + bias), tanh approximation (GPT-2's ``gelu_new``).
+def _public(op: FusedOp) -> Callable[..., Any]:
+    """Return ``op``'s public function: its module's signature and docstring, running what
+    :func:`_call` picks on the arguments in order, defaults filled in (as the chooser's
+    signature and the reference take them)."""
+    signature = inspect.signature(op.fused)
+    count = len(signature.parameters)
 
-    Fused, the output is in x's dtype (under autocast the matmul's, which the next matmul
-    would cast it to anyway).
-    """
-    args = (x, bias)
-    return _call("bias_gelu", x, args, x.numel() > 0)
+    @functools.wraps(op.fused)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != count:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = bound.args
+        return _call(op.name, args[0], args, op.supported(*args))
 
-
-def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
-) -> torch.Tensor:
-    """Return residual + dropout(x + bias); with p = 0 or not training, residual + x + bias."""
-    args = (x, bias, residual, p, training)
-    return _call("bias_dropout_add", x, args, x.numel() > 0)
-
-
-def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Return LayerNorm over the last dimension (fused: in x's dtype, statistics in fp32).
-
-    Rows wider than the kernel keeps in registers run the reference.
-    """
-    args = (x, weight, bias, eps)
-    supported = x.numel() > 0 and x.shape[-1] <= LAYER_NORM_MAX_COLS
-    return _call("layer_norm", x, args, supported)
+    return dispatch
 
 
-def cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None
-) -> torch.Tensor:
-    """Return the mean token cross-entropy, computed in fp32 whatever the logits' dtype.
-
-    With ``vocab_size``, columns at or past it are padding and excluded: passing the padded
-    logits this way saves the copy that slicing them would cost in backward.
-    """
-    args = (logits, labels, vocab_size)
-    return _call("cross_entropy", logits, args, labels.numel() > 0)
-
-
-def vocab_ce_partials(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return per-row fp32 ``(max, sumexp, target)`` of a vocabulary slice of the logits.
-
-    ``logits`` (rows, local) holds columns ``[vocab_start, vocab_start + local)`` of the
-    vocabulary; columns at or past ``vocab_size`` are padding and excluded. ``max`` is the
-    slice's largest logit (-inf if it has no real column), ``sumexp`` the sum of
-    exp(x - max) over the slice, ``target`` the label's logit if the slice holds the label,
-    else 0. One pass over the logits. Across the tensor-parallel group::
-
-        M = all_reduce_max(max)
-        total, target = all_reduce_sum(stack([sumexp * exp(max - M), target]))
-        lse = M + log(total);  loss = lse - target
-    """
-    args = (logits, labels, vocab_start, vocab_size)
-    return _call("vocab_ce_partials", logits, args, logits.numel() > 0)
-
-
-def vocab_ce_backward(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    grad: torch.Tensor,
-    vocab_start: int,
-    vocab_size: int,
-) -> torch.Tensor:
-    """Return the loss gradient of a vocabulary slice of the logits, in their dtype.
-
-    That is (exp(x - lse) - onehot(label)) * grad per row, zero on padding columns; ``lse``
-    is the per-row log-sum-exp over the whole vocabulary (see :func:`vocab_ce_partials`),
-    ``grad`` the per-row loss gradient, shape (rows,) or a scalar (for a mean: g / rows).
-    """
-    args = (logits, labels, lse, grad, vocab_start, vocab_size)
-    return _call("vocab_ce_backward", logits, args, logits.numel() > 0)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Return RMSNorm over the last dimension: weight · x / sqrt(mean(x²) + eps), statistics
-    in fp32, in the promoted dtype of x and the weight (Llama's norm).
-
-    Rows wider than the kernel keeps in registers run the reference.
-    """
-    args = (x, weight, eps)
-    supported = x.numel() > 0 and x.shape[-1] <= LAYER_NORM_MAX_COLS
-    return _call("rms_norm", x, args, supported)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Return SiLU(gate) · up, the SwiGLU MLP's activation, in their promoted dtype."""
-    args = (gate, up)
-    return _call("swiglu", gate, args, gate.numel() > 0 and gate.shape == up.shape)
-
-
-def rotary(x: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Return x (batch, seq, heads, head_dim) rotated by the angles position × ``inv_freq``
-    (head_dim / 2 frequencies, Llama 3.1's scaled ones included), positions from ``offset``:
-    each half of a head pairs with the other. In x's dtype; the angles in fp32."""
-    args = (x, inv_freq, offset)
-    supported = x.numel() > 0 and x.dim() == 4 and x.shape[-1] == 2 * inv_freq.numel()
-    return _call("rotary", x, args, supported)
+# Each op's public function, named for it: hpcllm.kernels.bias_gelu, ..., hpcllm.kernels.rotary.
+globals().update({op.name: _public(op) for op in OPS})

@@ -4,51 +4,22 @@ The Triton kernels cannot win everywhere (an op inductor fuses into its neighbou
 too small to fill the GPU). So the first call of an op at a given signature (argument shapes,
 dtypes, devices and the other arguments) times forward + backward of the Triton custom op and
 of the torch reference under ``torch.compile`` (the eager reference where compile fails), on
-copies of its arguments, and the faster one runs at that signature from then on. The timer is
-a parameter, so a test checks the choosing with a fake one.
+copies of its arguments, and the faster one runs at that signature from then on. It times with
+a :class:`~hpcllm.kernels.timing.Clock`, the clock of ``hpcllm bench kernels`` (the median of
+CUDA-event timings after warm-ups, each run after an L2 flush), which is a parameter, so that a
+test checks the choosing with a fake one.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from hpcllm.kernels import reference
-
-# (op, implementation, run) -> milliseconds of one run; implementation "triton" or "torch".
-Timer = Callable[[str, str, Callable[[], object]], float]
-
-# Ops with a backward to time; the tensor-parallel cross-entropy parts are timed as called.
-DIFFERENTIABLE = (
-    "bias_gelu",
-    "bias_dropout_add",
-    "layer_norm",
-    "cross_entropy",
-    "rms_norm",
-    "swiglu",
-    "rotary",
-)
-
-
-def wall_clock_ms(
-    op: str, impl: str, run: Callable[[], object], warmup: int = 3, iters: int = 10
-) -> float:
-    """Return the mean milliseconds of ``run`` over ``iters`` calls after (compiling) warm-ups.
-
-    One synchronize around the timed calls: back to back, their wall time is the device's.
-    """
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        run()
-    sync()
-    began = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync()
-    return (time.perf_counter() - began) * 1e3 / iters
+from hpcllm.kernels.ops import DIFFERENTIABLE  # the ops timed with their backward
+from hpcllm.kernels.timing import Clock
 
 
 def signature(args: tuple[Any, ...]) -> tuple[Hashable, ...]:
@@ -86,8 +57,8 @@ def _forward_backward(op: str, fn: Callable[..., Any], args: tuple[Any, ...]) ->
 class Chooser:
     """Picks, per op and signature, the faster of the Triton op and the compiled reference."""
 
-    def __init__(self, timer: Timer = wall_clock_ms) -> None:
-        self.timer = timer
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or Clock()
         self.choices: dict[tuple[Hashable, ...], str] = {}
         # (op, *signature) -> (Triton ms, torch ms) as timed, for reports
         self.timings: dict[tuple[Hashable, ...], tuple[float, float]] = {}
@@ -127,12 +98,12 @@ class Chooser:
             torch.enable_grad(),
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         ):
-            triton_ms = self.timer(op, "triton", _forward_backward(op, triton_op, args))
+            triton_ms = self.clock.median_ms(_forward_backward(op, triton_op, args), device)
             torch_run = _forward_backward(op, self.torch_impl(op, device), args)
             try:
                 torch_run()
             except Exception:  # no compiler, or an op inductor rejects: time eager torch
                 self._torch[(op, device.type)] = getattr(reference, op)
                 torch_run = _forward_backward(op, self._torch[(op, device.type)], args)
-            torch_ms = self.timer(op, "torch", torch_run)
+            torch_ms = self.clock.median_ms(torch_run, device)
         return triton_ms, torch_ms

@@ -5,8 +5,9 @@ interpreter. The ``ops`` fixture is the dispatch (:mod:`hpcllm.kernels`) with ke
 ``TRITON_INTERPRET=1`` must be set when Triton itself is first imported (its library functions
 are decorated then), so this file imports Triton at collection, before any
 test has run (a test's ``torch.utils.checkpoint`` imports Triton too), and restores the
-variable at once; the module fixture sets it again for this file's tests only. Every kernel
-runs with its outputs pre-filled with NaN, so an element it fails to write shows.
+variable at once; the module fixture sets it again for this file's tests only, so that it is
+set when our kernels are jitted, at their first launch (:mod:`hpcllm.kernels.jit`). Every
+kernel runs with its outputs pre-filled with NaN, so an element it fails to write shows.
 """
 
 import json
@@ -22,6 +23,7 @@ from hpcllm import kernels
 from hpcllm.config import ModelConfig, model_config
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
+from hpcllm.kernels.timing import Clock
 from hpcllm.model.gpt import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +36,11 @@ RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 def _import_kernels():
+    """Return the launchers' shared module, Triton imported for the interpreter off CUDA."""
     if CUDA:
-        from hpcllm.kernels import triton_ops
+        from hpcllm.kernels import launch
 
-        return triton_ops
+        return launch
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -49,16 +52,16 @@ def _import_kernels():
                 "Triton was imported before TRITON_INTERPRET=1 was set (by a "
                 "file collected earlier); run tests/test_kernels.py on its own"
             )
-        from hpcllm.kernels import triton_ops
+        from hpcllm.kernels import launch
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
-    return triton_ops
+    return launch
 
 
-triton_ops = _import_kernels()
+launch = _import_kernels()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,7 +70,7 @@ def ops():
     if not CUDA:
         os.environ["TRITON_INTERPRET"] = "1"
     kernels.set_enabled(True)
-    with triton_ops.poisoned_outputs():
+    with launch.poisoned_outputs():
         yield kernels
     kernels.set_enabled(False)
     if saved is None:
@@ -95,6 +98,27 @@ def dev(t):
 
 def grads(out, inputs, dy):
     return torch.autograd.grad(out, inputs, dy)
+
+
+class FakeClock(Clock):
+    """A clock that runs a callable once and makes its time of what the run ran and returned:
+    the elements of its first output (the op's output, or the first gradient), times 10 for a
+    run that returns gradients, times ``triton[op]`` (1 unless given) for a run of a Triton
+    kernel, else times ``others`` (2). So the same op, shape, pass and implementation take the
+    same time whoever times them. ``timed`` lists what each run ran: its Triton op, or "torch"."""
+
+    def __init__(self, triton=None, others=2.0):
+        super().__init__()
+        self.triton, self.others, self.timed = triton or {}, others, []
+
+    def median_ms(self, fn, device):
+        kernels.reset_implementations_used()
+        out = fn()
+        ran = [op for op, impl in kernels.implementations_used().items() if impl == "triton"]
+        self.timed.append(ran[0] if ran else "torch")
+        first = out if isinstance(out, torch.Tensor) else out[0]
+        factor = self.triton.get(ran[0], 1.0) if ran else self.others
+        return first.numel() * (1 if isinstance(out, torch.Tensor) else 10) * factor
 
 
 @pytest.mark.gpu
@@ -320,6 +344,74 @@ def test_rotary_and_its_gradient_match_the_reference(ops, shape, offset, dtype):
         torch.testing.assert_close(norms, want, rtol=1e-5, atol=1e-5)
 
 
+def _positions(kind, batch, seq, gen):
+    """Return the positions of (batch, seq) tokens of ``kind``: (seq,) or (batch, seq)."""
+    if kind == "permuted":  # any order
+        return torch.randperm(seq, generator=gen)
+    if kind == "repeated":  # several tokens at one position; int32
+        return torch.randint(0, 4, (seq,), generator=gen, dtype=torch.int32)
+    if kind == "two-chunks":  # a context-parallel rank's chunks 1 and 6 of 8 (zig-zag)
+        c = seq // 2
+        return torch.cat([torch.arange(c, 2 * c), torch.arange(6 * c, 7 * c)])
+    if kind == "one-row":  # (1, seq): broadcast over the batch
+        return (torch.arange(seq) + 40).unsqueeze(0)
+    # per-sequence: packed documents of other lengths in each row, positions restarting
+    return torch.stack([torch.arange(seq) % (3 + 2 * r) for r in range(batch)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "kind", ["permuted", "repeated", "two-chunks", "one-row", "per-sequence"], ids=str
+)
+@pytest.mark.parametrize("shape", [(2, 12, 3, 8), (3, 18, 2, 64)], ids=str)
+def test_rotary_at_any_positions_matches_the_reference(ops, shape, kind, dtype):
+    """Positions as a tensor, (s,) or (b, s): the kernel, forward and backward, against the
+    reference in fp32 (relative 1e-6 in fp32, the other ops' tolerances in bf16 and fp16)."""
+    gen = torch.Generator().manual_seed(14)
+    inv_freq = dev(_llama31_inv_freq(shape[-1]))
+    positions = dev(_positions(kind, shape[0], shape[1], gen))
+    x = leaf(torch.randn(shape, generator=gen) * 2, dtype)
+    kernels.reset_implementations_used()
+    y = ops.rotary(x, inv_freq, positions)
+    assert kernels.implementations_used() == {"rotary": "triton"}
+    assert y.dtype == dtype and y.shape == x.shape
+    x32 = leaf(x.detach().float())
+    ref = reference.rotary(x32, inv_freq, positions)
+    dy = dev(torch.randn(shape, generator=gen)).to(dtype)
+    (dx,) = grads(y, (x,), dy)
+    (ref_dx,) = grads(ref, (x32,), dy.float())
+    for got, want in ((y, ref), (dx, ref_dx)):
+        if dtype == torch.float32:
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale)
+        else:
+            close(got, want, scale_atol=RTOL[dtype] / 10)
+
+
+@pytest.mark.gpu
+def test_rotary_positions_are_each_tokens_own(ops):
+    """The offset form is the tensor form of offset … offset + s - 1; a context-parallel
+    rank's two chunks rotate as they do in the whole sequence; a (b, s) call is each
+    sequence's (s,) call. Bitwise: each element's angle is the same fp32 product."""
+    gen = torch.Generator().manual_seed(15)
+    inv_freq = dev(_llama31_inv_freq(8))
+    x = leaf(torch.randn(2, 24, 3, 8, generator=gen))
+    whole = ops.rotary(x, inv_freq, 0)
+    assert torch.equal(
+        ops.rotary(x, inv_freq, 5), ops.rotary(x, inv_freq, dev(torch.arange(5, 29)))
+    )
+    chunks = dev(torch.cat([torch.arange(3, 6), torch.arange(18, 21)]))
+    assert torch.equal(ops.rotary(x[:, chunks], inv_freq, chunks), whole[:, chunks])
+    per_row = dev(torch.stack([torch.randperm(24, generator=gen), torch.arange(24) % 7]))
+    rows = ops.rotary(x, inv_freq, per_row)
+    for r in range(2):
+        assert torch.equal(rows[r : r + 1], ops.rotary(x[r : r + 1], inv_freq, per_row[r]))
+    for wrong in (torch.arange(23), torch.zeros(3, 24, dtype=torch.long)):
+        with pytest.raises(ValueError, match="rotary positions"):
+            ops.rotary(x, inv_freq, dev(wrong))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 17), (7, 96), (33, 257), (5, 1000), (3, 5000)], ids=str)
@@ -355,7 +447,9 @@ def test_cross_entropy_excludes_padding_and_reads_a_strided_view(ops):
 
 @pytest.mark.gpu
 def test_cross_entropy_running_max_across_chunks(ops, monkeypatch):
-    monkeypatch.setattr(triton_ops, "CE_MAX_BLOCK", 64)  # 1000 columns: 16 chunks
+    from hpcllm.kernels.ops import vocab_ce_partials
+
+    monkeypatch.setattr(vocab_ce_partials, "CE_MAX_BLOCK", 64)  # 1000 columns: 16 chunks
     cols = torch.arange(1000, dtype=torch.float32)
     logits = torch.stack(
         [
@@ -470,6 +564,32 @@ def test_resolve_fused(monkeypatch):
         kernels.set_enabled(True)
 
 
+def test_each_op_is_its_module_read_from_its_line_in_ops():
+    """What the package, the chooser and the bench know of an op comes from its module's
+    ``OP``: the public function (signature and docstring), the reference, the custom op."""
+    import inspect
+
+    from hpcllm.bench import kernels as bench
+    from hpcllm.kernels import choice, ops
+
+    for op in kernels.OPS:
+        public = getattr(kernels, op.name)
+        assert public.__wrapped__ is op.fused and public.__doc__ == op.fused.__doc__
+        assert inspect.signature(public) == inspect.signature(op.fused)
+        assert getattr(reference, op.name) is op.reference
+        assert isinstance(getattr(torch.ops.hpcllm, op.name), torch._ops.OpOverloadPacket)
+    # The chooser times a backward for the ops whose line says they have one.
+    assert choice.DIFFERENTIABLE is ops.DIFFERENTIABLE
+    assert set(ops.DIFFERENTIABLE) == {
+        "bias_gelu", "bias_dropout_add", "layer_norm", "cross_entropy", "rms_norm", "swiglu",
+        "rotary",
+    }  # fmt: skip
+    assert bench.OPS == tuple(op.name for op in kernels.OPS if op.bench is not None)
+    assert kernels.TRITON_IN_COMPILED_GRAPHS == {
+        "cross_entropy", "vocab_ce_partials", "vocab_ce_backward"
+    }  # fmt: skip
+
+
 def test_package_and_bench_import_without_triton_mpi_or_horovod():
     code = """
 import sys
@@ -495,29 +615,36 @@ _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hpcllm.kernels import triton_kernels as tk
+from hpcllm.kernels import ops
+from hpcllm.kernels.jit import jitted
 
+gelu, dropout, ln, partials, ce_bwd, rms, swiglu, rotary = (
+    jitted(module) for module in (ops.bias_gelu, ops.bias_dropout_add, ops.layer_norm,
+    ops.vocab_ce_partials, ops.vocab_ce_backward, ops.rms_norm, ops.swiglu, ops.rotary)
+)
 C, bf, f32, i32 = "constexpr", "*bf16", "*fp32", "i32"
 tile = {"BLOCK_R": 4, "BLOCK_C": 1024}
+rope = [bf, f32, "*i64", bf, i32, i32, i32, i32, i32, i32, "fp32", C, C, C, C]
 cases = [
-    (tk.bias_gelu_fwd, [bf, f32, bf, i32, i32, C, C, C], dict(HAS_BIAS=True, **tile)),
-    (tk.bias_gelu_bwd, [bf, bf, f32, bf, f32, i32, i32, C, C, C], dict(HAS_BIAS=True, **tile)),
-    (tk.bias_dropout_add_fwd, [bf, f32, f32, f32, i32, i32, "fp32", "fp32", i32, C, C, C, C],
+    (gelu.bias_gelu_fwd, [bf, f32, bf, i32, i32, C, C, C], dict(HAS_BIAS=True, **tile)),
+    (gelu.bias_gelu_bwd, [bf, bf, f32, bf, f32, i32, i32, C, C, C], dict(HAS_BIAS=True, **tile)),
+    (dropout.bias_dropout_add_fwd, [bf, f32, f32, f32, i32, i32, "fp32", "fp32", i32, C, C, C, C],
      dict(HAS_BIAS=True, DROPOUT=True, **tile)),
-    (tk.bias_dropout_add_bwd, [f32, bf, f32, i32, i32, "fp32", "fp32", i32, C, C, C, C],
+    (dropout.bias_dropout_add_bwd, [f32, bf, f32, i32, i32, "fp32", "fp32", i32, C, C, C, C],
      dict(HAS_BIAS=True, DROPOUT=True, **tile)),
-    (tk.layer_norm_fwd, [f32, f32, f32, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
-    (tk.layer_norm_bwd, [f32, f32, f32, f32, f32, f32, f32, f32, i32, i32, C],
+    (ln.layer_norm_fwd, [f32, f32, f32, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
+    (ln.layer_norm_bwd, [f32, f32, f32, f32, f32, f32, f32, f32, i32, i32, C],
      dict(BLOCK=1024)),
-    (tk.ce_partials, [bf, "*i64", f32, f32, f32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
-    (tk.ce_backward, [bf, "*i64", f32, f32, bf, i32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
-    (tk.rms_norm_fwd, [f32, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
-    (tk.rms_norm_fwd, [bf, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
-    (tk.rms_norm_bwd, [f32, bf, f32, f32, bf, f32, i32, i32, C], dict(BLOCK=1024)),
-    (tk.swiglu_fwd, [bf, bf, bf, i32, i32, C, C], tile),
-    (tk.swiglu_bwd, [bf, bf, bf, bf, bf, i32, i32, C, C], tile),
-    (tk.rotary_fwd, [bf, f32, bf, i32, i32, i32, i32, "fp32", C, C, C],
-     dict(HALF=64, BLOCK_R=32, BLOCK_H=64)),
+    (partials.ce_partials, [bf, "*i64", f32, f32, f32, i32, i32, i32, i32, C], dict(BLOCK=4096)),
+    (ce_bwd.ce_backward, [bf, "*i64", f32, f32, bf, i32, i32, i32, i32, i32, C],
+     dict(BLOCK=4096)),
+    (rms.rms_norm_fwd, [f32, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
+    (rms.rms_norm_fwd, [bf, f32, f32, f32, i32, "fp32", C], dict(BLOCK=1024)),
+    (rms.rms_norm_bwd, [f32, bf, f32, f32, bf, f32, i32, i32, C], dict(BLOCK=1024)),
+    (swiglu.swiglu_fwd, [bf, bf, bf, i32, i32, C, C], tile),
+    (swiglu.swiglu_bwd, [bf, bf, bf, bf, bf, i32, i32, C, C], tile),
+    (rotary.rotary_fwd, rope, dict(HAS_POSITIONS=False, HALF=64, BLOCK_R=32, BLOCK_H=64)),
+    (rotary.rotary_fwd, rope, dict(HAS_POSITIONS=True, HALF=64, BLOCK_R=32, BLOCK_H=64)),
 ]
 for fn, types, consts in cases:
     source = ASTSource(fn, dict(zip(fn.arg_names, types, strict=True)), constexprs=consts)
@@ -538,7 +665,7 @@ def test_kernels_compile_for_an_h100_without_one():
         capture_output=True,
         timeout=300,
     )
-    assert out.returncode == 0 and out.stdout.strip() == "14", out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.strip() == "15", out.stderr[-3000:]
 
 
 def _small(**kw):
@@ -704,7 +831,7 @@ def test_compiled_llama_block_traces_in_one_graph_and_matches_eager(ops, fused):
     kernels.set_enabled(
         fused != "off",
         choose=auto,
-        timer=lambda op, impl, run: 1.0 if impl == "triton" else 2.0,
+        clock=FakeClock(),
         compiled_reference=auto,
     )
     try:
@@ -779,6 +906,44 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     assert "| cross_entropy | fwd+bwd |" in run.stdout and "| kernels on |" in run.stdout
     for op in ("rms_norm", "swiglu", "rotary"):  # the Llama ops' rows
         assert f"| {op} | fwd |" in run.stdout and f"| {op} | fwd+bwd |" in run.stdout
+    # Each row says what auto runs at the op's shape: the faster as its chooser timed them.
+    cells = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| tiny")]
+    auto_column = {(row[1], row[2]): row[-2] for row in cells}
+    named = {"triton": "Triton", "torch": "compile"}
+    for r in result["ops"]:
+        auto = r["auto_fwd_bwd_ms"]
+        assert r["auto"] == ("triton" if auto["triton"] <= auto["torch"] else "torch")
+        assert auto_column[(r["op"], r["pass"])] == named[r["auto"]]
+    assert "auto: what model.fused_kernels: auto runs at the op's shape" in run.stdout
+
+
+@pytest.mark.gpu
+def test_auto_and_bench_kernels_give_the_same_time_for_the_same_op_and_shape(ops):
+    """Under one fake clock, the times auto's chooser records for each op at the smoke shape
+    are bench kernels' forward + backward times of the Triton op and the compiled reference,
+    and the auto column is the chooser's pick."""
+    from hpcllm.bench import kernels as bench
+    from hpcllm.observe import CaseProgress
+
+    clock = FakeClock(triton={"layer_norm": 3.0, "rotary": 3.0})  # Triton slower for two ops
+    backend = "inductor" if CUDA else "eager"
+    with CaseProgress(len(bench.OPS), "bench kernels", show=False) as progress:
+        rows = bench.bench_ops([bench.SMOKE_SIZES], DEVICE, clock, 1.0, backend, progress)
+    kernels.set_enabled(True, choose=True, clock=clock)
+    try:
+        for case in bench._op_cases(bench.SMOKE_SIZES, DEVICE):
+            case.call(getattr(kernels, case.name), False)  # the op's first call: auto times it
+        timed = {key[0]: times for key, times in kernels.choice_timings().items()}
+        chosen = {key[0]: pick for key, pick in kernels.choices().items()}
+    finally:
+        kernels.set_enabled(True)
+    slower = ("layer_norm", "rotary")
+    assert chosen == {op: "torch" if op in slower else "triton" for op in bench.OPS}
+    for row in rows:
+        assert row["auto"] == chosen[row["op"]]
+        assert tuple(row["auto_fwd_bwd_ms"].values()) == timed[row["op"]]
+        same = (row["triton_ms"], row["compile_ms"]) == timed[row["op"]]
+        assert same == (row["pass"] == "fwd+bwd"), row  # the forward alone: another figure
 
 
 def _custom_op_cases(dtype, with_bias):
@@ -809,8 +974,10 @@ def _custom_op_cases(dtype, with_bias):
         (op.rms_norm_backward, (rand(2, 5, h, dt=torch.float32), x_, w_, rms_rstd)),
         (op.swiglu, (x, rand(2, 5, h, grad=True))),
         (op.swiglu_backward, (rand(2, 5, h), x_, rand(2, 5, h))),
-        (op.rotary, (q, inv_freq, 3, 1.0)),
-        (op.rotary, (q.detach(), inv_freq, 0, -1.0)),
+        (op.rotary, (q, inv_freq, None, 3, 1.0)),
+        (op.rotary, (q.detach(), inv_freq, None, 0, -1.0)),
+        (op.rotary, (q, inv_freq, torch.tensor([4, 0, 0, 9, 2]), 0, 1.0)),
+        (op.rotary, (q, inv_freq, torch.tensor([[0, 1, 2, 0, 1], [7, 8, 30, 31, 32]]), 0, 1.0)),
     ]
     return llama + [
         (op.bias_gelu, (x, bias)),
@@ -857,13 +1024,13 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
     """torch.compile(fullgraph=True) of one GPT block: references, or the ``hpcllm`` ops.
 
     Under auto the compiled block traces the references for inductor to fuse, even where the
-    timer would pick Triton for the op called eagerly.
+    clock would have auto pick Triton for the op called eagerly.
     """
     auto = fused == "auto"
     kernels.set_enabled(
         fused != "off",
         choose=auto,
-        timer=lambda op, impl, run: 1.0 if impl == "triton" else 2.0,
+        clock=FakeClock(),
         compiled_reference=auto,
     )
     try:
@@ -919,25 +1086,17 @@ def test_custom_op_dropout_mask_is_a_function_of_its_seed(ops):
 
 @pytest.mark.gpu
 def test_auto_times_each_signature_once_and_runs_the_faster(ops):
-    times = {
-        "bias_gelu": {"triton": 1.0, "torch": 2.0},
-        "layer_norm": {"triton": 3.0, "torch": 1.0},
-    }
-    timed = []
-
-    def fake_timer(op, impl, run):
-        run()  # forward and backward of copies of the arguments
-        timed.append((op, impl))
-        return times[op][impl]
-
-    kernels.set_enabled(True, choose=True, timer=fake_timer)
+    # Triton faster for bias_gelu and bias_dropout_add (1 against 2), slower for layer_norm.
+    clock = FakeClock(triton={"layer_norm": 3.0})
+    timed = clock.timed  # each run: forward and backward of copies of the arguments
+    kernels.set_enabled(True, choose=True, clock=clock)
     try:
         assert kernels.choosing()
         gen = torch.Generator().manual_seed(10)
         x, bias = leaf(torch.randn(4, 32, generator=gen)), leaf(torch.randn(32, generator=gen))
         kernels.reset_implementations_used()
         y = kernels.bias_gelu(x, bias)
-        assert timed == [("bias_gelu", "triton"), ("bias_gelu", "torch")]
+        assert timed == ["bias_gelu", "torch"]
         assert kernels.implementations_used() == {"bias_gelu": "triton"}
         assert "hpcllm_bias_gelu" in y.grad_fn.name() and x.grad is None and bias.grad is None
         kernels.bias_gelu(x, bias)
@@ -955,7 +1114,7 @@ def test_auto_times_each_signature_once_and_runs_the_faster(ops):
 
         w, b = leaf(torch.randn(32, generator=gen)), leaf(torch.randn(32, generator=gen))
         y = kernels.layer_norm(x, w, b, 1e-5)
-        assert timed[-2:] == [("layer_norm", "triton"), ("layer_norm", "torch")]
+        assert timed[-2:] == ["layer_norm", "torch"]
         assert kernels.implementations_used()["layer_norm"] == "torch"
         assert "hpcllm" not in y.grad_fn.name()
         ref = reference.layer_norm(x, w, b, 1e-5)
@@ -969,8 +1128,7 @@ def test_auto_times_each_signature_once_and_runs_the_faster(ops):
         kernels.set_enabled(True)
         residual = leaf(torch.randn(4, 32, generator=gen))
         want = kernels.bias_dropout_add(x, bias, residual, 0.5, True)
-        times["bias_dropout_add"] = {"triton": 1.0, "torch": 2.0}
-        kernels.set_enabled(True, choose=True, timer=fake_timer)
+        kernels.set_enabled(True, choose=True, clock=clock)
         assert kernels.choices() == {}  # forgotten
         torch.manual_seed(4)
         assert torch.equal(kernels.bias_dropout_add(x, bias, residual, 0.5, True), want)
@@ -982,9 +1140,7 @@ def test_auto_times_each_signature_once_and_runs_the_faster(ops):
 @pytest.mark.gpu
 def test_disabled_runs_the_references_and_keeps_auto_choices(ops):
     x = leaf(torch.randn(4, 8))
-    kernels.set_enabled(
-        True, choose=True, timer=lambda op, impl, run: 1.0 if impl == "triton" else 2.0
-    )
+    kernels.set_enabled(True, choose=True, clock=FakeClock())
     try:
         kernels.bias_gelu(x, None)
         chosen = kernels.choices()

@@ -7,7 +7,9 @@ sequence 1024: 16384 tokens, h = 768, MLP 3072, 12 heads, vocabulary 50304) and 
 and forward + backward (median of CUDA-event timings) of the eager reference, the reference
 under torch.compile and the Triton op (the ``hpcllm`` custom op the dispatch calls), gives the
 Triton op's speed-up over torch.compile, turns the bytes the op has to move into GB/s and
-compares that with the device's measured copy bandwidth. Then it times whole training steps of
+compares that with the device's measured copy bandwidth, and says which of the Triton op and the
+compiled reference ``model.fused_kernels: auto`` runs at that shape (its chooser, timing with the
+same clock: :mod:`hpcllm.kernels.timing`). Then it times whole training steps of
 the first preset's model (bf16 autocast, fused AdamW) with the
 kernels off, on, auto (each op the faster of Triton and compiled torch, timed on first use),
 and the model under torch.compile without and with the kernels: tokens/s, TFLOP/s, MFU, and
@@ -27,13 +29,10 @@ Run: ``python -m hpcllm.bench.kernels [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,7 +44,8 @@ from hpcllm import families, kernels
 from hpcllm.config import Config, load_config, padded_vocab
 from hpcllm.errors import UserError
 from hpcllm.kernels import reference
-from hpcllm.kernels.choice import DIFFERENTIABLE, Timer, wall_clock_ms
+from hpcllm.kernels.registry import BenchCase, BenchShape
+from hpcllm.kernels.timing import WARMUP, Clock
 from hpcllm.observe import CaseProgress
 
 
@@ -84,140 +84,39 @@ SMOKE_SIZES = Sizes(
 )
 
 
-@dataclass
-class OpCase:
-    """One op: how to call an implementation on its inputs, and the bytes it must move."""
-
-    name: str
-    call: Callable[[Callable[..., torch.Tensor], bool], torch.Tensor]  # (fn, checking)
-    grad_inputs: list[torch.Tensor]
-    fwd_bytes: int
-    bwd_bytes: int
-
+# One op as the bench times it: what its module's bench case gives (hpcllm.kernels.registry).
+OpCase = BenchCase
 
 # The ops _op_cases returns, in its order; known before their inputs are made, to count cases.
-# Every differentiable op the dispatch has.
-OPS = DIFFERENTIABLE
+# Every op of the dispatch with a bench case (its module's).
+OPS = tuple(op.name for op in kernels.OPS if op.bench is not None)
 
 
 def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
-    """Return the ops of OPS with inputs in the dtypes a bf16-autocast step gives them, at
-    the shape of ``sizes``' model: the residual stream and norms at its hidden size, both
-    MLP activations (GeLU's, SwiGLU's) at its MLP width, the rotation at its heads."""
-    gen = torch.Generator(device=device).manual_seed(0)
+    """Return each op's bench case (of OPS), its inputs in the dtypes a bf16-autocast step
+    gives them, at the shape of ``sizes``' model: the residual stream and norms at its
+    hidden size, both MLP activations (GeLU's, SwiGLU's) at its MLP width, the rotation at
+    its heads."""
     shape = sizes.shape()
-    rows, h, heads = sizes.batch * shape.seq, shape.hidden, shape.heads
-    ffn, v = shape.ffn or 4 * h, padded_vocab(sizes.vocab, 1)
-
-    def rand(*dims: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * scale
-        return t.to(dtype).requires_grad_()
-
-    act, bias_h = rand(rows, h, dtype=torch.bfloat16), rand(h, scale=0.1)
-    residual = rand(rows, h)
-    fc, bias_ffn = rand(rows, ffn, dtype=torch.bfloat16), rand(ffn, scale=0.1)
-    ln_w, ln_b = rand(h), rand(h)
-    logits = rand(rows, v, dtype=torch.bfloat16, scale=2.0)
-    labels = torch.randint(0, sizes.vocab, (rows,), generator=gen, device=device)
-    gate, up = rand(rows, ffn, dtype=torch.bfloat16), rand(rows, ffn, dtype=torch.bfloat16)
-    q = rand(sizes.batch, shape.seq, heads, h // heads, dtype=torch.bfloat16)
-    # The op rotates by position × inv_freq whatever the frequencies are: drawn, like the
-    # other inputs, in [0, 1), the range of a model's.
-    inv_freq = torch.rand(h // heads // 2, generator=gen, device=device)
-    return [
-        OpCase(
-            "bias_gelu",
-            lambda fn, _: fn(fc, bias_ffn),
-            [fc, bias_ffn],
-            fwd_bytes=2 * 2 * rows * ffn,
-            bwd_bytes=3 * 2 * rows * ffn,
-        ),
-        OpCase(
-            "bias_dropout_add",
-            lambda fn, checking: fn(act, bias_h, residual, 0.0 if checking else 0.1, True),
-            [act, bias_h, residual],
-            # x bf16 and residual fp32 in, fp32 out; backward reads dy (fp32), writes dx.
-            fwd_bytes=(2 + 4 + 4) * rows * h,
-            bwd_bytes=(4 + 2) * rows * h,
-        ),
-        OpCase(
-            "layer_norm",
-            lambda fn, _: fn(residual, ln_w, ln_b, 1e-5),
-            [residual, ln_w, ln_b],
-            fwd_bytes=2 * 4 * rows * h,
-            bwd_bytes=3 * 4 * rows * h,
-        ),
-        OpCase(
-            "cross_entropy",
-            lambda fn, _: fn(logits, labels, sizes.vocab),
-            [logits],
-            fwd_bytes=2 * rows * v,
-            bwd_bytes=2 * 2 * rows * v,
-        ),
-        OpCase(
-            "rms_norm",
-            lambda fn, _: fn(residual, ln_w, 1e-5),
-            [residual, ln_w],
-            fwd_bytes=2 * 4 * rows * h,
-            bwd_bytes=3 * 4 * rows * h,
-        ),
-        OpCase(
-            "swiglu",
-            lambda fn, _: fn(gate, up),
-            [gate, up],
-            fwd_bytes=3 * 2 * rows * ffn,  # read gate and up, write y
-            bwd_bytes=5 * 2 * rows * ffn,  # read dy, gate, up; write dgate, dup
-        ),
-        OpCase(
-            "rotary",
-            lambda fn, _: fn(q, inv_freq, 0),
-            [q],
-            fwd_bytes=2 * 2 * rows * h,
-            bwd_bytes=2 * 2 * rows * h,
-        ),
-    ]
-
-
-class Clock:
-    """Median wall time of a callable: CUDA events on a GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
-        self.device, self.warmup, self.iters = device, warmup, iters
-
-    def median_ms(self, fn: Callable[[], Any]) -> float:
-        """Return the median milliseconds of ``fn`` over ``iters`` runs after ``warmup``."""
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        if self.device.type == "cuda":
-            # Each run starts with a cold L2 (50 MB on an H100): overwrite a larger buffer
-            # between runs, outside the timed interval. No sync inside the loop, so the
-            # intervals are GPU time unless the host falls behind.
-            flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.device)
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(self.iters)
-            ]
-            for start, end in events:
-                flush.zero_()
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize(self.device)
-            times = [start.elapsed_time(end) for start, end in events]
-        else:
-            for _ in range(self.iters):
-                began = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(times)
+    at = BenchShape(
+        batch=sizes.batch,
+        seq=shape.seq,
+        hidden=shape.hidden,
+        heads=shape.heads,
+        ffn=shape.ffn or 4 * shape.hidden,
+        vocab=sizes.vocab,
+        padded_vocab=padded_vocab(sizes.vocab, 1),
+        device=device,
+        generator=torch.Generator(device=device).manual_seed(0),
+    )
+    return [op.bench(at) for op in kernels.OPS if op.bench is not None]
 
 
 def copy_bandwidth_gbps(device: torch.device, clock: Clock, nbytes: int) -> float:
     """Return the device's measured copy bandwidth: bytes read + written per second, in GB/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = clock.median_ms(lambda: dst.copy_(src))
+    ms = clock.median_ms(lambda: dst.copy_(src), device)
     return 2 * nbytes / ms / 1e6
 
 
@@ -234,7 +133,9 @@ def bench_op(
     copy_gbps: float,
     size: str,
 ) -> list[dict[str, Any]]:
-    """Return a forward row and a forward + backward row of timings for one op."""
+    """Return a forward row and a forward + backward row of timings for one op, each with
+    what auto picks for it (:func:`auto_choice`)."""
+    device = case.grad_inputs[0].device
 
     def fwd(fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
         return lambda: case.call(fn, False)
@@ -254,12 +155,13 @@ def bench_op(
         "fwd": _max_error(fused_out, ref_out),
         "fwd+bwd": max(_max_error(a, b) for a, b in zip(fused_grads, ref_grads, strict=True)),
     }
+    auto, auto_ms = auto_choice(case, clock)
     rows = []
     for label, make, nbytes in (
         ("fwd", fwd, case.fwd_bytes),
         ("fwd+bwd", fwd_bwd, case.fwd_bytes + case.bwd_bytes),
     ):
-        ms = {name: clock.median_ms(make(fn)) for name, fn in impls.items()}
+        ms = {name: clock.median_ms(make(fn), device) for name, fn in impls.items()}
         gbps = nbytes / ms["triton"] / 1e6
         rows.append(
             {
@@ -275,9 +177,27 @@ def bench_op(
                 "x_vs_eager": ms["eager"] / ms["triton"],
                 "x_vs_compile": ms["compile"] / ms["triton"],
                 "max_error": errors[label],
+                "auto": auto,
+                "auto_fwd_bwd_ms": auto_ms,
             }
         )
     return rows
+
+
+def auto_choice(case: OpCase, clock: Clock) -> tuple[str, dict[str, float]]:
+    """Return what ``model.fused_kernels: auto`` runs for ``case``'s op at its shape, "triton"
+    or "torch" (the reference under torch.compile), and the forward + backward milliseconds
+    of each that it compared: the dispatch's first call of the op with auto on, its chooser
+    timing with ``clock``."""
+    was = kernels.enabled(), kernels.choosing(), kernels.compiled_reference()
+    kernels.set_enabled(True, choose=True, clock=clock)
+    try:
+        case.call(getattr(kernels, case.name), False)
+        ((key, pick),) = kernels.choices().items()
+        triton_ms, torch_ms = kernels.choice_timings()[key]
+    finally:
+        kernels.set_enabled(was[0], choose=was[1], compiled_reference=was[2])
+    return pick, {"triton": triton_ms, "torch": torch_ms}
 
 
 def bench_ops(
@@ -333,12 +253,13 @@ def bench_training(
     device: torch.device,
     clock: Clock,
     compile_backend: str,
-    timer: Timer,
+    op_clock: Clock,
     progress: CaseProgress,
 ) -> list[dict[str, Any]]:
     """Return tokens/s, TFLOP/s, MFU and the ops that ran Triton, per training-step variant.
 
-    ``progress`` reports each variant as a case.
+    ``clock`` times the steps, ``op_clock`` auto's choices; ``progress`` reports each variant
+    as a case.
     """
     from hpcllm.flops import model_step_flops
     from hpcllm.model import build
@@ -359,7 +280,7 @@ def bench_training(
         kernels.set_enabled(
             setting != "off",
             choose=setting == "auto",
-            timer=timer,
+            clock=op_clock,
             compiled_reference=setting == "auto",
         )
         kernels.reset_implementations_used()
@@ -376,7 +297,7 @@ def bench_training(
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
 
-        ms = clock.median_ms(step)
+        ms = clock.median_ms(step, device)
         flops = model_step_flops(cfg.model, sizes.batch, model.padded_vocab)
         tflops = flops / ms / 1e9
         results.append(
@@ -405,6 +326,10 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
+# auto's choice as the op table names its columns
+AUTO_PICKS = {"triton": "Triton", "torch": "compile"}
+
+
 def render(result: dict[str, Any]) -> str:
     """Return the results as markdown tables."""
     lines = [
@@ -412,8 +337,8 @@ def render(result: dict[str, Any]) -> str:
         f"{result['triton']}; copy bandwidth {result['copy_gbps']:.0f} GB/s.",
         "",
         "| shapes | op | pass | MB moved | eager ms | compile ms | Triton ms | Triton GB/s "
-        "| % of copy BW | x vs eager | x vs compile | max error |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| % of copy BW | x vs eager | x vs compile | auto | max error |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in result["ops"]:
         lines.append(
@@ -421,8 +346,14 @@ def render(result: dict[str, Any]) -> str:
             f"| {_fmt(r['compile_ms'])} | {_fmt(r['triton_ms'])} "
             f"| {r['triton_gbps']:.0f} | {r['pct_copy_bw']:.0f} "
             f"| {r['x_vs_eager']:.2f} | {r['x_vs_compile']:.2f} "
-            f"| {r['max_error']:.2g} |"
+            f"| {AUTO_PICKS[r['auto']]} | {r['max_error']:.2g} |"
         )
+    lines += [
+        "",
+        "auto: what model.fused_kernels: auto runs at the op's shape, the Triton op or the "
+        "reference under torch.compile, as its chooser timed them (forward + backward, with "
+        "this table's clock; its times are the JSON's auto_fwd_bwd_ms).",
+    ]
     if result["training"]:
         lines += [
             "",
@@ -453,19 +384,16 @@ def run(smoke: bool, iters: int, steps: int, training: bool = True) -> dict[str,
     device = torch.device("cpu") if smoke else torch.device("cuda")
     all_sizes = [SMOKE_SIZES] if smoke else GPU_SIZES
     backend = "eager" if smoke else "inductor"
-    clock = Clock(device, warmup=1 if smoke else 10, iters=iters)
+    # One clock for the ops' rows and auto's choices, in the table and in the training steps.
+    clock = Clock(warmup=1 if smoke else WARMUP, iters=iters)
     copy_gbps = copy_bandwidth_gbps(device, clock, (1 << 26) if smoke else (1 << 30))
     sizes = all_sizes[0]
-    step_clock = Clock(device, warmup=1 if smoke else 5, iters=steps)
-    # auto's timing of each op on first use; once each in smoke mode, where times mean nothing
-    choice_timer = functools.partial(wall_clock_ms, warmup=0, iters=1) if smoke else wall_clock_ms
+    step_clock = Clock(warmup=clock.warmup, iters=steps)
     total = len(all_sizes) * len(OPS) + (len(TRAINING_VARIANTS) if training else 0)
     with CaseProgress(total, "hpcllm bench kernels") as progress:
         ops = bench_ops(all_sizes, device, clock, copy_gbps, backend, progress)
         training_rows = (
-            bench_training(sizes, device, step_clock, backend, choice_timer, progress)
-            if training
-            else []
+            bench_training(sizes, device, step_clock, backend, clock, progress) if training else []
         )
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -16,7 +16,10 @@ blocks of steps, so that a drifting machine hits every side alike:
 then runs the real loop (``Trainer.run``: reader, metrics, logging, the stop-signal
 all-reduce) for some steps and times it from step to step, leaving out start-up and the end
 of the run (final evaluation and checkpoint). Each side's figure is the median over its blocks
-of the block's time per step; on a GPU a block waits for the device once, at its end.
+of the block's time per step, each block timed by the clock of auto's choices and ``bench
+kernels`` (:class:`~hpcllm.kernels.timing.Clock`: CUDA events on a GPU, waiting for the device
+once, at the block's end; perf_counter on the CPU), without its L2 flush, which a block of
+training steps does not need and whose buffer would count in the sides' peak memory.
 
 Both sides train on the same batches (the plain one reads them from the trainer's reader up
 front, so it pays no data loading) and the same padded vocabulary, so they do the same FLOPs
@@ -48,6 +51,7 @@ from hpcllm.config import Config, load_config
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
 from hpcllm.flops import model_step_flops
+from hpcllm.kernels.timing import Clock
 from hpcllm.observe import CaseProgress, peak_tflops
 from hpcllm.train.trainer import Trainer
 
@@ -214,6 +218,7 @@ def _time_blocks(
         for _ in range(warmup):
             fn()
     _synchronize(device)
+    clock = Clock(flush_l2=False)
     wall: dict[str, list[float]] = {name: [] for name in sides}
     cpu: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
@@ -222,11 +227,14 @@ def _time_blocks(
         for name in names if r % 2 == 0 else names[::-1]:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            started, cpu_started = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                sides[name]()
-            _synchronize(device)
-            wall[name].append((time.perf_counter() - started) / steps)
+
+            def block(side: Callable[[], None] = sides[name]) -> None:
+                for _ in range(steps):
+                    side()
+
+            cpu_started = time.process_time()
+            (block_ms,) = clock.runs_ms(block, device, 1)
+            wall[name].append(block_ms / 1e3 / steps)
             cpu[name].append((time.process_time() - cpu_started) / steps)
             if device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(device) / 2**20
