@@ -247,6 +247,28 @@ def test_llama_tiny_trains_alike_with_its_fused_kernels(stdlib, tmp_path):
         assert "fused kernels" not in said["off"]
 
 
+def test_rotary_positions_are_relative_and_the_cache_continues_them():
+    """Rotary attention sees position differences only: every position shifted by 5 gives the
+    default's logits to rounding, a permutation other logits. Decoding after a cached prompt
+    (positions cache.length …) gives the whole sequence's last logits."""
+    from hpcllm.model.decoder import KVCache
+
+    model = Llama(_model_cfg("model.dropout=0"), 300, seed=4).eval()
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        default = model(ids)
+        shifted = model(ids, positions=torch.arange(5, 17))
+        order = torch.randperm(12, generator=torch.Generator().manual_seed(2))
+        permuted = model(ids, positions=order)
+        torch.testing.assert_close(shifted, default, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(permuted, default, rtol=1e-2, atol=1e-3)
+        cache = KVCache(len(model.blocks), 16)
+        model.decode(ids[:, :11], cache)
+        torch.testing.assert_close(
+            model.decode(ids[:, 11:], cache)[:, -1], default[:, -1], rtol=1e-5, atol=1e-5
+        )
+
+
 def test_compiled_llama_blocks_share_one_graph_and_match_eager():
     from torch._dynamo.utils import counters
 

@@ -270,6 +270,23 @@ def test_cached_generation_gives_the_uncached_tokens(arch, preset):
         model.decode(ids[:, :2], cache)
 
 
+@pytest.mark.parametrize(("arch", "preset"), [("gpt2", "tiny"), ("llama", "llama-tiny")])
+def test_explicit_positions_0_to_s_equal_the_default(arch, preset):
+    """positions = arange(s), (s,) or per sequence (b, s), is what None means: the same logits,
+    bitwise; other positions are other logits (learned or rotary)."""
+    from hpcllm.model import build
+
+    cfg = load_config(None, [f"model.arch={arch}", f"model.preset={preset}", "model.dropout=0"])
+    model = build(cfg.model, 300).eval()
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    default = model(ids)
+    assert torch.equal(model(ids, positions=torch.arange(20)), default)
+    assert torch.equal(model(ids, positions=torch.arange(20).expand(2, 20)), default)
+    restarted = torch.stack([torch.arange(20), torch.arange(20) % 7])  # documents of 7 in row 1
+    packed = model(ids, positions=restarted)
+    assert torch.equal(packed[0], default[0]) and not torch.allclose(packed[1], default[1])
+
+
 def test_bench_generate_checks_the_tokens_and_times_both(tmp_path):
     import subprocess
     import sys

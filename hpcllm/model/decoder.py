@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from hpcllm import families, kernels
 from hpcllm.config import ModelConfig, padded_vocab
 from hpcllm.parallel.random import recompute_context, tp_rng
-from hpcllm.parallel.roles import assign_roles
+from hpcllm.parallel.roles import assign_roles, persistent_buffers
 from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from hpcllm.parallel.tensor.deferred import linear
 from hpcllm.parallel.tensor.layers import (
@@ -150,9 +150,10 @@ class SelfAttention(nn.Module):
         self.selective = cfg.recompute == "selective"
 
     def project(
-        self, x: torch.Tensor, offset: int
+        self, x: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return q, k and v (b, heads, s, d) of ``x``, at positions from ``offset``."""
+        """Return q, k and v (b, heads, s, d) of ``x``, its tokens at ``positions`` (an integer
+        tensor (s,) or (b, s) on x's device; None: 0 … s - 1)."""
         raise NotImplementedError
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -181,14 +182,21 @@ class SelfAttention(nn.Module):
         return checkpoint(self._core, q, k, v, use_reentrant=False)
 
     def forward(
-        self, x: torch.Tensor, add_bias: bool = False, cache: LayerCache | None = None
+        self,
+        x: torch.Tensor,
+        add_bias: bool = False,
+        cache: LayerCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (output, bias): the output projection's bias added to it (then None) or not.
 
-        With ``cache`` (generation) x holds the new tokens, which attend to the cached ones,
-        at the positions after them.
+        The tokens are at ``positions`` (see :meth:`project`). With ``cache`` (generation) x
+        holds the new tokens, which attend to the cached ones, at the positions after them
+        unless ``positions`` says otherwise.
         """
-        q, k, v = self.project(x, 0 if cache is None else cache.length)
+        if positions is None and cache is not None:
+            positions = torch.arange(cache.length, cache.length + x.shape[1], device=x.device)
+        q, k, v = self.project(x, positions)
         b, _, s, _ = q.shape  # the whole sequence, even under sequence parallelism
         if cache is not None:
             y = cached_attention(q, k, v, cache, gqa=self.gqa)
@@ -230,10 +238,15 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
         self.rng_group = group if sp else None
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # Fused kernels take the biases; the torch path adds them in the matmuls.
         add_bias = not kernels.fused(x)
-        out, bias = self.attn(getattr(self, self.norm_names[0])(x), add_bias, cache)
+        out, bias = self.attn(getattr(self, self.norm_names[0])(x), add_bias, cache, positions)
         with dropout_rng(self.rng_group, self.dropout, self.training):
             x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
         out, bias = self.mlp(getattr(self, self.norm_names[1])(x), add_bias)
@@ -315,6 +328,7 @@ class Decoder(nn.Module):
             tp_rank=group_rank(tp_group),
             sequence_parallel=self.sequence_parallel,
             kv_heads=families.shape(cfg, vocab_size).kv_heads or cfg.n_head,
+            buffers=persistent_buffers(self),
         )
 
     @classmethod
@@ -337,31 +351,39 @@ class Decoder(nn.Module):
                 f"tensor-parallel ranks; use a length divisible by {t}"
             )
 
-    def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Return the token embeddings (plus learned positions, if the family has them) of
-        ``ids`` (b, s) after dropout, at positions from ``offset`` (the tokens cached before
-        them). Under sequence parallelism, those of this rank's part of the sequence."""
+        ``ids`` (b, s) after dropout, the tokens at ``positions`` (an integer tensor (s,) or
+        (b, s) on their device; None: 0 … s - 1). Under sequence parallelism, those of this
+        rank's part of the sequence."""
         s = ids.shape[1]
-        self.check_length(offset + s)
+        self.check_length(s)
         x = self.wte(ids)
         if self.parts.positions is not None:
-            pos = torch.arange(offset, offset + s, device=ids.device)
+            pos = torch.arange(s, device=ids.device) if positions is None else positions
             if self.sequence_parallel:
-                pos = pos.chunk(group_size(self.tp_group))[group_rank(self.tp_group)]
+                pos = pos.chunk(group_size(self.tp_group), dim=-1)[group_rank(self.tp_group)]
             x = x + self.wpe(pos)
         with dropout_rng(
             self.tp_group if self.sequence_parallel else None, self.cfg.dropout, self.training
         ):
             return F.dropout(x, self.cfg.dropout, self.training)
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """Return x after every block, recomputing each in backward under ``recompute: full``."""
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Return x after every block, its tokens at ``positions`` (see :meth:`embed`),
+        recomputing each block in backward under ``recompute: full``."""
         full = self.cfg.recompute == "full" and self.training and torch.is_grad_enabled()
         for block in self.blocks.values():
             x = (
-                checkpoint(block, x, use_reentrant=False, context_fn=recompute_context)
+                checkpoint(
+                    block,
+                    x,
+                    positions=positions,
+                    use_reentrant=False,
+                    context_fn=recompute_context,
+                )
                 if full
-                else block(x)
+                else block(x, positions=positions)
             )
         return x
 
@@ -396,14 +418,21 @@ class Decoder(nn.Module):
             return kernels.cross_entropy(logits, labels, vocab_size=self.vocab_size)
         return logits[..., : self.vocab_size]
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Return the mean cross-entropy against ``labels``, or the logits when none.
 
         A stage without the embedding (not ``pre``) takes the previous stage's activation as
-        ``inputs``; one without the output layer (not ``post``) returns its activation.
+        ``inputs``; one without the output layer (not ``post``) returns its activation. The
+        tokens are at ``positions`` (an integer tensor (s,) or (b, s); None: 0 … s - 1), which
+        every stage of a pipeline must be given alike.
         """
-        hidden = self.embed(inputs) if self.pre else inputs
-        hidden = self.run_blocks(hidden)
+        hidden = self.embed(inputs, positions) if self.pre else inputs
+        hidden = self.run_blocks(hidden, positions)
         return self.head(hidden, labels) if self.post else hidden
 
     def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
@@ -419,9 +448,12 @@ class Decoder(nn.Module):
         """Return the logits (b, 1, vocabulary) of the last of ``ids`` (b, s), read after the
         tokens ``cache`` holds, and add theirs to it: a prompt into an empty cache, or one
         token at a time. The whole model only (one stage, t = 1), in eval mode."""
-        hidden = self.embed(ids, offset=cache.length)
+        s = ids.shape[1]
+        self.check_length(cache.length + s)
+        positions = torch.arange(cache.length, cache.length + s, device=ids.device)
+        hidden = self.embed(ids, positions)
         for block, layer in zip(self.blocks.values(), cache.layers, strict=True):
-            hidden = block(hidden, layer)
+            hidden = block(hidden, layer, positions)
         return self.head(hidden[:, -1:])
 
     @torch.no_grad()

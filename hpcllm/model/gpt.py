@@ -73,7 +73,7 @@ class Attention(SelfAttention):
         )
 
     def project(
-        self, x: torch.Tensor, offset: int
+        self, x: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return q, k and v (b, heads, s, d); positions are the embedding's, not theirs."""
         qkv = self.qkv(x)  # (b, s, 3h/t): the whole sequence, even under sequence parallelism

@@ -132,23 +132,24 @@ class LlamaAttention(SelfAttention):
         # checkpoint (which holds no buffers) must still have them.
         self.inv_freq = tuple(rope_frequencies(cfg).tolist())
 
-    def rotary(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Return x (b, s, heads, head_dim) rotated by positions offset … offset + s - 1 (the
-        fused op)."""
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Return x (b, s, heads, head_dim) rotated to its tokens' ``positions`` ((s,) or
+        (b, s); None: 0 … s - 1) (the fused op)."""
         inv = torch.tensor(self.inv_freq, device=x.device, dtype=torch.float32)
-        return kernels.rotary(x, inv, offset)
+        return kernels.rotary(x, inv, 0 if positions is None else positions)
 
     def project(
-        self, x: torch.Tensor, offset: int
+        self, x: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return q, k and v (b, heads, s, d), q and k rotated to positions from ``offset``;
-        k and v hold this rank's key/value heads (shared by its query heads)."""
+        """Return q, k and v (b, heads, s, d), q and k rotated to the tokens' ``positions``
+        ((s,) or (b, s); None: 0 … s - 1); k and v hold this rank's key/value heads (shared by
+        its query heads)."""
         q = self.q(x)  # (b, s, heads/t · d): the whole sequence, even under SP
         b, s, _ = q.shape
         # Rotated in (b, s, heads, d), the projections' own layout, then heads first for SDPA.
-        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim), offset).transpose(1, 2)
+        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim), positions).transpose(1, 2)
         k = self.k(x).view(b, s, self.local_kv, self.head_dim)
-        k = self.rotary(k, offset).transpose(1, 2)
+        k = self.rotary(k, positions).transpose(1, 2)
         v = self.v(x).view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         return q, k, v
 
