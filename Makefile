@@ -17,9 +17,10 @@ test: setup
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest --durations=25
 
-# The tests that start no mpirun and no Slurm: seconds, for the edit-test loop.
+# The edit-test loop: the tests that start no mpirun and no Slurm and take under a second
+# each (those marked slow take more; make test runs them all).
 unit: setup
-	$(PY) -m pytest -m "not mpi and not slurm"
+	$(PY) -m pytest -m "not mpi and not slurm and not slow"
 
 clean-venv:
 	rm -rf $(VENV)

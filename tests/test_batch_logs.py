@@ -7,6 +7,7 @@ import dataclasses
 import re
 import subprocess
 
+import pytest
 from family_runs import SMALLEST, cli, sets
 
 from hpcllm.config import Config, load_config
@@ -31,6 +32,7 @@ def _hpcllm(*args: str) -> subprocess.CompletedProcess:
     return cli(*args, env={"OMP_NUM_THREADS": "1"}, timeout=180)
 
 
+@pytest.mark.slow
 def test_a_batch_job_logs_a_banner_one_line_per_interval_and_a_run_summary(stdlib, tmp_path):
     folder = tmp_path / "run"
     run = _hpcllm(
@@ -55,6 +57,7 @@ def test_a_batch_job_logs_a_banner_one_line_per_interval_and_a_run_summary(stdli
     assert re.search(r"^wall time [\d.]+ s training, [\d.]+ s in all$", run.stdout, re.M)
 
 
+@pytest.mark.slow
 def test_print_config_round_trips_and_touches_nothing(stdlib, tmp_path):
     folder = tmp_path / "run"
     items = [
@@ -73,6 +76,7 @@ def test_print_config_round_trips_and_touches_nothing(stdlib, tmp_path):
     assert not folder.exists()
 
 
+@pytest.mark.slow
 def test_print_config_refuses_a_world_size_the_grid_cannot_use(stdlib, tmp_path):
     folder = tmp_path / "run"
     items = [

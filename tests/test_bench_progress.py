@@ -77,6 +77,7 @@ def test_done_without_start_is_a_mistake():
         progress.done()
 
 
+@pytest.mark.slow
 def test_bench_data_prints_one_progress_line_per_cache_size(stdlib):
     run = cli(
         "bench",
@@ -103,6 +104,7 @@ def test_bench_data_prints_one_progress_line_per_cache_size(stdlib):
     assert "case" not in run.stdout
 
 
+@pytest.mark.slow
 def test_bench_kernels_smoke_prints_one_progress_line_per_op():
     # As a user types it: every option after `bench kernels` reaches the kernels' parser.
     run = cli("bench", "kernels", "--cpu-smoke", "--no-training", "--iters", "1", timeout=300)

@@ -41,6 +41,7 @@ def smoke(tmp_path_factory):
     return cwd, done, time.monotonic() - began
 
 
+@pytest.mark.slow
 def test_the_smoke_report_runs_every_part_and_writes_its_files(smoke):
     cwd, done, seconds = smoke
     assert done.returncode == 0, done.stderr[-3000:]
@@ -99,6 +100,7 @@ def test_the_planner_plans_with_the_reports_cluster_file(smoke):
     assert "#1 memory per GPU" in plan.stdout
 
 
+@pytest.mark.slow
 def test_parts_run_again_keep_the_other_parts_results(smoke):
     cwd, done, _ = smoke
     assert done.returncode == 0
@@ -128,6 +130,7 @@ def test_out_and_parts_mistakes_are_one_line(tmp_path):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_make_gpu_report_without_a_gpu_says_so_in_one_line(tmp_path):
     done = subprocess.run(
         ["make", "-s", "gpu-report", f"REPORT_DIR={tmp_path / 'r'}"],
@@ -234,6 +237,7 @@ def _between_nodes(nodes: int = 2, per_node: int = 2) -> dict:
             "rows": rows}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_merge_adds_the_tables_measured_between_nodes(smoke, tmp_path):
     import shutil
 

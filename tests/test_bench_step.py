@@ -29,6 +29,7 @@ def data(tmp_path_factory):
     return root / "data"
 
 
+@pytest.mark.slow
 def test_cpu_smoke_writes_every_row_to_json(data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --cpu-smoke sets it; give it back after
     out = tmp_path / "out" / "step.json"
@@ -104,6 +105,7 @@ def test_plain_gpt_counts_nanogpts_parameters_and_starts_uniform():
     assert model(ids, ids.roll(-1, dims=1)).item() < loss.item()
 
 
+@pytest.mark.slow
 def test_cpu_smoke_with_a_llama_model_in_an_empty_folder(tmp_path):
     # --model picks the family (at the smoke size with --cpu-smoke): plain Llama against
     # hpcllm's, on synthetic data, with nothing but the JSON written where it runs.

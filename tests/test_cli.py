@@ -8,6 +8,7 @@ from family_runs import cli
 from mpirun import REPO
 
 
+@pytest.mark.slow
 def test_topo_in_a_single_process_needs_no_launcher():
     run = cli("topo", "--json")
     assert run.returncode == 0, run.stderr
@@ -77,6 +78,7 @@ def test_a_broken_pipe_elsewhere_is_still_a_traceback(capfd):
     assert "BrokenPipeError" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "code"), [(["topo", "--json"], 0), (["bench", "collectives"], 2)])
 def test_a_command_that_started_torch_distributed_ends_without_finalising(tmp_path, args, code):
     # The hpcllm command (cli.run) ends such a process with os._exit after its exit handlers (so a

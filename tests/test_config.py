@@ -567,6 +567,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {**os.environ, "HPCLLM_FAMILIES": "keyed_family", "PYTHONPATH": path}
 
 
+@pytest.mark.slow
 def test_a_family_registered_elsewhere_brings_its_own_key(keyed: dict[str, str], tmp_path):
     def train(*sets: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
         words = [word for item in sets for word in ("--set", item)]

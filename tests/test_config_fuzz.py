@@ -223,6 +223,7 @@ FUZZ = settings(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(set_lists(min_size=1, max_size=6))
 def test_any_set_overrides_end_in_a_config_or_one_user_error(overrides: list[str]) -> None:
@@ -234,6 +235,7 @@ def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz") / "config.yaml"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=config_files(), overrides=set_lists(min_size=0, max_size=2))
 def test_any_config_file_ends_in_a_config_or_one_user_error(
@@ -287,6 +289,7 @@ _FAMILY_KEYS_MOVED = "the model section holds the keys every family shares plus 
 MOVED: dict[int, str] = dict.fromkeys((15, 822, 880), _FAMILY_KEYS_MOVED)
 
 
+@pytest.mark.slow
 def test_the_recorded_fuzz_cases_end_as_they_did(config_path: Path) -> None:
     cases = json.loads(CASES.read_text())
     assert len(cases) > 500, len(cases)

@@ -47,6 +47,7 @@ def datasets(tmp_path_factory):
     return root / "byte", root / "bpe"
 
 
+@pytest.mark.slow
 def test_data_of_another_tokenizer_with_the_same_vocabulary_is_refused(datasets, tmp_path):
     byte, bpe = datasets
     run = tmp_path / "run"
@@ -66,6 +67,7 @@ def test_data_of_another_tokenizer_with_the_same_vocabulary_is_refused(datasets,
     assert evaluate(run, byte, split="train", iters=1).loss > 0  # its own data still evaluates
 
 
+@pytest.mark.slow
 def test_a_run_without_a_tokenizer_takes_the_datas_on_its_first_training(datasets, tmp_path):
     byte, _ = datasets
     run = tmp_path / "run"
@@ -84,6 +86,7 @@ def _drop_manifest(run, step: int) -> None:
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_manifest_loads_only_when_asked(datasets, tmp_path):
     byte, _ = datasets
     run = tmp_path / "run"
@@ -111,6 +114,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_staging_folders_of_dead_writers_are_removed_and_live_ones_kept(datasets, tmp_path):
     byte, _ = datasets
     run = tmp_path / "run"
@@ -130,6 +134,7 @@ def test_staging_folders_of_dead_writers_are_removed_and_live_ones_kept(datasets
     assert (exports / "hf" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_a_killed_job_did_not_finish_is_removed_under_the_run_lock(datasets, tmp_path):
     byte, _ = datasets
     run = tmp_path / "run"
@@ -148,6 +153,7 @@ def test_a_checkpoint_a_killed_job_did_not_finish_is_removed_under_the_run_lock(
     assert (run / "checkpoints" / "step_00000003").is_dir()
 
 
+@pytest.mark.slow
 def test_under_mpirun_every_rank_refuses_data_of_another_tokenizer(datasets, tmp_path):
     byte, bpe = datasets
     run = tmp_path / "run"

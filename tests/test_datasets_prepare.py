@@ -185,6 +185,7 @@ def _flip_byte_in_tokens(shard: Path) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_reported_with_the_file_name(tmp_path):
     manifest, _ = prepare_corpus(
         tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0, shards=2
@@ -247,6 +248,7 @@ def _prepare_args(out, *options: str) -> list[str]:
     return ["prepare", "--out", str(out), "--quiet", *options]
 
 
+@pytest.mark.slow
 def test_killed_prepare_leaves_the_earlier_dataset_and_the_next_removes_its_stage(tmp_path):
     out = tmp_path / "out"
     prepare_corpus(tmp_path / "src", out, tokenizer="byte", val_fraction=0.0)
@@ -307,6 +309,7 @@ def test_prepare_cli_help_explains_every_option():
     assert "python-stdlib" in run.stdout
 
 
+@pytest.mark.slow
 def test_inspect_cli_summary_and_dump(tmp_path):
     _, docs = prepare_corpus(tmp_path / "src", tmp_path / "out", tokenizer="byte", val_fraction=0.0)
     run = cli("inspect", str(tmp_path / "out"), "--json", timeout=60)

@@ -52,6 +52,7 @@ def test_every_built_in_family_rules_its_tensors_and_counts_its_parameters(arch)
     check_spec(arch, BUILT_IN[arch])
 
 
+@pytest.mark.slow
 def test_the_test_family_rules_its_tensors_and_counts_its_parameters():
     done = _probe(str(TESTS / "family_checks.py"), "probe", "probe-tiny")
     assert done.returncode == 0, done.stderr
@@ -66,6 +67,7 @@ def test_an_unknown_family_is_one_line_naming_the_known_ones():
         families.get("mamba")
 
 
+@pytest.mark.slow
 def test_import_hpcllm_imports_no_torch_and_load_model_resolves_on_first_use():
     code = (
         "import sys, hpcllm\n"
@@ -84,6 +86,7 @@ def test_import_hpcllm_imports_no_torch_and_load_model_resolves_on_first_use():
         _ = hpcllm.nothing
 
 
+@pytest.mark.slow
 def test_the_test_family_prints_its_own_key_and_refuses_a_bad_one():
     items = sets("model.arch=probe", "model.preset=probe-tiny")
     done = cli("train", "--print-config", *items, env=PROBE, check=True)
@@ -156,6 +159,7 @@ def test_the_test_family_plans_trains_at_t2_p2_as_on_one_process_recuts_and_load
     assert loaded.stdout.strip() == "same model"
 
 
+@pytest.mark.slow
 def test_bench_step_measures_the_test_family_against_the_baseline_it_registers(tmp_path):
     out = tmp_path / "step.json"
     sizes = ["model.n_layer=1", "model.n_head=2", "model.d_model=32", "model.seq_len=16"]

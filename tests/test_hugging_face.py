@@ -97,6 +97,7 @@ def rewrite_rope(folder, form: str) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llama_imports_and_exports_with_transformers_logits(tmp_path, tied):
     reference = hf_llama(tmp_path / "hf", tied=tied)
@@ -124,6 +125,7 @@ def test_llama_imports_and_exports_with_transformers_logits(tmp_path, tied):
     ) is tied
 
 
+@pytest.mark.slow
 def test_sharded_safetensors_in_and_out_and_bf16(tmp_path):
     reference = hf_llama(tmp_path / "hf", max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -153,6 +155,7 @@ def test_sharded_safetensors_in_and_out_and_bf16(tmp_path):
             assert torch.equal(half[name], value.to(dtype)), (folder, name)
 
 
+@pytest.mark.slow
 def test_imports_refuse_what_the_family_cannot_hold_in_one_line(tmp_path):
     hf_llama(tmp_path / "hf")
     original = (tmp_path / "hf" / "config.json").read_text()
@@ -248,6 +251,7 @@ def mistral_tokenizer(folder, texts) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "style, bos, eos",
     [("llama3", "<|begin_of_text|>", "<|end_of_text|>"), ("mistral", "<s>", "</s>")],
@@ -316,6 +320,7 @@ def test_tokenizers_without_a_known_eos_are_one_line(tmp_path):
     assert found.eos_token == "<|end_of_text|>" and found.bos_id is None
 
 
+@pytest.mark.slow
 def test_convert_and_generate_take_a_tokenizer_folder_with_its_bos(tmp_path):
     from datasets_fixtures import TEXTS
 
@@ -351,6 +356,7 @@ def test_convert_and_generate_take_a_tokenizer_folder_with_its_bos(tmp_path):
     assert config["eos_token_id"] == [tok.eos_id, tok.eos_id + 1]
 
 
+@pytest.mark.slow
 def test_a_gpt2_import_without_a_tokenizer_exports_back_and_samples_ids(tmp_path):
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, eos_token_id=7
@@ -383,6 +389,7 @@ def test_a_gpt2_import_without_a_tokenizer_exports_back_and_samples_ids(tmp_path
     assert bad.returncode == 2 and "ids from 0 to 299" in bad.stderr
 
 
+@pytest.mark.slow
 def test_an_imported_llama_trains_at_a_shorter_length(stdlib, tmp_path):
     # Rotary positions hold no weights: an import (which has read no data) may train at
     # another seq_len than its max_position_embeddings; GPT-2's learned positions may not.
@@ -397,6 +404,7 @@ def test_an_imported_llama_trains_at_a_shorter_length(stdlib, tmp_path):
     assert hpcllm.load_model(tmp_path / "run").cfg.seq_len == 32
 
 
+@pytest.mark.slow
 def test_an_import_holds_one_source_tensor_at_a_time(tmp_path, monkeypatch):
     # A bf16 checkpoint comes in a tensor at a time: each is converted to the fp32 training
     # copy and dropped before the next is read, so the import never holds the source whole.

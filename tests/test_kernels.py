@@ -227,6 +227,7 @@ def test_dropout_backward_uses_the_forward_mask(ops, dtype):
     assert torch.equal(dres, dy)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_dropout_mask_follows_torch_seed_and_fork_rng(ops):
     first = _dropout(ops, seed=5)[3]
@@ -590,6 +591,7 @@ def test_each_op_is_its_module_read_from_its_line_in_ops():
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_package_and_bench_import_without_triton_mpi_or_horovod():
     code = """
 import sys
@@ -654,6 +656,7 @@ print(len(cases))
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_an_h100_without_one():
     """The interpreter accepts code the compiler rejects: compile each kernel to sm_90 cubin."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -712,6 +715,7 @@ def _count_calls(
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_gpt_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
     calls = _count_calls(ops, monkeypatch)
@@ -726,6 +730,7 @@ def test_gpt_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_gpt_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     loss, grads_fused = _gpt_step(True, torch.bfloat16)
@@ -736,6 +741,7 @@ def test_gpt_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     assert (fused - ref).norm() / ref.norm() < 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_dropout_masks_replay_under_full_recomputation(ops):
     loss, grads_full = _gpt_step(True, dropout=0.2, recompute="full")
@@ -765,6 +771,7 @@ def _llama_step(fused, precision=torch.float32):
     return _model_step(lambda: Llama(_llama_cfg(), 100, seed=3), fused, precision)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_llama_training_step_with_kernels_equals_the_reference(ops, monkeypatch):
     names = ("rms_norm", "swiglu", "rotary", "bias_dropout_add", "cross_entropy")
@@ -786,6 +793,7 @@ def test_llama_training_step_with_kernels_equals_the_reference(ops, monkeypatch)
         )
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_every_op_runs_in_an_nvtx_range_named_for_it(ops, monkeypatch):
     # On a GPU each op is an NVTX range "hpcllm.OP" for Nsight Systems; here the predicate is
@@ -810,6 +818,7 @@ def test_every_op_runs_in_an_nvtx_range_named_for_it(ops, monkeypatch):
     assert set(opened) == {f"hpcllm.{op}" for op in names}
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_llama_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     loss, grads_fused = _llama_step(True, torch.bfloat16)
@@ -820,6 +829,7 @@ def test_llama_bf16_autocast_step_with_kernels_is_close_to_the_reference(ops):
     assert (fused - ref).norm() / ref.norm() < 2e-2
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["off", "on", "auto"], ids=["references", "custom-ops", "auto"])
 def test_compiled_llama_block_traces_in_one_graph_and_matches_eager(ops, fused):
@@ -855,6 +865,7 @@ def test_compiled_llama_block_traces_in_one_graph_and_matches_eager(ops, fused):
         kernels.set_enabled(True)
 
 
+@pytest.mark.slow
 def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -917,6 +928,7 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     assert "auto: what model.fused_kernels: auto runs at the op's shape" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_auto_and_bench_kernels_give_the_same_time_for_the_same_op_and_shape(ops):
     """Under one fake clock, the times auto's chooser records for each op at the smoke shape
@@ -995,6 +1007,7 @@ def _custom_op_cases(dtype, with_bias):
 
 # The CPU implementations: torch everywhere; the Triton kernels under the interpreter where
 # Triton was imported for it (not on a CUDA machine, where it compiles for the GPU).
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["torch"] if CUDA else ["interpreter", "torch"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
@@ -1018,6 +1031,7 @@ def _block_step(block, x):
     return out, grads
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", ["off", "on", "auto"], ids=["references", "custom-ops", "auto"])
 def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Import name of each package root -> its folder in the repository (as setup.py maps them).
@@ -376,6 +378,7 @@ def family_name_comparisons(source: str, names: set[str]) -> list[int]:
     return lines
 
 
+@pytest.mark.slow
 def test_no_module_outside_the_family_homes_compares_model_arch_with_a_familys_name():
     from hpcllm import families
 
@@ -427,6 +430,7 @@ def test_data_parallel_engines_know_no_model_trainer_or_pipeline():
     assert not bad, "data-parallel engines importing model, trainer or pipeline:\n" + "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_no_module_uses_another_modules_private_names():
     modules, _ = _real_graph()
     bad = [
@@ -437,6 +441,7 @@ def test_no_module_uses_another_modules_private_names():
     assert not bad, "private names used across modules (make them public):\n" + "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_parallel_holds_the_tensor_pipeline_and_data_packages_and_no_engine_outside():
     parallel = REPO / "hpcllm" / "parallel"
     packages = sorted(p.name for p in parallel.iterdir() if (p / "__init__.py").is_file())

@@ -29,6 +29,7 @@ def train(run: Path, data: Path, *sets: str, umask: int | None = None):
     return cli(*train_args(data, run, *TINY, "train.steps=2", *sets), umask=umask)
 
 
+@pytest.mark.slow
 def test_commands_that_read_a_run_name_the_step_they_used(stdlib, tmp_path):
     # Two checkpoints; the newest damaged: evaluate, generate and convert fall back to the
     # older one, say "reading" (not "resuming from") and name its step.
@@ -51,6 +52,7 @@ def test_commands_that_read_a_run_name_the_step_they_used(stdlib, tmp_path):
     assert exported.returncode == 0 and exported.stdout.strip().endswith("from step 1")
 
 
+@pytest.mark.slow
 def test_the_advice_of_a_model_change_refusal_works_on_that_folder(stdlib, tmp_path):
     run = tmp_path / "run"
     assert train(run, stdlib).returncode == 0
@@ -109,6 +111,7 @@ def test_a_config_that_is_a_folder_says_so(tmp_path):
     assert f"{tmp_path / 'config.yaml'} is one" in done.stderr
 
 
+@pytest.mark.slow
 def test_every_file_a_run_writes_follows_the_umask(stdlib, tmp_path):
     run = tmp_path / "run"
     done = train(run, stdlib, "train.save_interval=1", "run.tensorboard=true", umask=0o077)

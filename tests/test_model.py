@@ -230,6 +230,7 @@ def test_zero_bubble_split_backward_gives_the_plain_gradients(recompute):
         assert torch.allclose(param.grad, expected[name].grad, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "preset"), [("gpt2", "tiny"), ("llama", "llama-tiny")])
 def test_cached_generation_gives_the_uncached_tokens(arch, preset):
     from hpcllm.model import build
@@ -287,6 +288,7 @@ def test_explicit_positions_0_to_s_equal_the_default(arch, preset):
     assert torch.equal(packed[0], default[0]) and not torch.allclose(packed[1], default[1])
 
 
+@pytest.mark.slow
 def test_bench_generate_checks_the_tokens_and_times_both(tmp_path):
     import subprocess
     import sys

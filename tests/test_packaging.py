@@ -151,6 +151,7 @@ def installed(tmp_path_factory) -> Installed:
     return installed
 
 
+@pytest.mark.slow
 def test_wheel_holds_every_module_of_the_tree(installed):
     with zipfile.ZipFile(installed.wheel) as whl:
         in_wheel = {n for n in whl.namelist() if n.endswith(".py")}
@@ -169,6 +170,7 @@ def test_wheel_holds_every_module_of_the_tree(installed):
     )
 
 
+@pytest.mark.slow
 def test_every_installed_module_imports_from_the_venv(installed):
     report = installed.python_json(
         """
@@ -208,6 +210,7 @@ def test_installed_command_help(installed):
         assert verb in run.stdout
 
 
+@pytest.mark.slow
 def test_installed_command_prepares_and_trains_two_steps(installed):
     work = installed.work
     _corpus(work / "corpus")

@@ -60,6 +60,7 @@ def grid():
     return results
 
 
+@pytest.mark.slow
 def test_grid_is_deadlock_free_and_sound(grid):
     # The fixture raised on any deadlock, use-before-produce, missing action or swapped message.
     assert len(grid) == 8 * len(GRID_M) * 3 + 7 * len(GRID_M) * 3

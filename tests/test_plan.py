@@ -177,6 +177,7 @@ def test_search_keeps_tp_in_a_node_and_picks_a_layout_that_fits(row):
     assert any("does not fit" in why for _, why in plan.losers)
 
 
+@pytest.mark.slow
 def test_the_command_ranks_gpt2_1_3b_on_64_gpus_in_seconds(tmp_path):
     started = time.monotonic()
     done = _plan(
@@ -372,6 +373,7 @@ def test_when_nothing_fits_the_closest_layout_comes_first():
     assert sizes[0] == min(sizes) and "does not fit" in plan.losers[0][1]
 
 
+@pytest.mark.slow
 def test_bench_device_writes_a_gpu_spec_the_planner_takes(tmp_path):
     fragment = tmp_path / "gpu.yaml"
     done = cli("bench", "device", "--cpu-smoke", "--out", str(fragment), check=True)
@@ -503,6 +505,7 @@ def _docs_table_1() -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_table_1_through_the_cli_is_what_docs_plan_md_shows_and_what_the_library_gives():
     rows = _docs_table_1()
     assert [r["published"] for r in rows] == [row[-1] for row in TABLE_1]
@@ -553,6 +556,7 @@ def _with_tables(path, scale: float = 1.0, intra: float = 4.0):
     return path
 
 
+@pytest.mark.slow
 def test_measured_tables_between_nodes_price_a_data_parallel_layout_across_nodes(tmp_path):
     # 1.7B on 32 GPUs, t = p = 1: the all-reduce's ring spans 4 nodes. Megatron 2021 does not
     # overlap it, so the whole of it is in the step.
@@ -648,6 +652,7 @@ def _meta_rank_parameters(preset: str, vocab: int, t: int, p: int, v: int) -> fl
     return total
 
 
+@pytest.mark.slow
 def test_plan_llama3_8b_counts_the_weights_the_model_has_at_its_layout():
     done = _plan("--model", "llama3-8b", "--gpus", "64", "--global-batch", "512",
                  "--cluster", str(REPO / "jobs" / "clusters" / "dgx-h100.yaml"))  # fmt: skip

@@ -154,6 +154,7 @@ def test_parameter_lists_match_the_chunks_and_the_optimizer():
                 assert named[reshard._key(layout, chunk, param.name)] is real, param.name
 
 
+@pytest.mark.slow
 def test_recut_there_and_back_is_exact(stdlib, tmp_path):
     cfg = load_config(
         None,
@@ -196,6 +197,7 @@ def test_recut_there_and_back_is_exact(stdlib, tmp_path):
         assert meta_a[key] == meta_b[key], key
 
 
+@pytest.mark.slow
 def test_resume_at_another_layout_without_reshard_is_one_line(stdlib, tmp_path):
     run = tmp_path / "run"
     cfg = load_config(None, [*TINY, f"data.path={stdlib}", f"run.dir={run}", "train.steps=1"])
@@ -222,6 +224,7 @@ def one_step_run(stdlib, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -249,6 +252,7 @@ def test_convert_refuses_bad_layouts_in_one_line(args, message, one_step_run, tm
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_generate_step_and_evaluate(stdlib, tmp_path):
     run = tmp_path / "run"
     cfg = load_config(
@@ -309,6 +313,7 @@ def test_prune_keeps_everything_while_the_newest_does_not_verify(stdlib, tmp_pat
     assert len(checkpoint.checkpoints(run)) == 3 and "does not verify" in warnings[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)])
 def test_exports_take_the_users_umask(mask, mode, one_step_run, tmp_path):
     run = one_step_run

@@ -78,6 +78,7 @@ def test_a_rejected_run_creates_no_folder(stdlib, tmp_path):
     assert result.returncode == 2 and not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_resume_none_over_checkpoints_refuses_then_moves_the_run_aside(stdlib, trained, tmp_path):
     folder = _copy(trained, tmp_path / "run")
     before = _tree(folder)
@@ -93,6 +94,7 @@ def test_resume_none_over_checkpoints_refuses_then_moves_the_run_aside(stdlib, t
     assert not (folder / LOCK).exists() and not (aside / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_folder_exits_2_naming_the_first(stdlib, trained, tmp_path):
     folder = _copy(trained, tmp_path / "run")
     held = run_dir.lock(folder, print)  # this test process plays the first job

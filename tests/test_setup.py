@@ -85,6 +85,7 @@ def _would_run(out: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_cuda_machine_installs_cuda_torch_and_builds_horovod_with_nccl(tmp_path, bin_dir):
     _fake_smi(bin_dir, "12.8", caps=("9.0", "9.0"))
     _fake_nvcc(bin_dir, tmp_path / "cuda-13", "13.0")  # another major version than torch's
@@ -120,6 +121,7 @@ def test_cuda_machine_installs_cuda_torch_and_builds_horovod_with_nccl(tmp_path,
     assert not (tmp_path / "venv").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_matching_nvcc_and_newest_torch_build_the_driver_runs(tmp_path, bin_dir):
     _fake_smi(bin_dir, "13.1", caps=("8.0", "9.0", "8.0"))
     _fake_nvcc(bin_dir, tmp_path / "cuda", "13.0")
@@ -133,6 +135,7 @@ def test_matching_nvcc_and_newest_torch_build_the_driver_runs(tmp_path, bin_dir)
     assert "-cu130-nccl-sm80-sm90-" in commands
 
 
+@pytest.mark.slow
 def test_settings_choose_the_torch_build_and_capabilities(tmp_path, bin_dir):
     _fake_smi(bin_dir, "13.1")
     result = _dry_run(
@@ -150,6 +153,7 @@ def test_settings_choose_the_torch_build_and_capabilities(tmp_path, bin_dir):
     assert "HOROVOD_BUILD_CUDA_CC_LIST=80,90 " in commands
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("smi", ["fails", "absent", "forced-cpu"])
 def test_cpu_set_up_where_there_is_no_driver(tmp_path, bin_dir, smi):
     env = {}

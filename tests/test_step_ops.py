@@ -91,6 +91,7 @@ def _plain_ops(batch: Any, vocab: int, precision: str) -> collections.Counter:
     return count.ops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_step_dispatches_at_most_5_percent_more_ops_than_plain_pytorch(
     stdlib: Path, tmp_path: Path, precision: str
@@ -124,6 +125,7 @@ class _CountWeightCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_bf16_casts_each_weight_once_per_step_not_once_per_micro_batch(
     stdlib: Path, tmp_path: Path
 ) -> None:

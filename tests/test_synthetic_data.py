@@ -76,6 +76,7 @@ def test_the_reader_over_synthetic_data_is_deterministic_and_resumes_exactly():
     assert not np.array_equal(rank0, rank1)
 
 
+@pytest.mark.slow
 def test_a_synthetic_run_needs_no_data_and_records_what_it_learnt(tmp_path):
     run = tmp_path / "run"
     done = _train(run, "data.synthetic=true", "model.vocab_size=300", "train.steps=2")
@@ -106,6 +107,7 @@ def byte_data(tmp_path_factory):
     return root / "byte"
 
 
+@pytest.mark.slow
 def test_synthetic_and_real_data_never_resume_each_others_runs(byte_data, tmp_path):
     synthetic = tmp_path / "synthetic"
     sets = ("model.vocab_size=300", "train.steps=2")
@@ -127,6 +129,7 @@ def test_synthetic_and_real_data_never_resume_each_others_runs(byte_data, tmp_pa
     assert generate.returncode == 2 and "trained on synthetic data" in generate.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_data_path_says_which_command_makes_it(tmp_path):
     done = _train(tmp_path / "run", f"data.path={tmp_path / 'nowhere'}", "train.steps=1")
     assert done.returncode == 2
@@ -135,6 +138,7 @@ def test_a_missing_data_path_says_which_command_makes_it(tmp_path):
     assert "data.synthetic=true" in message
 
 
+@pytest.mark.slow
 def test_bench_step_smoke_runs_in_an_empty_folder_of_a_fresh_checkout(tmp_path):
     """No data/ anywhere: bench step trains on synthetic data (the acceptance of issue 42)."""
     done = cli("bench", "step", "--cpu-smoke", "--rounds", "2", env={"PYTHONPATH": str(REPO)},
@@ -145,6 +149,7 @@ def test_bench_step_smoke_runs_in_an_empty_folder_of_a_fresh_checkout(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 def test_bench_sync_without_its_data_is_one_line_naming_the_command(tmp_path):
     """bench sync keeps needing its data: one line that says how to make it, no traceback."""
     done = cli("bench", "sync", env={"PYTHONPATH": str(REPO)}, cwd=tmp_path)

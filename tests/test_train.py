@@ -117,6 +117,7 @@ def _wait_for_metrics(run_dir, proc, timeout=120):
     raise AssertionError("no metrics in time")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher, sig", [("single", signal.SIGTERM), ("mpirun", signal.SIGUSR1)])
 def test_signal_saves_a_loadable_checkpoint_and_exits_75(stdlib, tmp_path, launcher, sig):
     run_dir = tmp_path / "run"

@@ -52,6 +52,7 @@ def test_a_phase_past_the_timeout_aborts_once_naming_it(aborts, tmp_path, capsys
     assert "test_a_phase_past_the_timeout_aborts_once_naming_it" in report  # the traceback
 
 
+@pytest.mark.slow
 def test_a_phase_that_ends_in_time_does_not_abort(aborts):
     dog = watchdog.start(0.3, rank=0, abort=aborts)
     for _ in range(8):  # 0.8 s in phases, none of them 0.3 s long, and time outside any
@@ -89,6 +90,7 @@ def test_at_adds_fields_and_time_in_it_is_not_a_wait(aborts, capsys):
     assert "waiting on loss all-reduce (axis=pp, step=5);" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_time_the_process_spent_stopped_does_not_count():
     # A suspended job (SIGSTOP to every rank, later SIGCONT) must go on when resumed.
     child = subprocess.Popen(
@@ -236,6 +238,7 @@ def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, pr
     assert (seen[names[0]], seen[names[1]]) == expected
 
 
+@pytest.mark.slow
 def test_a_phase_that_computes_too_gets_its_allowance_and_progress_resets_the_clock(aborts):
     dog = watchdog.start(0.3, rank=0, abort=aborts)
     with watchdog.waiting("train step", allow_s=1.0, step=4):
