@@ -196,6 +196,23 @@ def test_metrics_without_checkpoints_are_an_earlier_run_too(tmp_path):
     assert (folder / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
+def test_metrics_beside_only_an_unfinished_checkpoint_are_kept_not_overwritten(tmp_path):
+    # A save killed mid-way leaves .step_N.partial: nothing to resume from, so a resumed run
+    # would start over; the earlier run's metrics must not be rewritten by it.
+    folder = tmp_path / "run"
+    (folder / "checkpoints" / ".step_00000002.partial").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert not run_dir.has_checkpoints(folder)
+    with pytest.raises(UserError, match=r"no checkpoint to continue from \(only \.step_00000002"):
+        run_dir.claim(folder, "auto", False, print)
+    assert (folder / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    # run.overwrite moves the whole earlier run aside, metrics and all, rather than delete it.
+    held = run_dir.claim(folder, "auto", True, print)
+    held.release()
+    (moved,) = tmp_path.glob("run.old-*")
+    assert (moved / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
 def test_a_run_that_fails_to_start_puts_the_run_it_moved_aside_back(tmp_path):
     folder = tmp_path / "run"
     (folder / "checkpoints" / "step_00000001").mkdir(parents=True)

@@ -72,11 +72,19 @@ def has_metrics(run_dir: Path) -> bool:
 
 
 def has_checkpoints(run_dir: Path) -> bool:
-    """Return whether ``run_dir`` holds a checkpoint (finished or not) of an earlier run."""
+    """Return whether ``run_dir`` holds a finished checkpoint of an earlier run (or its
+    ``latest``): one a run could continue from. An unfinished one (``.step_N.partial``, a save
+    that was killed) is not: a run that would resume from it starts over."""
     folder = run_dir / "checkpoints"
     return folder.is_dir() and any(
-        p.name.startswith(("step_", ".step_")) or p.name == "latest" for p in folder.iterdir()
+        p.name.startswith("step_") or p.name == "latest" for p in folder.iterdir()
     )
+
+
+def unfinished_checkpoints(run_dir: Path) -> list[Path]:
+    """Return the checkpoints a killed save left unfinished in ``run_dir``."""
+    folder = run_dir / "checkpoints"
+    return sorted(folder.glob(".step_*.partial")) if folder.is_dir() else []
 
 
 def _holder() -> dict[str, object]:
@@ -271,11 +279,17 @@ def claim(run_dir: Path, resume: str, overwrite: bool, warn: Callable[[str], Non
     earlier = checkpoints or has_metrics(run_dir)
     if earlier and (resume == "none" or not checkpoints):
         if not overwrite:
+            unfinished = unfinished_checkpoints(run_dir)
+            killed = (
+                f" (only {unfinished[-1].name}, a save that did not finish)" if unfinished else ""
+            )
             what = (
                 "checkpoints of an earlier run and run.resume is none; set run.resume=auto "
                 "to continue it,"
                 if checkpoints
-                else "the metrics of an earlier run but no checkpoint to continue from; set"
+                else "the metrics of an earlier run but no checkpoint to continue from"
+                + killed
+                + "; set"
             )
             raise UserError(
                 f"{run_dir} holds {what} run.overwrite=true to move it aside "
