@@ -8,6 +8,7 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,35 @@ def test_metrics_beside_only_an_unfinished_checkpoint_are_kept_not_overwritten(t
     held.release()
     (moved,) = tmp_path.glob("run.old-*")
     assert (moved / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_inspect_names_an_unfinished_save_and_the_lock_and_exits_1(tmp_path, capsys):
+    from hpcllm.cli import main
+    from hpcllm.train.inspect_run import verify_run
+
+    folder = tmp_path / "run"
+    partial = folder / "checkpoints" / ".step_00000002.partial"
+    partial.mkdir(parents=True)
+    (partial / "model_tp00_pp00.pt").write_bytes(b"\0" * 2_000_000)
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead = {"host": socket.gethostname(), "pid": ended.pid, "since": 0}
+    (folder / LOCK).write_text(json.dumps(dead))
+    assert main(["inspect", str(folder)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{folder}: no checkpoints"
+    assert out[1].startswith("unfinished: .step_00000002.partial (2 MB), a save of step 2")
+    assert out[2].startswith(f"lock: {folder / LOCK} held by pid {dead['pid']} on ")
+    assert out[2].endswith("(not running: the next run takes the lock over)")
+    assert main(["inspect", "--json", str(folder)]) == 1
+    said = json.loads(capsys.readouterr().out)
+    assert said["unfinished"] == [{"folder": partial.name, "step": 2, "bytes": 2_000_000}]
+    # Once a later save finishes, the earlier unfinished one is named but is no failure.
+    done = folder / "checkpoints" / "step_00000003"
+    done.mkdir()
+    check = verify_run(folder)
+    assert check.unfinished and not check.newest_unfinished
 
 
 def test_a_run_that_fails_to_start_puts_the_run_it_moved_aside_back(tmp_path):

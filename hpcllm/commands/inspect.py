@@ -53,7 +53,20 @@ def run(args: argparse.Namespace) -> int:
         check = inspect_run.verify_run(args.dir)
         if args.json:
             rows = [{**vars(v), "folder": str(v.folder)} for v in check.verdicts]
-            print(json.dumps({"checkpoints": rows, "latest": check.latest_problem or check.latest}))
+            unfinished = [
+                {"folder": name, "step": step, "bytes": size}
+                for name, step, size in check.unfinished
+            ]
+            print(
+                json.dumps(
+                    {
+                        "checkpoints": rows,
+                        "latest": check.latest_problem or check.latest,
+                        "unfinished": unfinished,
+                        "lock": check.lock,
+                    }
+                )
+            )
         else:
             print(inspect_run.render_run(check))
         return 0 if check.ok else 1

@@ -14,6 +14,7 @@ from typing import Any
 from hpcllm.datasets.shards import MANIFEST
 from hpcllm.errors import UserError
 from hpcllm.train import checkpoint
+from hpcllm.train import run_dir as run_folder
 
 
 def is_run_folder(path: Path) -> bool:
@@ -33,11 +34,25 @@ class RunCheck:
     latest: str | None  # the folder `latest` names, None if there is no `latest`
     latest_problem: str | None = None
     newest: str | None = None  # the newest good checkpoint's format, layout and parts
+    # Saves a killed job did not finish (hidden .step_N.partial folders): (name, step, bytes).
+    unfinished: tuple[tuple[str, int, int], ...] = ()
+    lock: str | None = None  # who holds (or left) the run's lock file, None if there is none
+
+    @property
+    def newest_unfinished(self) -> bool:
+        """Return whether the newest save is one that did not finish."""
+        finished = max((v.step for v in self.verdicts), default=-1)
+        return any(step > finished for _, step, _ in self.unfinished)
 
     @property
     def ok(self) -> bool:
-        """Return whether every checkpoint verifies (or predates manifests) and `latest` reads."""
-        return self.latest_problem is None and all(v.status != "bad" for v in self.verdicts)
+        """Return whether every checkpoint verifies (or predates manifests), `latest` reads and
+        the newest save finished."""
+        return (
+            self.latest_problem is None
+            and all(v.status != "bad" for v in self.verdicts)
+            and not self.newest_unfinished
+        )
 
 
 def verify_run(run_dir: Path) -> RunCheck:
@@ -45,11 +60,26 @@ def verify_run(run_dir: Path) -> RunCheck:
     verdicts = [checkpoint.verify(folder) for folder in checkpoint.checkpoints(run_dir)]
     good = next((v.folder for v in verdicts if v.status == "ok"), None)
     newest = describe_checkpoint(good) if good is not None else None
+    unfinished = tuple(
+        (folder.name, _partial_step(folder), _bytes(folder))
+        for folder in run_folder.unfinished_checkpoints(Path(run_dir))
+    )
+    others = {"unfinished": unfinished, "lock": run_folder.lock_holder(Path(run_dir))}
     try:
         pointed = checkpoint.latest(run_dir)
     except UserError as err:
-        return RunCheck(Path(run_dir), verdicts, None, str(err).split(";")[0], newest)
-    return RunCheck(Path(run_dir), verdicts, pointed.name if pointed else None, None, newest)
+        return RunCheck(Path(run_dir), verdicts, None, str(err).split(";")[0], newest, **others)
+    name = pointed.name if pointed else None
+    return RunCheck(Path(run_dir), verdicts, name, None, newest, **others)
+
+
+def _partial_step(folder: Path) -> int:
+    """Return the step of an unfinished checkpoint folder (``.step_00000002.partial`` -> 2)."""
+    return checkpoint.step_of(folder.name[1 : -len(".partial")])
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def describe_checkpoint(folder: Path) -> str:
@@ -69,17 +99,24 @@ def describe_checkpoint(folder: Path) -> str:
 
 def render_run(check: RunCheck) -> str:
     """Return :func:`verify_run`'s answer as a table, one row per checkpoint."""
+    lines = [
+        f"unfinished: {name} ({size / 1e6:.3g} MB), a save of step {step} that did not finish "
+        "(the next run here removes it)"
+        for name, step, size in check.unfinished
+    ]
+    if check.lock is not None:
+        lines.append(f"lock: {check.lock}")
     if not check.verdicts and check.latest_problem is None:
-        return f"{check.run_dir}: no checkpoints"
+        return "\n".join([f"{check.run_dir}: no checkpoints", *lines])
     cells = [("step", "files", "bytes", "status")]
     cells += [(str(v.step), str(v.files), str(v.bytes), v.status) for v in check.verdicts]
     reasons = ["reason"] + [v.reason for v in check.verdicts]
     widths = [max(len(row[i]) for row in cells) for i in range(4)]
-    lines = []
+    rows = []
     for row, reason in zip(cells, reasons, strict=True):
         numbers = "  ".join(cell.rjust(w) for cell, w in zip(row[:3], widths, strict=False))
-        lines.append(f"{numbers}  {row[3].ljust(widths[3])}  {reason}".rstrip())
+        rows.append(f"{numbers}  {row[3].ljust(widths[3])}  {reason}".rstrip())
     lines.append(f"latest: {check.latest_problem or check.latest}")
     if check.newest is not None:
         lines.append(f"newest that verifies: {check.newest}")
-    return "\n".join(lines)
+    return "\n".join([*rows, *lines])

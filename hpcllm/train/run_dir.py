@@ -87,6 +87,19 @@ def unfinished_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(folder.glob(".step_*.partial")) if folder.is_dir() else []
 
 
+def lock_holder(run_dir: Path) -> str | None:
+    """Return who holds ``run_dir``'s lock file, and whether it still runs (when that can be
+    told from here); None where there is no lock file."""
+    try:
+        text = (run_dir / LOCK).read_text()
+    except OSError:
+        return None
+    alive = _alive_here(text)
+    state = {True: "running", False: "not running: the next run takes the lock over"}
+    known = f" ({state[alive]})" if alive is not None else ""
+    return f"{run_dir / LOCK} held by {_describe(text)}{known}"
+
+
 def _holder() -> dict[str, object]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
 
