@@ -227,6 +227,11 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_fails_in_one_line(run, tr
     message = str(caught.value)
     assert "\n" not in message and "no space left on device" in message
     assert f".step_00000003.partial/{SHARD}" in message
+    assert message.endswith("; the 2 earlier checkpoints are intact")
+    # A first save that fails does not speak of earlier checkpoints.
+    shard = checkpoint.load_shard(_step(run, 2), 0, 0, 1, 1)
+    with pytest.raises(UserError, match="; there is no earlier checkpoint$"):
+        checkpoint.save(run.parent / "fresh", 1, trained[1], shard, {}, "{}\n")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "latest",
         "step_00000001",

@@ -90,3 +90,27 @@ def test_a_save_that_would_not_fit_is_refused_before_writing(stdlib, tmp_path, m
     assert checkpoint.step_of(checkpoint.latest(run)) == 1
     assert checkpoint.verify(checkpoint.latest(run)).status == "ok"
     assert not list((run / "checkpoints").glob(".*partial*"))
+
+
+def test_a_full_disk_under_the_tokenizer_names_it_and_leaves_no_part_of_it(
+    stdlib, tmp_path, monkeypatch
+):
+    from hpcllm import files
+
+    real_open = open
+
+    def open_full(path, mode="r", *args, **kwargs):
+        if ".tokenizer.json.partial" in str(path) and "w" in mode:
+            return open_on_full_disk(path, mode, *args, **kwargs)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(files, "open", open_full, raising=False)
+    run = tmp_path / "run"
+    with pytest.raises(UserError) as caught:
+        _train(stdlib, run, "run.tensorboard=false")
+    message = str(caught.value)
+    assert "\n" not in message and "tokenizer.json" in message and "config.yaml" not in message
+    assert "No space left on device" in message
+    # Written whole or not at all: no truncated tokenizer, no partial file beside it.
+    assert not (run / "tokenizer.json").exists()
+    assert not [p.name for p in run.iterdir() if ".partial" in p.name]

@@ -36,7 +36,7 @@ from hpcllm.datasets.shards import Manifest
 from hpcllm.datasets.synthetic import check_run_data
 from hpcllm.datasets.tokenizer import CONFIG_FILE
 from hpcllm.errors import UserError
-from hpcllm.files import sweep_partials
+from hpcllm.files import atomic_write, sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
@@ -212,28 +212,33 @@ class Checkpointer:
         """
 
         def write() -> None:
+            # Each file atomically, and a failure names the file that did not fit.
             with run_folder.fs_errors("write", self.run_dir / "config.yaml"):
                 shutil.rmtree(self.run_dir / "timeline", ignore_errors=True)
                 self.cfg.dump(self.run_dir / "config.yaml")
-                tokenizer = self.run_dir / "tokenizer.json"
-                record = self.run_dir / synthetic.RUN_RECORD
-                # A resumed run's tokenizer is the one its weights learnt: never replaced
-                # (_claim checked the data against it). A fresh run's data replaces what a
-                # run without checkpoints left: a tokenizer, or the synthetic record.
-                # A Hugging Face tokenizer's tokenizer_config.json (its BOS and EOS) goes along.
-                config = self.run_dir / CONFIG_FILE
-                if isinstance(manifest, synthetic.SyntheticManifest):
-                    if self.resume_from is None:
-                        tokenizer.unlink(missing_ok=True)
-                        config.unlink(missing_ok=True)
+            tokenizer = self.run_dir / "tokenizer.json"
+            record = self.run_dir / synthetic.RUN_RECORD
+            # A resumed run's tokenizer is the one its weights learnt: never replaced
+            # (_claim checked the data against it). A fresh run's data replaces what a
+            # run without checkpoints left: a tokenizer, or the synthetic record.
+            # A Hugging Face tokenizer's tokenizer_config.json (its BOS and EOS) goes along.
+            config = self.run_dir / CONFIG_FILE
+            if isinstance(manifest, synthetic.SyntheticManifest):
+                if self.resume_from is None:
+                    tokenizer.unlink(missing_ok=True)
+                    config.unlink(missing_ok=True)
+                with run_folder.fs_errors("write", self.run_dir / synthetic.RUN_RECORD):
                     synthetic.record_run(self.run_dir, manifest)
-                elif self.resume_from is None or not tokenizer.is_file():
-                    record.unlink(missing_ok=True)
-                    shutil.copyfile(manifest.tokenizer_path, tokenizer)  # the umask's mode
-                    if manifest.tokenizer_config_path is not None:
-                        shutil.copyfile(manifest.tokenizer_config_path, config)
-                    else:
-                        config.unlink(missing_ok=True)
+            elif self.resume_from is None or not tokenizer.is_file():
+                record.unlink(missing_ok=True)
+                copies = [(manifest.tokenizer_path, tokenizer)]
+                if manifest.tokenizer_config_path is not None:
+                    copies.append((manifest.tokenizer_config_path, config))
+                else:
+                    config.unlink(missing_ok=True)
+                for source, target in copies:
+                    with run_folder.fs_errors("write", target):
+                        atomic_write(target, Path(source).read_bytes())  # the umask's mode
 
         self.on_rank0(write)
 

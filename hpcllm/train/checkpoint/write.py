@@ -199,9 +199,12 @@ def save(
     if grid.rank == 0:  # every rank is past its writes: nothing else touches the folder
         shutil.rmtree(tmp, ignore_errors=True)
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    message = (
-        f"saving the checkpoint of step {step} failed: {errors[0]}{more}; earlier "
-        "checkpoints are intact"
+    # The checkpoint folder is shared by every rank that writes into it: each sees the same.
+    kept = checkpoints(Path(run_dir))
+    message = f"saving the checkpoint of step {step} failed: {errors[0]}{more}; " + (
+        f"the {len(kept)} earlier checkpoint{'s are' if len(kept) > 1 else ' is'} intact"
+        if kept
+        else "there is no earlier checkpoint"
     )
     if on_failure == "warn":
         if grid.rank == 0:
