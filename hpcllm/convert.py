@@ -153,6 +153,13 @@ def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, Mode
     """Return (config.json, its family, the model config it describes) of a Hugging Face
     folder; a UserError naming what cannot be read."""
     config_path = hf_dir / "config.json"
+    if not hf_dir.exists():
+        raise UserError(f"{hf_dir} does not exist (--from-hf takes a save_pretrained folder)")
+    if not hf_dir.is_dir():
+        raise UserError(
+            f"{hf_dir} is a file; --from-hf takes the save_pretrained folder that holds "
+            "config.json and the weights"
+        )
     if not config_path.is_file():
         raise UserError(f"{hf_dir} has no config.json (a save_pretrained folder has one)")
     try:

@@ -435,3 +435,23 @@ def test_an_import_holds_one_source_tensor_at_a_time(tmp_path, monkeypatch):
         model.blocks["1"].mlp.proj.weight,
         reference.model.layers[1].mlp.down_proj.weight.float(),
     )
+
+
+def test_from_hf_of_a_missing_folder_or_a_file_says_which_in_one_line(tmp_path, capsys):
+    from hpcllm.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    cases = {
+        tmp_path / "nowhere": "nowhere does not exist (--from-hf takes a save_pretrained folder)",
+        config: "config.json is a file; --from-hf takes the save_pretrained folder that holds",
+        tmp_path: "has no config.json (a save_pretrained folder has one)",
+    }
+    config_dir = tmp_path / "empty"
+    config_dir.mkdir()
+    cases[config_dir] = cases.pop(tmp_path)
+    for given, says in cases.items():
+        assert main(["convert", "--from-hf", str(given), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "out").exists()
