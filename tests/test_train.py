@@ -152,6 +152,13 @@ def test_signal_saves_a_loadable_checkpoint_and_exits_75(stdlib, tmp_path, launc
     assert f"stopped by {sig.name}" in out
     folder = checkpoint.latest(run_dir)
     meta = checkpoint.read_meta(folder)
+    # Rank 0 says at once what the signal starts, and when the save is done, once each.
+    said = err.splitlines()
+    heard = f"hpcllm: {sig.name}: finishing the step in flight, then saving and stopping"
+    assert said.count(heard) == 1, err
+    done = [line for line in said if line.startswith(f"hpcllm: stopping at step {meta['step']}:")]
+    assert len(done) == 1 and f"saved {folder}" in done[0], err
+    assert said.index(heard) < said.index(done[0])
     assert 2 <= meta["step"] < 100000
     model, tokenizer = load_run_model(run_dir)
     assert tokenizer.vocab_size == 257 and model.cfg.n_layer == 2

@@ -14,6 +14,7 @@ SIGTERM or SIGUSR1 finishes the step in flight, saves a checkpoint and ends the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -292,7 +293,23 @@ class Trainer:
             raise RuntimeError("this Trainer is closed; build a new one to train again")
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        first = self._stop_signal is None
         self._stop_signal = signum
+        if first and getattr(self, "grid", None) is not None and self.grid.rank == 0:
+            # At once, and with os.write (safe inside a signal handler): the save may take
+            # minutes, and whoever sent the signal must know it is coming.
+            name = signal.Signals(signum).name
+            line = f"hpcllm: {name}: finishing the step in flight, then saving and stopping\n"
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), line.encode())
+
+    def _warn_stop(self, step: int, saved: Path | None, seconds: float) -> None:
+        where = f"saved {saved} in {seconds:.1f} s" if saved else "saving is off"
+        print(
+            f"hpcllm: stopping at step {step}: {where}; the same command resumes it",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _stop_requested(self) -> bool:
         # Every rank must agree, or one would save while another waits in the next step. On
@@ -359,8 +376,10 @@ class Trainer:
                     with watchdog.waiting(
                         "checkpoint save", allow_s=2 * longest_save, step=state.step
                     ):
-                        self.save(final=stop or state.step == last)
+                        saved = self.save(final=stop or state.step == last)
                     longest_save = max(longest_save, time.monotonic() - started)
+                    if stop and self.grid.rank == 0:
+                        self._warn_stop(state.step, saved, time.monotonic() - started)
                 val_loss = None
                 if not stop and self.validator.should_validate(state.step, last):
                     with watchdog.at(phase="evaluation", step=state.step):
