@@ -52,9 +52,12 @@ def _fake_nvcc(bin_dir: Path, home: Path, release: str) -> None:
 
 
 def _dry_run(tmp_path: Path, bin_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    # The machine's Python, not a venv the caller activated (its Horovod would skip the build).
+    active = os.environ.get("VIRTUAL_ENV")
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if not active or p != f"{active}/bin"]
     full = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        **{k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+        "PATH": os.pathsep.join([str(bin_dir), *path]),
         "HPCLLM_SETUP_DRY_RUN": "1",
         "HPCLLM_VENV": str(tmp_path / "venv"),
         "HPCLLM_CACHE": str(tmp_path / "cache"),
