@@ -15,6 +15,7 @@ from hpcllm.datasets.shards import MANIFEST
 from hpcllm.errors import UserError
 from hpcllm.train import checkpoint
 from hpcllm.train import run_dir as run_folder
+from hpcllm.train.checkpoint.format import layout_of, parts_of
 
 
 def is_run_folder(path: Path) -> bool:
@@ -84,8 +85,6 @@ def _bytes(folder: Path) -> int:
 
 def describe_checkpoint(folder: Path) -> str:
     """Return one line: a verified checkpoint's step, format, layout and named parts."""
-    from hpcllm.train.checkpoint.format import layout_of, parts_of
-
     manifest = checkpoint.read_manifest(folder) or {}
     meta = checkpoint.read_meta(folder)
     layout = layout_of(manifest, meta)

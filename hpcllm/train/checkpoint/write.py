@@ -162,8 +162,11 @@ def save(
     contents = {MODEL: shard}
     if by_dp:
         # The model file names what the optimizer files hold; each dp rank writes its own.
-        kind = {"format": REPLICAS_FORMAT, "replicas": grid.dp} if per_replica else None
-        kind = kind or {"format": SHARDS_FORMAT, "shards": grid.dp}
+        kind = (
+            {"format": REPLICAS_FORMAT, "replicas": grid.dp}
+            if per_replica
+            else {"format": SHARDS_FORMAT, "shards": grid.dp}
+        )
         contents = {MODEL: {**shard, "optimizer": kind}, OPTIMIZER: optimizer}
     mine = {kind: state for kind, state in contents.items() if layout.writes(kind, ranks)}
     files: dict[str, Any] = {}
