@@ -86,12 +86,24 @@ def nvtx_range(name: str) -> Iterator[None]:
         yield
 
 
+# The key of the marker line a resumed run appends to metrics.jsonl (its value: the step).
+RESUMED = "resumed_from"
+
+
 def _warn_stderr(message: str) -> None:
     print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl, and mirrors it to TensorBoard."""
+    """Appends one JSON object per logged step to metrics.jsonl, and mirrors it to TensorBoard.
+
+    Both are append-only: a run never truncates or rewrites what an earlier run of its folder
+    logged. A run that resumes from step N first appends a marker ``{"resumed_from": N, ...}``;
+    the steps after N that an earlier process logged (it died after its last checkpoint) stay
+    in the file, and :func:`read_metrics` lets the later lines win. TensorBoard gets a new
+    events file whose ``purge_step`` (N + 1) makes the viewer hide the earlier file's steps
+    after N, which the resumed run logs again.
+    """
 
     def __init__(
         self,
@@ -105,30 +117,30 @@ class MetricsLog:
         # A write that fails (a full disk): "fail" ends the run in one line, "warn" says so
         # once and goes on without that output (run.save_failure).
         self.on_failure, self.warn = on_failure, warn or _warn_stderr
-        # Keep what the run logged up to the step it resumes from; a run that died after its
-        # last checkpoint logged steps it is about to run again. The kept lines replace the
-        # file in one rename, so a crash here loses nothing.
-        kept = (
-            [r for r in read_metrics(run_dir) if r.get("step", start_step + 1) <= start_step]
-            if start_step and self.path.exists()
-            else []
-        )
-        atomic_write(self.path, "".join(json.dumps(record) + "\n" for record in kept))
-        self._file: Any = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._file: Any = None
         self._tb: Any = None
+        try:
+            if not self.path.exists():
+                # The file appears whole (empty) or not at all.
+                atomic_write(self.path, "")
+            torn = self.path.stat().st_size and not _ends_a_line(self.path)
+            self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            if torn:  # a process killed mid-line: end that line, so the next one stands alone
+                self._file.write("\n")
+        except OSError as err:
+            self._failed(str(self.path), err)
+        if start_step or (self._file is not None and self.path.stat().st_size):
+            self._append({RESUMED: start_step, "time": time.time()})
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step: the viewer drops what earlier events files logged from this step on.
+            purge = {"purge_step": start_step + 1} if start_step else {}
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), **purge)
 
     def write(self, record: dict[str, Any]) -> None:
         """Record one step's metrics."""
-        if self._file is not None:
-            try:
-                self._file.write(json.dumps(record) + "\n")
-            except OSError as err:
-                self._failed(str(self.path), err)
-                self._file = None
+        self._append(record)
         if self._tb is not None:
             try:
                 for key, value in record.items():
@@ -137,6 +149,14 @@ class MetricsLog:
             except OSError as err:  # TensorBoard's writer thread raises it at the next call
                 self._failed("the TensorBoard events", err)
                 self._tb = None
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            try:
+                self._file.write(json.dumps(record) + "\n")
+            except OSError as err:
+                self._failed(str(self.path), err)
+                self._file = None
 
     def _failed(self, what: str, err: OSError) -> None:
         message = f"writing {what} failed: {err.strerror or err}"
@@ -158,14 +178,28 @@ class MetricsLog:
         self._file = self._tb = None
 
 
-def read_metrics(run_dir: Path, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as file:
+        file.seek(-1, os.SEEK_END)
+        return file.read(1) == b"\n"
+
+
+def read_metrics(
+    run_dir: Path, warn: Callable[[str], None] | None = None, history: bool = False
+) -> list[dict[str, Any]]:
     """Return the records of a run's metrics.jsonl, leaving out lines that are not records.
+
+    The file is append-only (:class:`MetricsLog`): a resumed run appends a marker and logs the
+    steps after its checkpoint again. By default the later lines win: at each marker
+    ``{"resumed_from": N}`` the records of steps after N logged before it are dropped, so the
+    result is the run as it now stands, one record per step in order. ``history`` returns
+    every record and marker as written instead.
 
     A run killed while writing leaves a torn last line; it (and any other line that is not a
     JSON object) is dropped with a warning through ``warn`` (stderr if None).
     """
     path = Path(run_dir) / "metrics.jsonl"
-    records = []
+    records: list[dict[str, Any]] = []
     for number, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
@@ -174,7 +208,11 @@ def read_metrics(run_dir: Path, warn: Callable[[str], None] | None = None) -> li
         except (UnicodeDecodeError, json.JSONDecodeError):
             record = None
         if isinstance(record, dict):
-            records.append(record)
+            if RESUMED in record and not history:
+                resumed = record[RESUMED]
+                records = [r for r in records if r.get("step", resumed) <= resumed]
+            else:
+                records.append(record)
             continue
         message = f"{path}, line {number}: not a metrics record (torn by a crash?), dropped"
         if warn is None:

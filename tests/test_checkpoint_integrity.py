@@ -270,7 +270,10 @@ def test_a_torn_metrics_line_is_dropped_with_a_warning(run):
     assert [r["step"] for r in read_metrics(run, warnings.append)] == [1, 2]
     assert len(warnings) == 1 and "line 3" in warnings[0]
     MetricsLog(run, tensorboard=False, start_step=1).close()  # resuming from step 1
-    assert path.read_text() == lines[0] + "\n"
+    # Nothing is truncated: the torn line is ended, the marker stands on a line of its own.
+    text = path.read_text()
+    assert text.startswith("\n".join(lines) + '\n{"step": 3, "lo\n{"resumed_from": 1')
+    assert [r["step"] for r in read_metrics(run, warnings.append)] == [1]
     assert not list(run.glob(".metrics.jsonl.partial*"))
 
 

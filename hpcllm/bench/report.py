@@ -54,6 +54,7 @@ from typing import Any
 
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write
+from hpcllm.observe import read_metrics
 
 PARTS = ("environment", "tests", "device", "kernels", "step", "train", "collectives")
 # The standing goals for hpcllm's step against plain PyTorch + torch.compile, by shape.
@@ -393,8 +394,7 @@ def train(ctx: Context) -> Outcome:
     err = _run(ctx, "train", argv)
     if err:
         return Outcome("failed", err)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    logged = [json.loads(line) for line in lines if line.strip()]
+    logged = read_metrics(run_dir)
     # The steps after compilation and auto's timings: the second half of the run.
     steady = [m for m in logged if m.get("step", 0) > steps // 2]
     tokens = statistics.median(m["tokens_per_s"] for m in steady)
