@@ -1,0 +1,452 @@
+"""A mixture-of-experts MLP: a router, top-k experts, an optional capacity, balancing losses.
+
+The layer replaces a block's dense MLP (Shazeer et al., 2017; Switch Transformers, Fedus,
+Zoph and Shazeer, JMLR 2022). For each token the router scores every expert (a linear layer
+without bias, in fp32) and the token goes to the ``top_k`` best; the layer's output is their
+outputs weighted by the router. Three routers:
+
+- ``softmax-topk``: softmax over all experts, then the k largest probabilities, divided by
+  their sum only when ``renormalize`` (Qwen-MoE's ``norm_topk_prob``);
+- ``topk-softmax``: the softmax of the k largest logits (Mixtral), equal to renormalising;
+- ``sigmoid``: each expert's sigmoid score (DeepSeek-V3); a balancing ``bias``, a buffer
+  updated between optimizer steps (:func:`bias_update`), shifts which experts are chosen but
+  not their weights.
+
+A capacity factor c gives each expert ⌈c·k·T/E⌉ slots for the T tokens of a micro-batch;
+the assignments over it are dropped (``probs``: the lowest-weighted first; ``position``: the
+latest tokens first) and those tokens keep only the residual. Without one (None) no token is
+dropped.
+
+The balancing loss of one layer is transformers' ``load_balancing_loss_func`` for one
+layer's logits: E · Σₑ fₑ · Pₑ with fₑ the share of the T tokens' k choices that went to e
+(summing to k) and Pₑ the mean router probability of e. The router z-loss (ST-MoE, Zoph et
+al., 2022) is the mean over tokens of logsumexp(logits)². Both count every token of the
+micro-batch, across the tensor- and sequence-parallel ranks.
+
+Tensor parallelism splits each expert's MLP over t as the dense MLP is split (Megatron's
+expert tensor parallelism): the first matrices by output rows, the last by input columns,
+the partial outputs combined by the router weights and summed once. The router is whole on
+every rank; under sequence parallelism it scores this rank's tokens and its gradient is
+summed over t, as the norms' are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hpcllm import kernels
+from hpcllm.parallel.tensor.layers import mark_split, shard_of
+from hpcllm.parallel.tensor.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
+
+ROUTERS = ("softmax-topk", "topk-softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+@dataclass
+class Routing:
+    """Where T tokens go: ``experts`` (T, k) chosen, ``weights`` (T, k) fp32 that scale their
+    outputs, ``probs`` (T, E) fp32 the probabilities the balancing loss averages, ``logits``
+    (T, E) fp32."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    probs: torch.Tensor
+    logits: torch.Tensor
+
+
+def route(
+    logits: torch.Tensor,
+    router: str,
+    top_k: int,
+    renormalize: bool,
+    bias: torch.Tensor | None = None,
+) -> Routing:
+    """Return the routing of ``logits`` (T, E) by ``router`` (one of :data:`ROUTERS`).
+
+    ``bias`` (E,), for the sigmoid router only, is added to the scores to choose the experts;
+    the weights are the scores themselves (renormalised over the k chosen when asked).
+    """
+    logits = logits.float()
+    if router == "softmax-topk":
+        probs = logits.softmax(dim=-1)
+        weights, experts = probs.topk(top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif router == "topk-softmax":
+        probs = logits.softmax(dim=-1)
+        top, experts = logits.topk(top_k, dim=-1)
+        weights = top.softmax(dim=-1)
+    elif router == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores.detach() if bias is None else scores.detach() + bias
+        experts = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # DeepSeek-V3's balance term averages the scores normalised per token.
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"unknown router {router!r}; one of {', '.join(ROUTERS)}")
+    return Routing(experts, weights, probs, logits)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Return how many of the (T, k) choices went to each expert, (E,) int64."""
+    return torch.bincount(experts.flatten(), minlength=n_experts)
+
+
+def balance_loss(
+    probs_sum: torch.Tensor, counts: torch.Tensor, tokens: int, n_experts: int
+) -> torch.Tensor:
+    """Return E · Σₑ (countsₑ / T) · (probs_sumₑ / T): the balancing loss of T tokens whose
+    choices per expert are ``counts`` and whose probabilities per expert sum to ``probs_sum``
+    (a part of the tokens' sum gives that part of the loss, which a sum over ranks completes)."""
+    return n_experts * (counts.float() / tokens * (probs_sum / tokens)).sum()
+
+
+def capacity_of(factor: float | None, top_k: int, tokens: int, n_experts: int) -> int | None:
+    """Return each expert's slots for ``tokens`` tokens, ⌈c·k·T/E⌉, or None (dropless)."""
+    if factor is None:
+        return None
+    return math.ceil(factor * top_k * tokens / n_experts)
+
+
+def kept(
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    n_experts: int,
+    capacity: int | None,
+    policy: str,
+) -> torch.Tensor:
+    """Return which of the (T, k) assignments fit their expert's ``capacity``, a bool (T, k).
+
+    Each expert keeps its first ``capacity`` assignments in the ``policy``'s order: ``probs``,
+    the highest weights first (ties: the earlier token); ``position``, the earlier tokens first.
+    """
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    if policy not in DROP_POLICIES:
+        raise ValueError(f"unknown drop policy {policy!r}; one of {', '.join(DROP_POLICIES)}")
+    flat = experts.flatten()
+    order = torch.arange(flat.numel(), device=flat.device)  # token-major: earlier first
+    if policy == "probs":
+        order = torch.sort(-weights.detach().flatten(), stable=True).indices
+    # Within each expert, the policy's order (a stable sort by expert keeps it).
+    by_expert = order[torch.sort(flat[order], stable=True).indices]
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat)
+    rank[by_expert] = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
+    return (rank < capacity).view_as(experts)
+
+
+@dataclass
+class Dispatch:
+    """The kept assignments sorted by expert: ``tokens`` (N,) their token, ``slots`` (N,)
+    their index in the flattened (T, k) routing, ``counts`` (E,) how many each expert got."""
+
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    counts: list[int]
+
+
+def dispatch(experts: torch.Tensor, keep: torch.Tensor, n_experts: int) -> Dispatch:
+    """Return the kept assignments of ``experts`` (T, k) grouped by expert, tokens in order."""
+    k = experts.shape[1]
+    flat, keep = experts.flatten(), keep.flatten()
+    slots = keep.nonzero().flatten()
+    slots = slots[torch.sort(flat[slots], stable=True).indices]
+    counts = torch.bincount(flat[slots], minlength=n_experts).tolist()
+    return Dispatch(slots // k, slots, counts)
+
+
+class Experts(nn.Module):
+    """E expert MLPs with stacked weights, each split over the tp group like the dense MLP.
+
+    ``swiglu``: ``gate`` and ``up`` (E, f/t, h), SiLU(x·G) ⊙ (x·U), then ``proj`` (E, h, f/t);
+    ``gelu``: ``fc`` (E, f/t, h) with ``fc_bias`` (E, f/t), GeLU, then ``proj`` (E, h, f/t)
+    with ``proj_bias`` (E, h), which :meth:`forward` leaves to the caller (added once, after
+    the sum over t). Each weight is drawn whole, expert by expert, and this rank keeps its slice.
+    """
+
+    def __init__(
+        self,
+        n_experts: int,
+        hidden: int,
+        ffn: int,
+        activation: str,
+        *,
+        group: Any,
+        gen: torch.Generator,
+        init_std: float,
+        out_std: float,
+    ) -> None:
+        super().__init__()
+        t = group_size(group)
+        if ffn % t:
+            raise ValueError(f"the experts' width {ffn} does not split over tp {t}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {activation!r}")
+        self.activation, self.n_experts = activation, n_experts
+        rank = group_rank(group)
+
+        def drawn(shape: tuple[int, ...], std: float, dim: int) -> nn.Parameter:
+            full = torch.empty(shape, dtype=torch.float32)
+            if std:
+                full.normal_(0.0, std, generator=gen)
+            else:
+                full.zero_()
+            param = nn.Parameter(shard_of(full, dim, 1, rank, t).contiguous())
+            mark_split(param, dim=dim)
+            return param
+
+        if activation == "swiglu":
+            self.gate = drawn((n_experts, ffn, hidden), init_std, 1)
+            self.up = drawn((n_experts, ffn, hidden), init_std, 1)
+            self.fc = self.fc_bias = self.proj_bias = None
+        else:
+            self.fc = drawn((n_experts, ffn, hidden), init_std, 1)
+            self.fc_bias = drawn((n_experts, ffn), 0.0, 1)
+            self.gate = self.up = None
+        self.proj = drawn((n_experts, hidden, ffn), out_std, 2)
+        if activation == "gelu":
+            self.proj_bias = nn.Parameter(torch.zeros(n_experts, hidden))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Return the experts' outputs (this rank's partial sums over t, no ``proj_bias``) for
+        ``x`` (N, h), whose first ``counts[0]`` rows go to expert 0, the next to expert 1, …
+
+        A loop over the experts, one GEMM pair each (empty experts skipped).
+        """
+        outputs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = x[start : start + n]
+            start += n
+            if self.activation == "swiglu":
+                assert self.gate is not None and self.up is not None
+                h = kernels.swiglu(rows @ self.gate[e].t(), rows @ self.up[e].t())
+            else:
+                assert self.fc is not None and self.fc_bias is not None
+                h = kernels.bias_gelu(rows @ self.fc[e].t(), self.fc_bias[e])
+            outputs.append(h @ self.proj[e].t())
+        if not outputs:
+            return x.new_zeros(0, self.proj.shape[1])
+        return torch.cat(outputs)
+
+
+class _AttachAux(torch.autograd.Function):
+    """Forward: ``y`` unchanged. Backward: ``y``'s gradient, and ``aux``'s gradient set to the
+    main loss's scale, so the auxiliary loss is trained by the same backward as the output."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_like = aux.detach()
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.full_like(ctx.aux_like, _AUX_SCALE[0])
+
+
+# The gradient the auxiliary losses get: the main loss's scale (1/m micro-batches, times a
+# mixed-precision loss scale), which the step sets with :func:`aux_loss_scale`.
+_AUX_SCALE = [1.0]
+
+
+@contextmanager
+def aux_loss_scale(scale: float) -> Iterator[None]:
+    """Within, the auxiliary losses' backward is scaled by ``scale`` (what the main loss is
+    multiplied by before its backward)."""
+    before = _AUX_SCALE[0]
+    _AUX_SCALE[0] = scale
+    try:
+        yield
+    finally:
+        _AUX_SCALE[0] = before
+
+
+@dataclass
+class LayerStats:
+    """One MoE layer's figures of its last micro-batch (whole over t; detached)."""
+
+    counts: torch.Tensor  # (E,) kept assignments per expert
+    dropped: torch.Tensor  # share of the T·k assignments dropped
+    balance: torch.Tensor  # the balancing loss (without its coefficient)
+    z: torch.Tensor  # the z-loss (without its coefficient)
+
+
+class MoE(nn.Module):
+    """The MoE MLP part of a block: ``forward(x, add_bias)`` returns (output, None).
+
+    ``x`` is (b, s, h), or this rank's part of the sequence under sequence parallelism.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        ffn: int,
+        *,
+        activation: str,
+        group: Any,
+        gen: torch.Generator,
+        init_std: float,
+        out_std: float,
+        router: str = "softmax-topk",
+        renormalize: bool = False,
+        capacity_factor: float | None = None,
+        drop_policy: str = "probs",
+        aux_loss: float = 0.0,
+        z_loss: float = 0.0,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r}; one of {', '.join(ROUTERS)}")
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k {top_k} must be from 1 to the {n_experts} experts")
+        if top_k == 1 and renormalize:
+            raise ValueError("a renormalised top-1 weighs every token 1: the router learns nothing")
+        self.group = group
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.n_experts, self.top_k = n_experts, top_k
+        self.router_kind, self.renormalize = router, renormalize
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.aux_loss, self.z_loss = aux_loss, z_loss
+        self.router = nn.Linear(hidden, n_experts, bias=False)
+        with torch.no_grad():
+            self.router.weight.normal_(0.0, init_std, generator=gen)
+        self.experts = Experts(
+            n_experts,
+            hidden,
+            ffn,
+            activation,
+            group=group,
+            gen=gen,
+            init_std=init_std,
+            out_std=out_std,
+        )
+        if router == "sigmoid":
+            # Chooses experts, never weighs them; moved between steps by bias_update.
+            self.register_buffer("bias", torch.zeros(n_experts))
+        else:
+            self.bias = None
+        self.stats: LayerStats | None = None
+        self.step_counts: torch.Tensor | None = None  # (E,) summed over the step's micro-batches
+
+    def _tokens_whole(self, count: int) -> int:
+        return count * group_size(self.group) if self.sequence_parallel else count
+
+    def _sum_over_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x summed over the sequence-parallel ranks (a detached statistic)."""
+        if self.sequence_parallel:
+            x = x.clone()
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def forward(self, x: torch.Tensor, add_bias: bool = False) -> tuple[torch.Tensor, None]:
+        """Return (output, None): the bias, if any, is added here."""
+        b, s, h = x.shape
+        local = x.reshape(b * s, h)
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32, always
+            logits = F.linear(local.float(), self.router.weight.float())
+        routing = route(logits, self.router_kind, self.top_k, self.renormalize, self.bias)
+        tokens = self._tokens_whole(b * s)
+
+        # The whole micro-batch's routing, on every tp rank: under sequence parallelism each
+        # rank routed its own tokens; the experts see them all.
+        weights, experts = routing.weights, routing.experts
+        if self.sequence_parallel:
+            weights = gather_from_sequence(weights.view(b, s, -1), self.group).view(-1, self.top_k)
+            experts = _gather_ids(experts.view(b, s, -1), self.group).view(-1, self.top_k)
+            inputs = gather_from_sequence(x, self.group).reshape(-1, h)
+        else:
+            weights = copy_to_tp(weights, self.group)
+            inputs = copy_to_tp(local, self.group)
+        capacity = capacity_of(self.capacity_factor, self.top_k, tokens, self.n_experts)
+        keep = kept(experts, weights, self.n_experts, capacity, self.drop_policy)
+        plan = dispatch(experts, keep, self.n_experts)
+        out = self.experts(inputs[plan.tokens], plan.counts)
+        scale = weights.flatten()[plan.slots].unsqueeze(1)
+        y = inputs.new_zeros(inputs.shape[0], h, dtype=out.dtype)
+        y = y.index_add(0, plan.tokens, out * scale.to(out.dtype))
+        y = y.view(b, -1, h)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = reduce_from_tp(y, self.group)
+        if self.experts.proj_bias is not None:
+            # Added once, after the sum over t: this rank's tokens' kept biases, weighed.
+            mine = keep if not self.sequence_parallel else _mine(keep, b, s, self.group)
+            local_weights = routing.weights * mine
+            y = y + torch.einsum(
+                "tk,tkh->th", local_weights.to(y.dtype), self.experts.proj_bias[routing.experts]
+            ).view(b, s, h)
+
+        counts = expert_counts(experts[keep], self.n_experts)
+        probs_sum = routing.probs.sum(dim=0)
+        # Every rank's share of the whole micro-batch's losses (summed over t they are whole).
+        balance = balance_loss(probs_sum, counts, tokens, self.n_experts)
+        z = routing.logits.logsumexp(dim=-1).square().sum() / tokens
+        dropped = 1.0 - keep.sum().float() / keep.numel()
+        self.stats = LayerStats(
+            counts=counts.detach(),
+            dropped=dropped.detach(),
+            balance=self._sum_over_tp(balance.detach()),
+            z=self._sum_over_tp(z.detach()),
+        )
+        if self.training:
+            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+        aux = self.aux_loss * balance + self.z_loss * z
+        if self.training and aux.requires_grad:
+            y = _AttachAux.apply(y, aux)
+        return y.to(x.dtype), None
+
+
+def _gather_ids(ids: torch.Tensor, group: Any) -> torch.Tensor:
+    """Return the whole sequence's integer ids (b, s, k) gathered from the tp ranks."""
+    parts = [torch.empty_like(ids) for _ in range(group_size(group))]
+    dist.all_gather(parts, ids.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _mine(keep: torch.Tensor, b: int, s: int, group: Any) -> torch.Tensor:
+    """Return this rank's tokens' rows of the whole sequence's ``keep`` (b·s·t, k)."""
+    t, rank = group_size(group), group_rank(group)
+    return keep.view(b, s * t, -1)[:, rank * s : (rank + 1) * s].reshape(b * s, -1)
+
+
+def bias_update(layer: MoE, rate: float, group: Any = None) -> None:
+    """Move a sigmoid router's ``bias`` by ``rate`` · sign(mean load − load), from the token
+    counts of the step's micro-batches (summed over ``group``, the ranks that saw other
+    tokens), then forget them. Called after each optimizer step."""
+    if layer.bias is None or layer.step_counts is None:
+        layer.step_counts = None
+        return
+    load = layer.step_counts.float()
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(load, group=group)
+    with torch.no_grad():
+        layer.bias += rate * torch.sign(load.mean() - load)
+    layer.step_counts = None

@@ -1,0 +1,248 @@
+"""The MoE layer against a token-by-token reference, and its losses against transformers'."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hpcllm import kernels
+from hpcllm.model import moe
+from hpcllm.model.moe import MoE, aux_loss_scale, bias_update, capacity_of
+
+H, E, FFN = 16, 4, 24
+
+
+def _layer(router: str, activation: str = "swiglu", **kw) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(
+        H,
+        E,
+        kw.pop("top_k", 2),
+        FFN,
+        activation=activation,
+        group=None,
+        gen=torch.Generator().manual_seed(3),
+        init_std=0.5,
+        out_std=0.3,
+        router=router,
+        **kw,
+    ).double()
+    if activation == "gelu":  # non-zero biases, so that a wrong bias shows
+        with torch.no_grad():
+            layer.experts.fc_bias.normal_(0, 0.2)
+            layer.experts.proj_bias.normal_(0, 0.2)
+    return layer
+
+
+def _expert(layer: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's MLP of one token (the activations are the model's ops, which compute in
+    fp32 whatever their inputs: the reference checks routing, dispatch and combination)."""
+    ex = layer.experts
+    if ex.activation == "swiglu":
+        return kernels.swiglu(ex.gate[e] @ x, ex.up[e] @ x) @ ex.proj[e].t()
+    return kernels.bias_gelu(ex.fc[e] @ x, ex.fc_bias[e]) @ ex.proj[e].t() + ex.proj_bias[e]
+
+
+def _choose(layer: MoE, logits: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """One token's (expert, weight) choices, by the router's definition, in rank order."""
+    k = layer.top_k
+    if layer.router_kind == "sigmoid":
+        scores = logits.sigmoid()
+        bias = layer.bias if layer.bias is not None else torch.zeros_like(scores)
+        order = sorted(range(E), key=lambda e: -(scores[e].item() + bias[e].item()))[:k]
+        weights = [scores[e] for e in order]
+        if layer.renormalize:
+            total = sum(weights)
+            weights = [w / total for w in weights]
+        return list(zip(order, weights, strict=True))
+    order = sorted(range(E), key=lambda e: -logits[e].item())[:k]
+    if layer.router_kind == "topk-softmax":
+        top = torch.stack([logits[e] for e in order])
+        return list(zip(order, top.softmax(0), strict=True))
+    probs = logits.softmax(0)
+    weights = [probs[e] for e in order]
+    if layer.renormalize:
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    return list(zip(order, weights, strict=True))
+
+
+def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output, token by token: route, keep what fits each expert, sum."""
+    b, s, h = x.shape
+    tokens = x.reshape(-1, h)
+    # The router runs in fp32 whatever the layer's dtype, as the layer's does.
+    choices = [_choose(layer, layer.router.weight.float() @ t.float()) for t in tokens]
+    capacity = capacity_of(layer.capacity_factor, layer.top_k, len(tokens), E)
+    keep = {(i, j) for i, c in enumerate(choices) for j in range(len(c))}
+    if capacity is not None:
+        for e in range(E):
+            mine = [(i, j) for i, c in enumerate(choices) for j, (ce, _) in enumerate(c) if ce == e]
+            if layer.drop_policy == "probs":
+                mine.sort(key=lambda ij: (-choices[ij[0]][ij[1]][1].item(), ij[0]))
+            for ij in mine[capacity:]:
+                keep.discard(ij)
+    out = []
+    for i, token in enumerate(tokens):
+        y = torch.zeros(h, dtype=x.dtype)
+        for j, (e, w) in enumerate(choices[i]):
+            if (i, j) in keep:
+                y = y + w * _expert(layer, e, token)
+        out.append(y)
+    return torch.stack(out).view(b, s, h)
+
+
+CASES = [
+    ("softmax-topk", {}),
+    ("softmax-topk", {"renormalize": True}),
+    ("topk-softmax", {}),
+    ("sigmoid", {}),
+    ("sigmoid", {"renormalize": True}),
+]
+
+
+# make unit runs the dropless SwiGLU case of each router; make test every one.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("activation", ["swiglu", pytest.param("gelu", marks=SLOW)])
+@pytest.mark.parametrize("router, extra", CASES)
+@pytest.mark.parametrize(
+    "capacity, policy",
+    [
+        (None, "probs"),
+        pytest.param(1.0, "probs", marks=SLOW),
+        pytest.param(1.0, "position", marks=SLOW),
+        pytest.param(0.5, "probs", marks=SLOW),
+        pytest.param(0.5, "position", marks=SLOW),
+    ],
+)
+def test_the_layer_equals_a_token_by_token_reference(router, extra, activation, capacity, policy):
+    layer = _layer(
+        router, activation, capacity_factor=capacity, drop_policy=policy, aux_loss=0.0, **extra
+    )
+    if router == "sigmoid":
+        with torch.no_grad():
+            layer.bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1], dtype=torch.float64))
+    x = torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, bias = layer(x1)
+    assert bias is None
+    want = _reference(layer, x2)
+    # Within 1e-6 of the largest output: the router's fp32 logits, summed in another order
+    # (a whole batch against one token), differ in their last bit.
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    # Gradients of a loss through both: inputs and every weight.
+    weights = torch.randn_like(y)
+    grads = torch.autograd.grad((y * weights).sum(), [x1, *layer.parameters()], allow_unused=True)
+    wants = torch.autograd.grad(
+        (want * weights).sum(), [x2, *layer.parameters()], allow_unused=True
+    )
+    for got, expected in zip(grads, wants, strict=True):
+        if expected is None:
+            assert got is None or not got.abs().sum()
+        else:
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * scale)
+    if capacity is not None:
+        dropped = layer.stats.dropped.item()
+        slots = capacity_of(capacity, 2, 10, E)
+        assert dropped >= max(0.0, 1 - E * slots / 20) - 1e-6  # at least what cannot fit
+
+
+def test_capacity_drops_the_policys_choice():
+    # Four tokens all to expert 0 and 1 (top-2 of 4 experts), one slot each: `position` keeps
+    # the first token, `probs` the one with the largest weight.
+    layer = _layer("softmax-topk", capacity_factor=0.5, drop_policy="position")
+    assert capacity_of(0.5, 2, 4, E) == 1
+    experts = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1]])
+    weights = torch.tensor([[0.5, 0.1], [0.9, 0.05], [0.6, 0.3], [0.7, 0.2]])
+    by_position = moe.kept(experts, weights, E, 1, "position")
+    assert by_position.tolist() == [[True, True], [False, False], [False, False], [False, False]]
+    by_probs = moe.kept(experts, weights, E, 1, "probs")
+    assert by_probs.tolist() == [[False, False], [True, False], [True, False], [False, False]]
+    del layer
+
+
+def test_a_renormalised_top1_is_refused():
+    with pytest.raises(ValueError, match="renormalised top-1"):
+        _layer("softmax-topk", top_k=1, renormalize=True)
+
+
+def _transformers_balance(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func((logits,), E, top_k)
+
+
+@pytest.mark.slow  # importing transformers takes seconds
+@pytest.mark.parametrize("router", ["softmax-topk", "topk-softmax"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_balancing_loss_is_transformers_for_one_layer(router, top_k):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, E, generator=gen, requires_grad=True)  # fp32, as routers are
+    routing = moe.route(logits, router, top_k, renormalize=False)
+    counts = moe.expert_counts(routing.experts, E)
+    ours = moe.balance_loss(routing.probs.sum(0), counts, 37, E)
+    theirs = _transformers_balance(logits, top_k)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    (g_theirs,) = torch.autograd.grad(theirs, logits)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-6, atol=1e-6 * g_theirs.abs().max().item())
+
+
+def _router_grad(layer: MoE, x: torch.Tensor, scale: float, explicit: bool) -> torch.Tensor:
+    """The router's gradient of scale · (main + 0.1·balance + 0.01·z): through the layer's
+    attached losses, or (``explicit``) with the layer's off and the losses written out."""
+    layer.zero_grad()
+    layer.aux_loss, layer.z_loss = (0.0, 0.0) if explicit else (0.1, 0.01)
+    with aux_loss_scale(scale):
+        y, _ = layer(x)
+        loss = 1e-3 * y.sum()  # small: the auxiliary losses dominate the router's gradient
+        if explicit:
+            logits = x.reshape(-1, H).float() @ layer.router.weight.float().t()
+            routing = moe.route(logits, "softmax-topk", 2, False)
+            counts = moe.expert_counts(routing.experts, E)
+            balance = moe.balance_loss(routing.probs.sum(0), counts, 10, E)
+            z = logits.logsumexp(-1).square().mean()
+            loss = loss + 0.1 * balance + 0.01 * z
+            assert layer.stats.balance.item() == pytest.approx(balance.item())
+            assert layer.stats.z.item() == pytest.approx(z.item())
+        (scale * loss).backward()
+    return layer.router.weight.grad.clone()
+
+
+def test_the_auxiliary_losses_reach_the_router_with_the_main_losss_scale():
+    layer = _layer("softmax-topk")
+    x = torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = _router_grad(layer, x, 0.25, explicit=True)  # 0.25: e.g. 1/m micro-batches
+    got = _router_grad(layer, x, 0.25, explicit=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    # The scale matters: at another one the attached losses give another gradient.
+    assert not torch.allclose(_router_grad(layer, x, 1.0, explicit=False), want, rtol=1e-2)
+
+
+def test_the_sigmoid_bias_moves_toward_the_mean_load_and_only_chooses():
+    layer = _layer("sigmoid", top_k=1)
+    x = torch.randn(4, 8, H, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    layer(x)
+    layer(x)  # two micro-batches of one step
+    load = layer.step_counts.clone()
+    assert load.sum() == 2 * 32
+    bias_update(layer, 0.001)
+    want = 0.001 * torch.sign(load.double().mean() - load.double())
+    torch.testing.assert_close(layer.bias, want.to(layer.bias.dtype))
+    assert layer.step_counts is None
+    # The bias picks experts; the weights stay the scores.
+    logits = torch.tensor([[0.0, 1.0, 0.5, -1.0]], dtype=torch.float64)
+    picked = moe.route(logits, "sigmoid", 1, False, torch.tensor([2.0, 0, 0, 0]).double())
+    assert picked.experts.item() == 0
+    assert picked.weights.item() == pytest.approx(0.5)  # sigmoid(0), not shifted
+
+
+def test_capacity_of_counts_the_micro_batch():
+    assert capacity_of(None, 2, 100, 8) is None
+    assert capacity_of(1.0, 2, 100, 8) == 25
+    assert capacity_of(1.25, 2, 100, 8) == math.ceil(31.25)
