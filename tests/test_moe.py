@@ -31,15 +31,16 @@ def _layer(router: str, activation: str = "swiglu", **kw) -> MoE:
     ).double()
     if activation == "gelu":  # non-zero biases, so that a wrong bias shows
         with torch.no_grad():
-            layer.experts.fc_bias.normal_(0, 0.2)
-            layer.experts.proj_bias.normal_(0, 0.2)
+            for ex in filter(None, (layer.experts, layer.shared)):
+                ex.fc_bias.normal_(0, 0.2)
+                ex.proj_bias.normal_(0, 0.2)
     return layer
 
 
-def _expert(layer: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+def _expert(layer: MoE, e: int, x: torch.Tensor, ex: moe.Experts | None = None) -> torch.Tensor:
     """Expert e's MLP of one token (the activations are the model's ops, which compute in
     fp32 whatever their inputs: the reference checks routing, dispatch and combination)."""
-    ex = layer.experts
+    ex = ex or layer.experts
     if ex.activation == "swiglu":
         return kernels.swiglu(ex.gate[e] @ x, ex.up[e] @ x) @ ex.proj[e].t()
     return kernels.bias_gelu(ex.fc[e] @ x, ex.fc_bias[e]) @ ex.proj[e].t() + ex.proj_bias[e]
@@ -90,6 +91,11 @@ def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         for j, (e, w) in enumerate(choices[i]):
             if (i, j) in keep:
                 y = y + w * _expert(layer, e, token)
+        if layer.shared is not None:
+            gate = 1.0
+            if layer.shared_gate is not None:
+                gate = (layer.shared_gate.weight[0] @ token).sigmoid()
+            y = y + gate * _expert(layer, 0, token, layer.shared)
         out.append(y)
     return torch.stack(out).view(b, s, h)
 
@@ -97,7 +103,9 @@ def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
 CASES = [
     ("softmax-topk", {}),
     ("softmax-topk", {"renormalize": True}),
+    ("softmax-topk", {"renormalize": True, "shared_ffn": 8, "shared_gate": True}),  # Qwen
     ("topk-softmax", {}),
+    ("topk-softmax", {"shared_ffn": 8}),
     ("sigmoid", {}),
     ("sigmoid", {"renormalize": True}),
 ]

@@ -319,6 +319,8 @@ class MoE(nn.Module):
         drop_policy: str = "probs",
         aux_loss: float = 0.0,
         z_loss: float = 0.0,
+        shared_ffn: int = 0,
+        shared_gate: bool = False,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
@@ -347,6 +349,29 @@ class MoE(nn.Module):
             init_std=init_std,
             out_std=out_std,
         )
+        # A shared expert every token goes through (Qwen-MoE, DeepSeek), drawn after the
+        # routed ones, optionally scaled by a sigmoid gate of the token.
+        self.shared = (
+            Experts(
+                1,
+                hidden,
+                shared_ffn,
+                activation,
+                group=group,
+                gen=gen,
+                init_std=init_std,
+                out_std=out_std,
+            )
+            if shared_ffn
+            else None
+        )
+        self.shared_gate = None
+        if shared_gate:
+            if not shared_ffn:
+                raise ValueError("a shared gate needs a shared expert")
+            self.shared_gate = nn.Linear(hidden, 1, bias=False)
+            with torch.no_grad():
+                self.shared_gate.weight.normal_(0.0, init_std, generator=gen)
         if router == "sigmoid":
             # Chooses experts, never weighs them; moved between steps by bias_update.
             self.register_buffer("bias", torch.zeros(n_experts))
@@ -357,6 +382,18 @@ class MoE(nn.Module):
 
     def _tokens_whole(self, count: int) -> int:
         return count * group_size(self.group) if self.sequence_parallel else count
+
+    def _whole(self, per_token: torch.Tensor | None, b: int, s: int) -> torch.Tensor | None:
+        """Return this rank's per-token (T, n) router output for every token of the
+        micro-batch: gathered from the sequence-parallel ranks (its gradient reduced and
+        split back), else the same tensor, whose gradient is summed over t (each rank's
+        partial outputs give a part of it)."""
+        if per_token is None:
+            return None
+        if self.sequence_parallel:
+            n = per_token.shape[-1]
+            return gather_from_sequence(per_token.view(b, s, n), self.group).view(-1, n)
+        return copy_to_tp(per_token, self.group)
 
     def _sum_over_tp(self, x: torch.Tensor) -> torch.Tensor:
         """Return x summed over the sequence-parallel ranks (a detached statistic)."""
@@ -376,13 +413,15 @@ class MoE(nn.Module):
 
         # The whole micro-batch's routing, on every tp rank: under sequence parallelism each
         # rank routed its own tokens; the experts see them all.
-        weights, experts = routing.weights, routing.experts
+        experts = routing.experts
+        gate = None
+        if self.shared_gate is not None:
+            gate = F.linear(local, self.shared_gate.weight).sigmoid()  # (T, 1)
+        weights, all_gate = self._whole(routing.weights, b, s), self._whole(gate, b, s)
         if self.sequence_parallel:
-            weights = gather_from_sequence(weights.view(b, s, -1), self.group).view(-1, self.top_k)
             experts = _gather_ids(experts.view(b, s, -1), self.group).view(-1, self.top_k)
             inputs = gather_from_sequence(x, self.group).reshape(-1, h)
         else:
-            weights = copy_to_tp(weights, self.group)
             inputs = copy_to_tp(local, self.group)
         capacity = capacity_of(self.capacity_factor, self.top_k, tokens, self.n_experts)
         keep = kept(experts, weights, self.n_experts, capacity, self.drop_policy)
@@ -391,6 +430,9 @@ class MoE(nn.Module):
         scale = weights.flatten()[plan.slots].unsqueeze(1)
         y = inputs.new_zeros(inputs.shape[0], h, dtype=out.dtype)
         y = y.index_add(0, plan.tokens, out * scale.to(out.dtype))
+        if self.shared is not None:
+            shared = self.shared(inputs, [inputs.shape[0]])
+            y = y + (shared if all_gate is None else shared * all_gate.to(shared.dtype))
         y = y.view(b, -1, h)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)
@@ -403,6 +445,13 @@ class MoE(nn.Module):
             y = y + torch.einsum(
                 "tk,tkh->th", local_weights.to(y.dtype), self.experts.proj_bias[routing.experts]
             ).view(b, s, h)
+            if self.shared is not None:
+                assert self.shared.proj_bias is not None
+                bias = self.shared.proj_bias[0]
+                if gate is None:
+                    y = y + bias
+                else:  # this rank's tokens' gates
+                    y = y + (gate.to(y.dtype) * bias).view(b, s, h)
 
         counts = expert_counts(experts[keep], self.n_experts)
         probs_sum = routing.probs.sum(dim=0)

@@ -33,11 +33,14 @@ def layer(group, sp: bool, activation: str, capacity) -> MoE:
         aux_loss=0.1,
         z_loss=0.01,
         sequence_parallel=sp,
+        shared_ffn=8,
+        shared_gate=activation == "swiglu",
     )
     if activation == "gelu":
         with torch.no_grad():
             gen = torch.Generator().manual_seed(8)
             m.experts.proj_bias.normal_(0, 0.2, generator=gen)
+            m.shared.proj_bias.normal_(0, 0.2, generator=gen)
     return m
 
 
@@ -67,8 +70,11 @@ def run(grid, sp: bool, activation: str, capacity) -> dict:
         torch.distributed.all_reduce(router_grad, group=group)
 
     experts = {}
-    for name, p in par.experts.named_parameters():
-        whole = getattr(serial.experts, name).grad
+    wholes = dict(serial.named_parameters())
+    for name, p in par.named_parameters():
+        if name == "router.weight":
+            continue
+        whole = wholes[name].grad
         split = getattr(p, "partition", None)
         want = shard_of(whole, split[0], 1, rank, t) if split else whole
         got = p.grad.clone()
