@@ -6,14 +6,23 @@ validation split when ``floor((i+1)·f) > floor(i·f)`` for ``--val-fraction f``
 its split a document goes to shard ``index_in_split mod shards``, and rank ``r`` writes the
 shards whose global number (train first, then val) is ``r`` modulo the world size, so ranks
 read, tokenize and write disjoint parts with no communication until the manifest.
+
+Rank 0 holds ``--out``'s lock (:mod:`hpcllm.folder_lock`) from before the tokenizer is made to
+the end, so a second prepare on the same folder is refused naming the first. The dataset is
+written into a staging folder beside ``--out`` and swapped in by :func:`_swap_in`, whose one
+commit point is the manifest: a prepare refused, failed or killed at any instant leaves the
+whole earlier dataset or the whole new one.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
+import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,7 +51,8 @@ from hpcllm.datasets.tokenizer import (
     train_bpe,
 )
 from hpcllm.errors import UserError
-from hpcllm.files import durable_replace, partial_path, sweep_partials
+from hpcllm.files import atomic_write, durable_replace, fsync_path, partial_path, sweep_partials
+from hpcllm.folder_lock import FolderLock, Wording, take
 
 _ENCODE_BATCH = 64
 
@@ -139,24 +149,139 @@ def split_of(doc_id: int, val_fraction: float) -> tuple[str, int]:
     return "train", doc_id - val_before
 
 
-def _swap_in(stage: Path, out: Path) -> None:
-    """Replace the dataset in ``out`` by the complete one in ``stage``, and remove ``stage``.
+# The files a prepare writes into --out beside the manifest, under their own names
+# (train-00000.h5, tokenizer.json) or a generation's (train-00000.g1.h5, tokenizer.g1.json):
+# those of them that the manifest does not name are removed (see _swap_in).
+_DATASET_FILE = re.compile(
+    rf"^(?:(?:{'|'.join(SPLITS)})-\d+(?:\.g\d+)?\.h5"
+    rf"|(?:{re.escape(Path(TOKENIZER_FILE).stem)}|{re.escape(Path(CONFIG_FILE).stem)})"
+    r"(?:\.g\d+)?\.json)$"
+)
+_WORDING = Wording(
+    writer="prepare", folder="data folder", instead="give this prepare another --out"
+)
 
-    The old manifest goes first (from then on no reader takes the old dataset), then its shards,
-    then the new shards and tokenizer move in and the new manifest comes last: a reader sees
-    the old dataset, no dataset, or the new one. Files of ``out`` that are not a dataset's stay.
+
+def _warn(message: str) -> None:
+    print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _say_removed(out: Path, removed: list[Path]) -> None:
+    """Say, in one line, which dataset files no manifest named were removed from ``out``."""
+    if removed:
+        names = ", ".join(p.name for p in removed[:4]) + (", …" if len(removed) > 4 else "")
+        print(
+            f"hpcllm: removed {len(removed)} file(s) of {out} that its manifest does not name, "
+            f"left by a prepare that was killed ({names})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _files_of(manifest: dict[str, Any]) -> list[str]:
+    """Return the files a manifest names: its tokenizer (and config), then its shards."""
+    tokenizer = manifest["tokenizer"]
+    names = [tokenizer["file"]] + (
+        [tokenizer["config_file"]] if tokenizer.get("config_file") else []
+    )
+    return names + [
+        entry["file"] for split in SPLITS for entry in manifest["splits"].get(split, [])
+    ]
+
+
+def _named_in(folder: Path) -> set[str] | None:
+    """Return the files the manifest in ``folder`` names: none where it has no manifest, None
+    where its manifest cannot be read."""
+    if not (folder / MANIFEST).exists():
+        return set()
+    try:
+        return set(_files_of(json.loads((folder / MANIFEST).read_text())))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _remove_unnamed(out: Path, keep: set[str]) -> list[Path]:
+    """Remove the dataset files in ``out`` that are not in ``keep``; return them.
+
+    Those are an earlier dataset's, or a swap's that was killed: no manifest names them. Other
+    files (anything not named like a shard or a tokenizer) stay.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
-    (out / CONFIG_FILE).unlink(missing_ok=True)  # an earlier tokenizer's; the new one's comes
-    for pattern in ("train-*.h5", "val-*.h5"):
-        for path in out.glob(pattern):
+    removed = []
+    for path in sorted(out.iterdir()):
+        if _DATASET_FILE.match(path.name) and path.name not in keep and path.is_file():
             path.unlink()
-    for path in sorted(stage.iterdir()):
-        if path.name != MANIFEST:
-            durable_replace(path, out / path.name)
+            removed.append(path)
+    return removed
+
+
+def _with_names(manifest: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """Return ``manifest`` with each file it names renamed by ``names``."""
+    renamed = copy.deepcopy(manifest)
+    tokenizer = renamed["tokenizer"]
+    for key in ("file", "config_file"):
+        if tokenizer.get(key):
+            tokenizer[key] = names[tokenizer[key]]
+    for split in SPLITS:
+        for entry in renamed["splits"].get(split, []):
+            entry["file"] = names[entry["file"]]
+    return renamed
+
+
+def _generation_names(out: Path, files: list[str], taken: set[str]) -> dict[str, str]:
+    """Return a name for each of ``files`` that is neither in ``taken`` nor in ``out``:
+    ``train-00000.gN.h5`` for ``train-00000.h5``, with the smallest such N."""
+    generation = 1
+    while True:
+        names = {f: f"{Path(f).stem}.g{generation}{Path(f).suffix}" for f in files}
+        if not any(n in taken or (out / n).exists() for n in names.values()):
+            return names
+        generation += 1
+
+
+def _swap_in(stage: Path, out: Path) -> dict[str, Any]:
+    """Replace the dataset in ``out`` by the complete one in ``stage``; return the manifest
+    now in ``out``, and remove ``stage``.
+
+    The manifest is the one commit point: whatever instant this is killed at, the manifest in
+    ``out`` names files that are all there and all of one dataset (a reader opens only what it
+    names), the earlier one or the new one. The new files move in under names the earlier
+    dataset does not use: their own where they are free, else a generation's
+    (``train-00000.g1.h5``); then the new manifest replaces the old in one rename, and the
+    earlier dataset's files go. A generation's files are then hard-linked to their own names
+    and a second manifest names those, so a dataset keeps the names it always had; a file
+    system without hard links keeps the generation's. Dataset files no manifest names (an
+    interrupted swap's) are removed; other files of ``out`` stay.
+    """
+    new = json.loads((stage / MANIFEST).read_text())
+    files = _files_of(new)
+    old = _named_in(out) or set()  # a manifest that cannot be read names no dataset
+    _remove_unnamed(out, keep=old)
+    names = {f: f for f in files}
+    if old & set(files):
+        names = _generation_names(out, files, old)
+    for name in files:
+        durable_replace(stage / name, out / names[name])
+    if names == {f: f for f in files}:
+        durable_replace(stage / MANIFEST, out / MANIFEST)
+        _remove_unnamed(out, keep=set(files))
+        stage.rmdir()
+        return new
+    committed = _with_names(new, names)
+    atomic_write(out / MANIFEST, json.dumps(committed, indent=2) + "\n")
+    _remove_unnamed(out, keep=set(names.values()))  # the earlier dataset goes
+    try:
+        for name in files:
+            os.link(out / names[name], out / name)
+        fsync_path(out)
+    except OSError:
+        # No hard links here (or no room for one): the dataset keeps its generation's names,
+        # and the links already made, which no manifest names, go.
+        _remove_unnamed(out, keep=set(names.values()))
+        return committed
     durable_replace(stage / MANIFEST, out / MANIFEST)
+    _remove_unnamed(out, keep=set(files))
     stage.rmdir()
+    return new
 
 
 def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) -> Tokenizer:
@@ -204,6 +329,37 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     started = time.perf_counter()
     sources = find_sources(list(opts.inputs), opts.corpus)
     out = opts.out.absolute()  # `--out .` has a parent to stage in too
+    held = _lock(out, world)
+    try:
+        return _prepare_locked(opts, out, sources, world, started, progress)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _lock(out: Path, world: _World) -> FolderLock | None:
+    """Take ``out``'s lock on rank 0 (None on the others); a refusal is raised on every rank."""
+    held, error = None, None
+    if world.rank == 0:
+        try:
+            held = take(out, _warn, _WORDING)
+        except UserError as err:
+            error = str(err)
+    error = world.bcast(error)
+    if error:
+        raise UserError(error)
+    return held
+
+
+def _prepare_locked(
+    opts: PrepareOptions,
+    out: Path,
+    sources: list[Source],
+    world: _World,
+    started: float,
+    progress: bool,
+) -> dict[str, Any]:
+    """:func:`prepare` once rank 0 holds ``out``'s lock."""
     # Everything that can refuse runs before anything is written: the tokenizer (a file that
     # must load, or a BPE to train) here, the corpus as it is read. The shards go to a staging
     # folder beside ``out`` and replace its dataset only when complete, so a refused, failed
@@ -212,9 +368,11 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     stage, error = None, None
     if world.rank == 0:
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
             sweep_partials(out.parent)  # what a killed prepare left
             sweep_partials(out)
+            named = _named_in(out)
+            if named is not None:  # else the swap removes them, once the new dataset is whole
+                _say_removed(out, _remove_unnamed(out, keep=named))
             stage = partial_path(out)
             stage.mkdir()
         except OSError as err:
@@ -223,13 +381,20 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     if error:
         raise UserError(error)
     try:
-        manifest = _prepare_into(stage, opts, sources, tokenizer, world, started, progress)
+        _prepare_into(stage, opts, sources, tokenizer, world, started, progress)
+        committed, error = None, None
         if world.rank == 0:
-            _swap_in(stage, out)
+            try:
+                committed = _swap_in(stage, out)
+            except OSError as err:
+                error = f"cannot replace the dataset in {out}: {err.strerror or err}"
+        committed, error = world.bcast((committed, error))
+        if error:
+            raise UserError(error)
     finally:
         if world.rank == 0:
             shutil.rmtree(stage, ignore_errors=True)
-    return manifest
+    return committed
 
 
 def _prepare_into(

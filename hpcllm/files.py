@@ -21,6 +21,21 @@ from pathlib import Path
 from hpcllm.user_error import UserError
 
 
+def fs_error(operation: str, path: Path, err: OSError) -> UserError:
+    """Return a one-line UserError for a failed file-system ``operation`` on ``path``."""
+    reason = err.strerror or str(err)
+    return UserError(f"cannot {operation} {path}: {reason}")
+
+
+@contextmanager
+def fs_errors(operation: str, path: Path) -> Iterator[None]:
+    """Turn an OSError inside into :func:`fs_error`'s one line."""
+    try:
+        yield
+    except OSError as err:
+        raise fs_error(operation, path, err) from None
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's or a folder's data and metadata to disk."""
     fd = os.open(path, os.O_RDONLY)

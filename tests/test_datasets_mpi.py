@@ -1,5 +1,6 @@
 import io
 import json
+import os
 
 import pytest
 from datasets_fixtures import make_corpus, split_docs
@@ -7,6 +8,7 @@ from mpirun import python, run_mpi
 
 from hpcllm.datasets import inspection
 from hpcllm.datasets.shards import load_manifest
+from hpcllm.folder_lock import LOCK, Wording, take
 
 pytestmark = pytest.mark.mpi
 
@@ -121,3 +123,37 @@ def test_error_in_one_ranks_part_aborts_the_job_with_its_name(tmp_path):
         result.rank_stderr.values()
     )
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_prepare_on_a_locked_out_is_refused_on_every_rank_not_a_hang(tmp_path):
+    inputs, _ = make_corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    # This test process plays a prepare that holds --out.
+    held = take(out, print, Wording(writer="prepare", folder="data folder", instead="wait"))
+    try:
+        result = run_mpi(
+            2,
+            python(
+                "-m",
+                "hpcllm",
+                "prepare",
+                "--input",
+                *inputs,
+                "--tokenizer",
+                "byte",
+                "--out",
+                str(out),
+                "--quiet",
+            ),
+            timeout=120,
+        )
+        # Nothing written: in --out but the holder's lock, nor beside it.
+        assert [p.name for p in out.iterdir()] == [LOCK]
+        assert not list(tmp_path.glob(".out.partial-*"))
+    finally:
+        held.release()
+    assert result.returncode == 2
+    lines = [line for text in result.rank_stderr.values() for line in text.splitlines()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"hpcllm: error: {out} is in use by another prepare (pid {os.getpid()} on "
+    ), lines

@@ -19,6 +19,7 @@ from hpcllm.datasets.prepare import PrepareOptions, prepare, split_of
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.shards import load_manifest
 from hpcllm.errors import UserError
+from hpcllm.folder_lock import LOCK
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -264,12 +265,15 @@ def test_killed_prepare_leaves_the_earlier_dataset_and_the_next_removes_its_stag
     proc.wait()
     stages = list(tmp_path.glob(".out.partial-*"))
     assert len(stages) == 1
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    # Untouched, but for the lock file the killed prepare held, which no process holds now.
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != LOCK} == before
+    assert json.loads((out / LOCK).read_text())["pid"] == proc.pid
     MicroBatchReader(out, seq_len=8, micro_batch_size=1)  # and readable
     again = cli(*_prepare_args(out, "--input", str(tmp_path / "src"), "--tokenizer", "byte"))
     assert again.returncode == 0, again.stderr
     assert f"removed {stages[0]}, left by process" in again.stderr
-    assert not list(tmp_path.glob(".out.partial-*"))
+    assert f"taking over the lock of {out} from pid {proc.pid} on " in again.stderr
+    assert not list(tmp_path.glob(".out.partial-*")) and not (out / LOCK).exists()
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ LAYERS = [
     # __init__: __version__, and load_model resolved on first use (LAZY_EXPORTS)
     ("package", ["hpcllm"]),
     ("user error", ["hpcllm.user_error"]),
-    ("launcher", ["hpcllm.launcher", "hpcllm.files", "hpcllm.startup"]),
+    ("launcher", ["hpcllm.launcher", "hpcllm.files", "hpcllm.folder_lock", "hpcllm.startup"]),
     ("errors", ["hpcllm.errors", "hpcllm.watchdog"]),
     ("topology", ["hpcllm.topology"]),
     ("config", ["hpcllm.keys", "hpcllm.config", "hpcllm.flops", "hpcllm.families"]),

@@ -1,12 +1,13 @@
 """The run folder: one run at a time, and nothing an earlier run wrote is ever deleted.
 
 A run takes the folder's lock before it writes anything there (rank 0, for the whole job):
-an ``fcntl`` lock on ``RUN_DIR/.hpcllm.lock``, which holds the holder's host and pid. A second
-job on the same folder exits 2 naming the first. The kernel drops an ``fcntl`` lock when its
-process dies, so a lock file left by a dead job is taken over (with a warning). Where the file
-system has no ``fcntl`` locks (some Lustre and NFS mounts), the lock is the exclusive creation
-of ``RUN_DIR/.hpcllm.lock.excl`` instead; such a file left by a dead job on this host is taken
-over, one from another host must be removed by hand (the message says which file).
+:mod:`hpcllm.folder_lock`'s ``fcntl`` lock on ``RUN_DIR/.hpcllm.lock``, which holds the
+holder's host and pid. A second job on the same folder exits 2 naming the first. The kernel
+drops an ``fcntl`` lock when its process dies, so a lock file left by a dead job is taken over
+(with a warning). Where the file system has no ``fcntl`` locks (some Lustre and NFS mounts),
+the lock is the exclusive creation of ``RUN_DIR/.hpcllm.lock.excl`` instead; such a file left
+by a dead job on this host is taken over, one from another host must be removed by hand (the
+message says which file).
 
 ``run.resume: none`` over a folder that holds checkpoints refuses, unless ``run.overwrite:
 true``: then the old run moves aside to ``RUN_DIR.old-YYYYmmdd-HHMMSS`` whole, never deleted.
@@ -17,44 +18,30 @@ should be, a full disk) are one line naming the path and the operation.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import json
-import os
 import shutil
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcllm.errors import UserError
+from hpcllm.files import fs_error as fs_error  # run_dir.fs_error: the run's callers use it
+from hpcllm.files import fs_errors
+from hpcllm.folder_lock import (
+    EXCLUSIVE_LOCK,
+    LOCK,
+    FolderLock,
+    Wording,
+    alive_here,
+    describe,
+    take,
+)
 
-LOCK = ".hpcllm.lock"
-EXCLUSIVE_LOCK = ".hpcllm.lock.excl"
-# errnos meaning "this file system has no fcntl locks"
 # The files beside the checkpoints that say what a run's token ids mean: its tokenizer (and a
 # Hugging Face tokenizer's BOS/EOS), the synthetic-data record, the config.json of a Hugging
 # Face import (its BOS/EOS ids when it came without a tokenizer). A re-cut carries them.
 IMPORTED_CONFIG = "hf_config.json"  # the config.json of a Hugging Face import
 MEANING_FILES = ("tokenizer.json", "tokenizer_config.json", "synthetic-data.json", IMPORTED_CONFIG)
-
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-
-
-def fs_error(operation: str, path: Path, err: OSError) -> UserError:
-    """Return a one-line UserError for a failed file-system ``operation`` on ``path``."""
-    reason = err.strerror or str(err)
-    return UserError(f"cannot {operation} {path}: {reason}")
-
-
-@contextlib.contextmanager
-def fs_errors(operation: str, path: Path) -> Iterator[None]:
-    """Turn an OSError inside into :func:`fs_error`'s one line."""
-    try:
-        yield
-    except OSError as err:
-        raise fs_error(operation, path, err) from None
 
 
 def copy_meaning_files(source: Path, folder: Path) -> None:
@@ -94,51 +81,24 @@ def lock_holder(run_dir: Path) -> str | None:
         text = (run_dir / LOCK).read_text()
     except OSError:
         return None
-    alive = _alive_here(text)
+    alive = alive_here(text)
     state = {True: "running", False: "not running: the next run takes the lock over"}
     known = f" ({state[alive]})" if alive is not None else ""
-    return f"{run_dir / LOCK} held by {_describe(text)}{known}"
-
-
-def _holder() -> dict[str, object]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-
-
-def _describe(text: str) -> str:
-    try:
-        holder = json.loads(text)
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
-        return f"pid {holder['pid']} on {holder['host']} since {when}"
-    except (ValueError, KeyError, TypeError):
-        return "an unknown process"
-
-
-def _alive_here(text: str) -> bool | None:
-    """Return whether the holder in ``text`` runs on this host (None: another host, unknown)."""
-    try:
-        holder = json.loads(text)
-    except ValueError:
-        return False
-    if holder.get("host") != socket.gethostname():
-        return None
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, KeyError, TypeError, ValueError):
-        return True
-    return True
+    return f"{run_dir / LOCK} held by {describe(text)}{known}"
 
 
 @dataclass
 class RunLock:
     """This job's hold on a run folder; :meth:`release` when the run ends."""
 
-    path: Path
-    fd: int | None  # the fcntl-locked file, or None for the exclusive-create file
-    created_folder: bool = False
+    held: FolderLock
     users: int = 1  # trainers of this process holding it (the lock is the process's)
     moved_aside: Path | None = None  # where claim() moved an earlier run
+
+    @property
+    def path(self) -> Path:
+        """Return the lock file."""
+        return self.held.path
 
     def undo_move(self) -> None:
         """Put an earlier run that :func:`claim` moved aside back (a run that failed to start).
@@ -165,17 +125,10 @@ class RunLock:
         if self.users:
             return
         _HELD.pop(self.path.parent.resolve(), None)
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-                os.close(self.fd)
-            self.fd = None
-        if self.created_folder:
-            with contextlib.suppress(OSError):
-                self.path.parent.rmdir()  # only if empty
+        self.held.release()
 
+
+_WORDING = Wording(writer="run", folder="run folder", instead="give this run another run.dir")
 
 # Folders this process holds: a second trainer of the same process (tests, notebooks) shares
 # the hold instead of locking itself out.
@@ -188,83 +141,9 @@ def lock(run_dir: Path, warn: Callable[[str], None]) -> RunLock:
     if held is not None and held.users:
         held.users += 1
         return held
-    taken = _take(run_dir, warn)
+    taken = RunLock(take(run_dir, warn, _WORDING))
     _HELD[run_dir.resolve()] = taken
     return taken
-
-
-def _take(run_dir: Path, warn: Callable[[str], None]) -> RunLock:
-    created = not run_dir.exists()
-    with fs_errors("create the run folder", run_dir):
-        run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK
-    with fs_errors("open the lock file", path):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_ino != os.stat(path).st_ino:
-            # The holder removed the file between our open and our lock (it was releasing):
-            # the lock we got is on a file nobody else will look at. Start over.
-            os.close(fd)
-            return _take(run_dir, warn)
-    except OSError as err:
-        previous = _read(path)
-        os.close(fd)
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise UserError(
-                f"{run_dir} is in use by another run ({_describe(previous)}); wait for it, "
-                "or give this run another run.dir"
-            ) from None
-        if err.errno in _NO_LOCKS:
-            held = _exclusive_lock(run_dir, warn)
-            held.created_folder = created
-            with contextlib.suppress(OSError):
-                path.unlink()
-            return held
-        raise fs_error("lock", path, err) from None
-    previous = _read(path)
-    if previous.strip():
-        warn(f"taking over the lock of {run_dir} from {_describe(previous)}, no longer running")
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
-    except OSError as err:
-        os.close(fd)  # and with it the lock
-        raise fs_error("write the lock file", path, err) from None
-    return RunLock(path, fd, created)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def _exclusive_lock(run_dir: Path, warn: Callable[[str], None]) -> RunLock:
-    """The lock of a file system without fcntl locks: create a file that must not exist."""
-    path = run_dir / EXCLUSIVE_LOCK
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            previous = _read(path)
-            alive = _alive_here(previous)
-            if alive is False:
-                warn(f"taking over the lock of {run_dir} from {_describe(previous)}, gone")
-                with fs_errors("remove the stale lock file", path):
-                    path.unlink()
-                continue
-            where = "" if alive else f"; if that job has ended, remove {path}"
-            raise UserError(
-                f"{run_dir} is in use by another run ({_describe(previous)}){where}"
-            ) from None
-        except OSError as err:
-            raise fs_error("create the lock file", path, err) from None
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(_holder()))
-        return RunLock(path, None)
-    raise UserError(f"cannot take the lock {path}: it keeps reappearing")
 
 
 def move_aside(run_dir: Path) -> Path:
