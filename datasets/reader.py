@@ -168,15 +168,27 @@ def rank_samples(
     return order[first : first + micro_batch_size]
 
 
-def micro_steps_per_epoch(n_samples: int, split: str, seq_len: int, plan: BatchPlan) -> int:
+# What to do about a split too small for one global micro-batch, in the words of whoever
+# reads it: the trainer's keys (TRAIN_ADVICE, VAL_ADVICE), or, by default, plain words.
+READER_ADVICE = "use more data, shorter sequences or smaller micro-batches"
+TRAIN_ADVICE = "use more data, a shorter model.seq_len or a smaller train.micro_batch_size"
+VAL_ADVICE = (
+    "prepare the data with a larger --val-fraction, or train at a shorter model.seq_len or "
+    "a smaller train.micro_batch_size"
+)
+
+
+def micro_steps_per_epoch(
+    n_samples: int, split: str, seq_len: int, plan: BatchPlan, advice: str = READER_ADVICE
+) -> int:
     """Return how many global micro-batches (``plan.micro_step`` samples) a split of
-    ``n_samples`` samples holds; a UserError when it holds none."""
+    ``n_samples`` samples holds; a UserError ending in ``advice`` when it holds none."""
     steps = n_samples // plan.micro_step
     if steps == 0:
         raise UserError(
             f"the {split} split has {n_samples} samples of {seq_len} tokens, "
             f"fewer than one global micro-batch ({plan.dp} ranks x {plan.micro_batch_size}); "
-            "use more data or a shorter sequence"
+            + advice
         )
     return steps
 
@@ -213,6 +225,7 @@ class MicroBatchReader:
         consumed_samples: int = 0,
         prefetch: int = 4,
         cache_bytes: int = 64 << 20,
+        advice: str = READER_ADVICE,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise UserError(f"dp_rank {dp_rank} outside data-parallel size {dp_size}")
@@ -226,7 +239,7 @@ class MicroBatchReader:
         self.plan = BatchPlan(micro_batch_size, 1, dp_size)  # the reader's step: a micro-step
         per_step = self.plan.micro_step
         self.steps_per_epoch = micro_steps_per_epoch(
-            self.dataset.n_samples, split, seq_len, self.plan
+            self.dataset.n_samples, split, seq_len, self.plan, advice
         )
         self.samples_per_epoch = self.steps_per_epoch * per_step
         if consumed_samples < 0 or consumed_samples % per_step:

@@ -14,11 +14,18 @@ the weights (in fp32, the training copy), never two. Out: the merged model, writ
 of at most :data:`MAX_SHARD_BYTES` with an index when it is larger, in fp32, bf16 or fp16.
 The tokenizer goes along both ways when there is one; a model without one keeps the BOS and
 EOS ids of the config.json it came from (``RUN_DIR/hf_config.json``).
+
+A model whose positions hold no weights (rotary: Llama) comes in to train at
+:data:`hpcllm.families.IMPORTED_SEQ_LEN` tokens, or its config.json's context where shorter,
+and goes out with the context of the config.json it came from unless it trained longer. A
+config.json whose sizes disagree with its tensors is refused naming the key to fix
+(:attr:`hpcllm.families.Family.hf_sizes`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -82,16 +89,26 @@ def to_hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _ours(
-    model: nn.Module, shapes: dict[str, Any], name: str, value: torch.Tensor, transpose: bool
+    model: nn.Module,
+    shapes: dict[str, Any],
+    name: str,
+    value: torch.Tensor,
+    transpose: bool,
+    theirs: str | None = None,
 ) -> torch.Tensor:
-    """Return a Hugging Face tensor as our ``name`` (fp32, padded), checking it has the shape
-    ``shapes[name]`` (or, padded, the vocabulary's rows)."""
+    """Return a Hugging Face tensor (named ``theirs`` there) as our ``name`` (fp32, padded),
+    checking it has the shape ``shapes[name]`` (or, padded, the vocabulary's rows)."""
     value = value.t() if transpose else value
     expected = tuple(shapes[name])
     padded = _hf_family(model.cfg).rule(name).padded
     want = (model.vocab_size, *expected[1:]) if padded else expected
     if tuple(value.shape) != want:
-        raise UserError(f"tensor {name}: shape {tuple(value.shape)} where the config gives {want}")
+        shape = tuple(value.t().shape if transpose else value.shape)
+        stored = tuple(reversed(want)) if transpose else want
+        raise UserError(
+            f"tensor {theirs or name}: shape {shape} where the config gives {stored}"
+            + (f" (ours: {name})" if theirs else "")
+        )
     if padded:
         out = torch.zeros(expected, dtype=torch.float32)
         out[: value.shape[0]] = value
@@ -142,6 +159,13 @@ class HFWeights(contextlib.ExitStack):
                 raise UserError(f"{path} is not a safetensors file: {err}") from None
         return self._handles[path]
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Return the shape of every tensor of the folder, read from the files' headers."""
+        return {
+            name: tuple(self._handle(path).get_slice(name).get_shape())
+            for name, path in self.where.items()
+        }
+
     def get(self, name: str) -> torch.Tensor:
         """Return the tensor ``name``; a UserError where the folder has none."""
         if name not in self.where:
@@ -149,9 +173,15 @@ class HFWeights(contextlib.ExitStack):
         return self._handle(self.where[name]).get_tensor(name)
 
 
-def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, ModelConfig]:
-    """Return (config.json, its family, the model config it describes) of a Hugging Face
-    folder; a UserError naming what cannot be read."""
+def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, ModelConfig, int]:
+    """Return (config.json, its family, the model config it describes, the context it gives)
+    of a Hugging Face folder; a UserError naming what cannot be read.
+
+    A model whose positions hold no weights trains at the shorter of the context and
+    :data:`~hpcllm.families.IMPORTED_SEQ_LEN`. The family's checks of the shape are left to
+    the caller, after the tensors' sizes (:func:`_check_sizes`), which say better what is
+    wrong.
+    """
     config_path = hf_dir / "config.json"
     if not hf_dir.exists():
         raise UserError(f"{hf_dir} does not exist (--from-hf takes a save_pretrained folder)")
@@ -175,32 +205,66 @@ def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, Mode
         keys = family.model_keys_of_hf(hf, str(config_path))
     except KeyError as err:
         raise UserError(f"{config_path} lacks {err.args[0]}") from None
-    cfg = model_config(family.name, preset=None, **keys)
-    if family.check is not None:
-        family.check(cfg, 1)
-    return hf, family, cfg
+    context = keys["seq_len"]
+    if not family.seq_in_weights and isinstance(context, int):
+        keys["seq_len"] = min(context, families.IMPORTED_SEQ_LEN)
+    return hf, family, model_config(family.name, preset=None, **keys), context
+
+
+def _check_sizes(family: families.Family, hf: dict, weights: HFWeights, where: Path) -> None:
+    """Raise a UserError naming the config.json key whose size the tensors contradict."""
+    if family.hf_sizes is None:
+        return
+    for size in family.hf_sizes(hf, weights.shapes()):
+        line = size.disagreement(str(where))
+        if line is not None:
+            raise UserError(line)
+
+
+def _imported_context(run_dir: Path, family: families.Family) -> int | None:
+    """Return the context (the model.seq_len) of the config.json ``run_dir`` was imported
+    from, None where it was not imported or the file does not say."""
+    path = Path(run_dir) / IMPORTED_CONFIG
+    if not path.is_file() or family.model_keys_of_hf is None:
+        return None
+    try:
+        context = family.model_keys_of_hf(json.loads(path.read_text()), str(path))["seq_len"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
+        return None
+    return context if isinstance(context, int) else None
 
 
 def from_hf(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -> Path:
     """Make a run folder whose step-0 checkpoint holds a Hugging Face model; return it.
 
-    The folder appears whole or not at all. Train from it with ``hpcllm train --set
-    run.dir=RUN_DIR`` (it resumes from that step). The tokenizer: ``tokenizer`` (a file or a
-    Hugging Face folder), else the one in ``hf_dir`` if any.
+    The folder appears whole or not at all. Train from it with ``hpcllm train --config
+    RUN_DIR/config.yaml`` (it resumes from that step). The tokenizer: ``tokenizer`` (a file
+    or a Hugging Face folder), else the one in ``hf_dir`` if any.
     """
+    return import_hf(hf_dir, run_dir, tokenizer)[0]
+
+
+def import_hf(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -> tuple[Path, int, int]:
+    """Return (:func:`from_hf`'s folder, the model.seq_len it trains at, the context its
+    config.json gives): shorter where the model's positions hold no weights."""
     from hpcllm.train import checkpoint
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
-    hf, _, model_cfg = _read_hf_config(hf_dir)
-    tok = _tokenizer(tokenizer, hf_dir, model_cfg.vocab_size)
-    cfg = Config()
-    cfg.model = model_cfg
-    cfg.run.dir = str(run_dir.resolve())
-    with torch.device("meta"):
-        model = build(cfg.model, hf["vocab_size"])
-    shapes = {n: v.shape for n, v in model.state_dict().items()}
+    hf, family, model_cfg, context = _read_hf_config(hf_dir)
     with HFWeights(hf_dir) as weights:
-        state = {n: _ours(model, shapes, n, weights.get(t), tr) for n, t, tr in _names(model)}
+        _check_sizes(family, hf, weights, hf_dir / "config.json")
+        if family.check is not None:
+            family.check(model_cfg, 1)
+        tok = _tokenizer(tokenizer, hf_dir, model_cfg.vocab_size)
+        cfg = Config()
+        cfg.model = model_cfg
+        cfg.run.dir = str(run_dir.resolve())
+        with torch.device("meta"):
+            model = build(cfg.model, hf["vocab_size"])
+        shapes = {n: v.shape for n, v in model.state_dict().items()}
+        state = {
+            n: _ours(model, shapes, n, weights.get(t), tr, theirs=t) for n, t, tr in _names(model)
+        }
     model.load_state_dict(state, assign=True)
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     meta = {"consumed_samples": 0, "vocab_size": model.vocab_size}
@@ -216,7 +280,7 @@ def from_hf(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -> Path:
             )  # fmt: skip
     except OSError as err:
         raise UserError(f"writing {run_dir} failed: {err}") from None
-    return run_dir
+    return run_dir, model_cfg.seq_len, context
 
 
 def _tokenizer(given: Path | None, folder: Path, vocab: int) -> Tokenizer | None:
@@ -319,7 +383,13 @@ def export_hf(
     model = load_model(run_dir, step=step, allow_unverified=allow_unverified)
     family = _hf_family(model.cfg)
     tok = _tokenizer(tokenizer, Path(run_dir), model.vocab_size)
-    config = family.hf_config(model.cfg, model.vocab_size, special_ids(Path(run_dir), tok))
+    # The context the model states: its seq_len, or, where its positions hold no weights, the
+    # one of the config.json it came from, unless it trained longer.
+    context = model.cfg.seq_len
+    if not family.seq_in_weights:
+        context = max(context, _imported_context(Path(run_dir), family) or 0)
+    stated = dataclasses.replace(model.cfg, seq_len=context)
+    config = family.hf_config(stated, model.vocab_size, special_ids(Path(run_dir), tok))
     config["torch_dtype"] = dtype
     try:
         with new_folder(out_dir) as partial:
@@ -327,7 +397,7 @@ def export_hf(
             (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             if tok is not None and tok.kind == "hf":
                 (partial / TOKENIZER_FILE).write_text(tok.spec)
-                (partial / CONFIG_FILE).write_text(tok.hf_config(model.cfg.seq_len))
+                (partial / CONFIG_FILE).write_text(tok.hf_config(context))
     except (OSError, SafetensorError) as err:  # safetensors reports a full disk its own way
         raise UserError(f"writing {out_dir} failed: {err}") from None
     return Path(out_dir), model.checkpoint_step

@@ -3,6 +3,7 @@ which samples text from a prompt with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcllm import families
 from hpcllm.config import Config
 from hpcllm.datasets.synthetic import trained_on_synthetic
 from hpcllm.datasets.tokenizer import Tokenizer, load_tokenizer
@@ -35,18 +37,29 @@ def load_model(
     return model
 
 
-def merged_model(folder: Path, *, verified: bool = False) -> tuple[nn.Module, Config]:
+def merged_model(
+    folder: Path, *, verified: bool = False, seq_len: int | None = None
+) -> tuple[nn.Module, Config]:
     """Return (the whole model in eval mode, on the CPU; its run's config) from a checkpoint
     folder.
 
     Any layout: tensor-parallel slices and pipeline stages are merged in memory.
     ``verified``: :func:`hpcllm.train.reshard.select` checked the folder already.
+    ``seq_len``: a longer sequence than the run's the model takes, where its positions hold
+    no weights (rotary); a learned position embedding keeps its length.
     """
     from hpcllm.train.checkpoint import step_of
 
     cfg, vocab, weights = reshard.whole_model_state(folder, verified=verified)
+    shape = cfg.model
+    if seq_len is not None and seq_len > shape.seq_len:
+        if families.get(shape.arch).seq_in_weights:
+            raise UserError(
+                f"a {shape.arch} model has weights for {shape.seq_len} positions, not {seq_len}"
+            )
+        shape = dataclasses.replace(shape, seq_len=seq_len)
     with torch.device("meta"):
-        model = build(cfg.model, vocab)
+        model = build(shape, vocab)
     model.load_state_dict(weights, assign=True)
     model.checkpoint_step = step_of(folder)  # which checkpoint: the commands say it
     return model.eval(), cfg

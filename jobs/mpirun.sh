@@ -10,7 +10,10 @@
 # uses GPU r mod GPUS_PER_NODE of its node. Without a GPU, ranks may outnumber cores: the
 # script oversubscribes and gives each rank one thread. DRY_RUN=1 prints the mpirun command
 # and the rank -> host -> GPU table, and starts nothing. A TERM or INT to this script stops the
-# job the way SIGUSR1 does (every rank saves), and the script returns after the save.
+# job the way SIGUSR1 does (every rank saves), and the script returns after the save. After
+# hpcllm's own ends, a user error said in one line (exit 2) or a clean stop (75), Open MPI's
+# notices that a process "returned a non-zero exit code" are left out; every other notice (a
+# rank killed by a signal, a crash, a failed launch) is passed on.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -86,16 +89,79 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 
+# Open MPI ends a job one of whose processes exits non-zero with boxed notices: "Primary job
+# terminated normally, but 1 process returned a non-zero exit code ...", often "mpirun
+# detected that one or more processes exited with non-zero status ... Exit code: N", or, for
+# a rank that aborted the job, "MPI_ABORT was invoked on rank R ... with errorcode N" (and a
+# count of the other ranks that did). mpirun exits with that code. After 2 (hpcllm said the
+# user error in one line) or 75 (a clean stop, said too) they point the wrong way, so this
+# filter of mpirun's stderr holds them back (in $held_notices) and the script shows them only
+# after another exit code. Every other notice (a rank ended by a signal is named, with the
+# signal; a failed launch) and every line of the ranks pass at once. mpirun's -q
+# (orte_execute_quiet) would hide those too: Open MPI 4.1 has no setting for these notices
+# alone. The filter ignores INT and TERM, and ends when mpirun's stderr closes.
+notice_rule='^-{60,}$'
+abort_count='^\[[^]]*\] [0-9]+ more process.* help message help-mpi-api\.txt / mpi-abort$'
+hold_exit_notices() {
+  trap '' INT TERM
+  set +u # an empty array is unbound to bash before 4.4
+  local line held=() notice=()
+  while IFS= read -r line || [ -n "$line" ]; do
+    if ((${#notice[@]} == 0)); then
+      if [[ "$line" =~ $notice_rule ]]; then
+        notice=("$line") # perhaps the top of a notice: the next line says
+      elif [[ "$line" =~ $abort_count ]] || { ((${#held[@]})) &&
+        [[ "${held[${#held[@]} - 1]}" =~ $abort_count && "$line" == *"orte_base_help_aggregate"* ]]; }; then
+        held+=("$line")
+      else
+        printf '%s\n' "$line" # a rank's line may come between the notices
+      fi
+      continue
+    fi
+    notice+=("$line")
+    if ((${#notice[@]} == 2)); then
+      case "$line" in
+        "Primary job "* | "mpirun detected that one or more processes exited with non-zero status"* | \
+          "MPI_ABORT was invoked on rank "*) continue ;;
+      esac
+      # Another notice (what was held goes before it) or a rank's line of dashes.
+      ((${#held[@]} == 0)) || printf '%s\n' "${held[@]}"
+      held=()
+      if [[ "$line" =~ $notice_rule ]]; then
+        printf '%s\n' "${notice[0]}"
+        notice=("$line") # this one may open the next notice
+      else
+        printf '%s\n' "${notice[@]}"
+        notice=()
+      fi
+      continue
+    fi
+    if [[ "$line" =~ $notice_rule ]]; then
+      held+=("${notice[@]}")
+      notice=()
+    fi
+  done
+  ((${#held[@]} == 0)) || printf '%s\n' "${held[@]}" >"$held_notices"
+  ((${#notice[@]} == 0)) || printf '%s\n' "${notice[@]}"
+}
+
 # A TERM or INT to this script (kill, a scheduler, Ctrl-C) becomes SIGUSR1 to mpirun, which
 # forwards it to every rank: they save a checkpoint and exit 75 (stopped, resume me). mpirun
 # itself would forward a TERM and kill the ranks 2 s later, in the middle of a large save.
 # The script returns only when mpirun has, so after the save.
-mpirun "${args[@]}" "$HPCLLM" "$@" &
+held_notices=$(mktemp "${TMPDIR:-/tmp}/hpcllm-mpirun.XXXXXX")
+trap 'rm -f "$held_notices"' EXIT
+exec 4> >(hold_exit_notices >&2)
+notices=$!
+mpirun "${args[@]}" "$HPCLLM" "$@" 2>&4 4>&- &
 launcher=$!
+exec 4>&-
 trap 'echo "hpcllm: stopping: SIGUSR1 to the ranks, which save a checkpoint" >&2; kill -USR1 "$launcher" 2>/dev/null' TERM INT
 status=0
 while true; do
   wait "$launcher" && status=0 || status=$?
   kill -0 "$launcher" 2>/dev/null || break # wait returns early when a trapped signal comes
 done
+wait "$notices" 2>/dev/null || true # mpirun's last lines, through the filter (bash >= 4.4)
+[ "$status" = 2 ] || [ "$status" = 75 ] || cat "$held_notices" >&2
 exit "$status"

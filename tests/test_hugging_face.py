@@ -164,7 +164,7 @@ def test_imports_refuse_what_the_family_cannot_hold_in_one_line(tmp_path):
         ({"attention_bias": True}, "attention_bias true"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
         ({"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads"),
-        ({"intermediate_size": 128}, r"tensor blocks.0.mlp.gate.weight: shape \(96, 64\)"),
+        ({"intermediate_size": 128}, "gives intermediate_size 128 but .*gate_proj.weight has 96"),
         ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
         ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
     ]:
@@ -402,6 +402,9 @@ def test_an_imported_llama_trains_at_a_shorter_length(stdlib, tmp_path):
                  check=True)  # fmt: skip
     assert "resumes from step 0" in result.stdout
     assert hpcllm.load_model(tmp_path / "run").cfg.seq_len == 32
+    # Trained shorter: the export states the imported context, not the trained length.
+    to_hf(tmp_path / "run", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[CONTEXT] == 64
 
 
 @pytest.mark.slow
@@ -455,3 +458,152 @@ def test_from_hf_of_a_missing_folder_or_a_file_says_which_in_one_line(tmp_path, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
         assert not (tmp_path / "out").exists()
+
+
+# --- config.json against the tensors, the imported length, evaluate's length ---------------
+
+CONTEXT = "max_position_embeddings"
+
+
+def tiny_hf_folder(folder, arch: str = "llama", **keys) -> dict:
+    """Write a random tiny Hugging Face folder of ``arch`` (2 layers, 4 heads, width 64, 64
+    positions; Llama with 2 kv heads and an MLP of 96) through our own export, without
+    transformers; return its config.json."""
+    from safetensors.torch import save_file
+
+    from hpcllm import families
+    from hpcllm.config import model_config
+    from hpcllm.convert import to_hf_state
+    from hpcllm.model import build
+
+    sizes = {"n_layer": 2, "n_head": 4, "d_model": 64, "seq_len": 64, "vocab_size": VOCAB}
+    if arch == "llama":
+        sizes.update(n_kv_heads=2, ffn_size=96)
+    cfg = model_config(arch, preset=None, **{**sizes, **keys})
+    folder.mkdir(parents=True)
+    save_file(to_hf_state(build(cfg, VOCAB)), str(folder / "model.safetensors"))
+    config = families.get(arch).hf_config(cfg, VOCAB, {})
+    (folder / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def convert_says(capsys, *args: str) -> tuple[int, list[str], list[str]]:
+    """Run ``hpcllm convert ARGS`` in this process; return (exit code, stdout, stderr lines)."""
+    from hpcllm.cli import main
+
+    code = main(["convert", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err.splitlines()
+
+
+def test_a_config_json_its_tensors_contradict_names_the_key_to_set(tmp_path, capsys):
+    llama = tiny_hf_folder(tmp_path / "llama")
+    gpt2 = tiny_hf_folder(tmp_path / "gpt2", "gpt2")
+    k = "model.layers.0.self_attn.k_proj.weight"
+    for folder, original, change, says in [
+        # transformers takes an absent num_key_value_heads for as many as the query heads.
+        ("llama", llama, {"num_key_value_heads": None},
+         f"gives no num_key_value_heads (so 4, as transformers assumes) but {k} has 32 rows, "
+         "2 heads of 16; set num_key_value_heads: 2"),
+        ("llama", llama, {"num_key_value_heads": 4},
+         f"gives num_key_value_heads 4 but {k} has 32 rows, 2 heads of 16; set "
+         "num_key_value_heads: 2"),
+        ("llama", llama, {"hidden_size": 128, "head_dim": None},
+         "gives hidden_size 128 but model.embed_tokens.weight has 64 columns; set hidden_size: "
+         "64"),
+        ("llama", llama, {"vocab_size": 256},
+         "gives vocab_size 256 but model.embed_tokens.weight has 300 rows; set vocab_size: 300"),
+        # Fewer layers than the weights hold would have dropped the last one unsaid.
+        ("llama", llama, {"num_hidden_layers": 1},
+         "gives num_hidden_layers 1 but the weights hold 2 layers (model.layers.0 to 1); set "
+         "num_hidden_layers: 2"),
+        ("llama", llama, {"intermediate_size": 128},
+         "gives intermediate_size 128 but model.layers.0.mlp.gate_proj.weight has 96 rows; set "
+         "intermediate_size: 96"),
+        ("gpt2", gpt2, {"n_positions": 32},
+         "gives n_positions 32 but transformer.wpe.weight has 64 rows; set n_positions: 64"),
+        ("gpt2", gpt2, {"n_layer": 3},
+         "gives n_layer 3 but the weights hold 2 layers (transformer.h.0 to 1); set n_layer: 2"),
+    ]:  # fmt: skip
+        config = {**original, **change}
+        config = {key: value for key, value in config.items() if value is not None}
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+        code, out, err = convert_says(capsys, "--from-hf", tmp_path / folder, "--out",
+                                      tmp_path / "run")  # fmt: skip
+        assert code == 2 and len(err) == 1 and not out, err
+        assert err[0] == f"hpcllm: error: {tmp_path / folder / 'config.json'} {says} in config.json"
+        assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_imported_rotary_model_trains_at_2048_and_exports_its_context(tmp_path, capsys):
+    from hpcllm.families import IMPORTED_SEQ_LEN
+
+    assert IMPORTED_SEQ_LEN == 2048
+    config = tiny_hf_folder(tmp_path / "hf")
+    # Llama 3.1's context: one sample of it would not fit a small corpus.
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, CONTEXT: 131072}))
+    code, out, _ = convert_says(capsys, "--from-hf", tmp_path / "hf", "--out", tmp_path / "run")
+    assert code == 0
+    assert out == [
+        f"wrote {tmp_path / 'run'}: it trains at model.seq_len 2048, not config.json's 131072 "
+        "positions (--set model.seq_len=N for another; --to-hf writes 131072 back)"
+    ]
+    assert hpcllm.load_model(tmp_path / "run").cfg.seq_len == 2048
+
+    def exported(name: str) -> int:
+        to_hf(tmp_path / "run", tmp_path / name)
+        return json.loads((tmp_path / name / "config.json").read_text())[CONTEXT]
+
+    assert exported("imported") == 131072  # trained at less: the imported context
+    imported = json.loads((tmp_path / "run" / "hf_config.json").read_text())
+    (tmp_path / "run" / "hf_config.json").write_text(json.dumps({**imported, CONTEXT: 1024}))
+    assert exported("longer") == 2048  # trained longer than it came: the trained length
+    (tmp_path / "run" / "hf_config.json").unlink()
+    assert exported("never-imported") == 2048  # the training seq_len, as ever
+
+
+@pytest.mark.slow
+def test_evaluate_takes_a_seq_len_its_advice_names(tmp_path, capsys):
+    from datasets_fixtures import prepare_corpus
+
+    from hpcllm.cli import main
+
+    prepare_corpus(tmp_path / "corpus", tmp_path / "data", tokenizer="byte")
+    for arch in ("llama", "gpt2"):  # both 64 positions
+        tiny_hf_folder(tmp_path / f"hf-{arch}", arch)
+        from_hf(tmp_path / f"hf-{arch}", tmp_path / arch)
+
+    def evaluate(arch: str, *args: str) -> tuple[int, list[str], list[str]]:
+        code = main(["evaluate", "--checkpoint", str(tmp_path / arch), "--data",
+                     str(tmp_path / "data"), "--split", "train", "--json", *args])  # fmt: skip
+        out, err = capsys.readouterr()
+        return code, out.splitlines(), err.splitlines()
+
+    for arch, seq_len in [("gpt2", 16), ("llama", 16), ("llama", 128)]:
+        code, out, err = evaluate(arch, "--seq-len", str(seq_len), "--micro-batch-size", "2",
+                                  "--iters", "2")  # fmt: skip
+        assert code == 0, err
+        result = json.loads(out[-1])
+        assert (result["seq_len"], result["samples"], result["tokens"]) == (seq_len, 4, 4 * seq_len)
+        assert 0 < result["loss"] < 100
+    # GPT-2's positions are weights: not past them.
+    code, _, err = evaluate("gpt2", "--seq-len", "128")
+    assert code == 2 and err == [
+        "hpcllm: error: --seq-len 128 is longer than the 64 positions the gpt2 model has "
+        "weights for (its model.seq_len); give at most 64"
+    ]
+    # A split too small for one micro-batch: the options that make it fit.
+    code, _, err = evaluate("llama", "--seq-len", "100000")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith(
+        "fewer than one micro-batch of 4; give a shorter --seq-len or a smaller "
+        "--micro-batch-size, or evaluate on more data"
+    )
+    # This corpus has no validation split (the default): the option that reads another.
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "llama"), "--data",
+                 str(tmp_path / "data")]) == 2  # fmt: skip
+    assert capsys.readouterr().err.splitlines() == [
+        f"hpcllm: error: the val split of {tmp_path / 'data'} is empty; evaluate --split "
+        "train, or prepare with a larger --val-fraction"
+    ]

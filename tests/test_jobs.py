@@ -293,8 +293,135 @@ def test_sigterm_to_the_launcher_returns_after_every_rank_saved(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 75, err[-3000:]  # stopped after saving: resume me
+    assert "non-zero" not in err, err[-3000:]  # no Open MPI notice after the clean stop
     alive = subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True)
     assert alive.stdout.strip() == "", "a rank outlived the launcher"
     newest = checkpoint.latest(run)
     assert newest is not None and checkpoint.verify(newest).status == "ok"
     assert not list((run / "checkpoints").glob(".*partial*"))
+
+
+# Rank 1 ends as told, with an exit code or (segv) by SIGSEGV; rank 0 with it too after a
+# clean stop (every rank exits 75), else it waits until mpirun ends the job.
+FAKE_RANK = """#!/bin/sh
+if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then
+  [ "$1" = segv ] && kill -SEGV $$
+  exit "$1"
+fi
+[ "$1" = 75 ] && exit 75
+exec sleep 60
+"""
+
+
+@pytest.mark.mpi
+def test_the_launcher_ends_said_exits_without_open_mpis_notices(tmp_path):
+    # After a user error said in one line (2) or a clean stop (75) Open MPI's notices that "1
+    # process returned a non-zero exit code" point the wrong way: jobs/mpirun.sh leaves them
+    # out, keeping the code. After a crash's exit code or a signal they are shown. (Which
+    # notices Open MPI prints varies from run to run; a fake mpirun checks each below.)
+    fake = tmp_path / "rank"
+    fake.write_text(FAKE_RANK)
+    fake.chmod(0o755)
+    environ = {**os.environ, "NP": "2", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+
+    def launch(program, *args):
+        return subprocess.run(
+            [str(MPIRUN_SH), *args], env={**environ, "HPCLLM": str(program)}, cwd=tmp_path,
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    hpcllm = Path(sys.executable).parent / "hpcllm"
+    said = launch(hpcllm, "train", "--set", "train.steps=-1", "--set", "data.synthetic=true")
+    assert said.returncode == 2
+    assert said.stderr.splitlines() == ["hpcllm: error: train.steps must be positive, got -1"]
+    stopped = launch(fake, "75")
+    assert (stopped.returncode, stopped.stderr) == (75, "")
+    for code, status in (("3", 3), ("segv", 128 + 11)):
+        ended = launch(fake, code)
+        assert ended.returncode == status and "non-zero exit code" in ended.stderr, ended.stderr
+
+
+RULE = "-" * 74
+PRIMARY = [
+    RULE,
+    "Primary job  terminated normally, but 1 process returned",
+    "a non-zero exit code. Per user-direction, the job has been aborted.",
+    RULE,
+]
+
+
+def _detected(code: int) -> list[str]:
+    return [
+        RULE,
+        "mpirun detected that one or more processes exited with non-zero status, thus causing",
+        "the job to be terminated. The first process to do so was:",
+        "",
+        "  Process name: [[28524,1],0]",
+        f"  Exit code:    {code}",
+        RULE,
+    ]
+
+
+SIGNALLED = [
+    RULE,
+    "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 11 (Segmentation "
+    "fault).",
+    RULE,
+]
+ABORTED = [
+    RULE,
+    "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD",
+    "with errorcode 2.",
+    "",
+    "NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.",
+    "You may or may not see output from other processes, depending on",
+    "exactly when Open MPI kills them.",
+    RULE,
+    "[vm:04787] 1 more process has sent help message help-mpi-api.txt / mpi-abort",
+    '[vm:04787] Set MCA parameter "orte_base_help_aggregate" to 0 to see all help / error messages',
+]
+UNLAUNCHED = [
+    RULE,
+    "mpirun was unable to launch the specified application as it could not access",
+    "or execute an executable:",
+    RULE,
+]
+
+
+@pytest.mark.parametrize(
+    ("written", "status", "shown"),
+    [
+        # A user error (rank 0's line; another rank's between the notices) and a clean stop.
+        (["hpcllm: error: bad", *PRIMARY, "rank 1", *_detected(2)], 2,
+         ["hpcllm: error: bad", "rank 1"]),
+        (PRIMARY, 75, []),
+        (["hpcllm: error (rank 1): bad", *ABORTED], 2, ["hpcllm: error (rank 1): bad"]),
+        # A crash, a signal, a code the notice alone gives, a failed launch: all shown.
+        (["Traceback", *PRIMARY, *_detected(1)], 1, None),
+        ([*PRIMARY, *SIGNALLED], 139, None),
+        (PRIMARY, 3, None),
+        (["hpcllm: error (rank 1): bad", *ABORTED[:2], "with errorcode 1.", *ABORTED[3:]], 1, None),
+        (UNLAUNCHED, 134, None),
+        # A rank's own lines of dashes, a clean end.
+        (["table", RULE, RULE, "row", RULE, "last"], 0, None),
+    ],
+    ids=["user-error", "stop", "abort-2", "crash", "signal", "code-3", "abort-1", "launch",
+         "dashes"],
+)  # fmt: skip
+def test_the_launcher_shows_every_notice_but_those_after_a_said_exit(
+    tmp_path, written, status, shown
+):
+    # A fake mpirun writes what Open MPI 4.1 writes (recorded) on stderr and exits so.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mpirun").write_text('#!/bin/sh\ncat "$FAKE_STDERR" >&2\nexit "$FAKE_STATUS"\n')
+    (fake / "mpirun").chmod(0o755)
+    (tmp_path / "stderr").write_text("".join(line + "\n" for line in written))
+    done = subprocess.run(
+        [str(MPIRUN_SH), "topo"],
+        env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "NP": "2",
+             "FAKE_STDERR": str(tmp_path / "stderr"), "FAKE_STATUS": str(status)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == status
+    assert done.stderr.splitlines() == (written if shown is None else shown)

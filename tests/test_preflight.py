@@ -7,13 +7,19 @@ milliseconds.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from hpcllm.bench.dp import default_precisions
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
-from hpcllm.train.preflight import cpu_has_native_bf16, preflight, startup_warnings
+from hpcllm.train.preflight import (
+    check_against_data,
+    cpu_has_native_bf16,
+    preflight,
+    startup_warnings,
+)
 
 
 @pytest.mark.parametrize(
@@ -122,6 +128,18 @@ def test_a_validation_split_shorter_than_eval_iters_is_named() -> None:
     # None or empty (the trainer warns), or smaller than one micro-batch (the reader refuses).
     assert _warnings([], val_tokens=0) == []
     assert _warnings([], val_tokens=2 * 128 + 1) == []
+
+
+def test_a_train_split_too_small_for_a_micro_batch_names_the_keys_that_fit_it() -> None:
+    # 3 samples of 128 tokens, a micro-batch of 4: the advice names the trainer's keys.
+    manifest = SimpleNamespace(vocab_size=257, n_tokens=lambda split: 3 * 128 + 1)
+    with pytest.raises(UserError) as err:
+        check_against_data(load_config(), manifest, 1)  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "the train split has 3 samples of 128 tokens, fewer than one global micro-batch (1 "
+        "ranks x 4); use more data, a shorter model.seq_len or a smaller "
+        "train.micro_batch_size"
+    )
 
 
 def test_cpu_bf16_is_read_from_the_cpu_flags(tmp_path) -> None:

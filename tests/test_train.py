@@ -227,8 +227,12 @@ def test_validation_split_too_small_stops_before_training(tmp_path):
         ),
         progress=False,
     )
-    with pytest.raises(UserError, match="fewer than one global micro-batch"):
+    with pytest.raises(UserError, match="fewer than one global micro-batch") as err:
         Trainer(_cfg(data, tmp_path / "run", "train.micro_batch_size=100"))
+    assert str(err.value).endswith(
+        "prepare the data with a larger --val-fraction, or train at a shorter model.seq_len or "
+        "a smaller train.micro_batch_size"
+    )
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

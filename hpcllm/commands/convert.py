@@ -12,6 +12,7 @@ from hpcllm.commands.args import positive, step_arg
 def add_parser(verbs: argparse._SubParsersAction) -> None:
     """Add the command's parser to ``verbs``."""
     from hpcllm.config import choices
+    from hpcllm.families import IMPORTED_SEQ_LEN
 
     conv = verbs.add_parser(
         "convert",
@@ -27,7 +28,10 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "with an index, the tokenizer if the run has one).\n"
         "--from-hf DIR --out RUN_DIR makes a run folder whose step-0 checkpoint holds a "
         "Hugging Face GPT-2 or Llama (one safetensors file or shards, read a tensor at a "
-        "time); train from it with --set run.dir=RUN_DIR.\n\n"
+        "time); train from it with --config RUN_DIR/config.yaml. A Llama trains at "
+        f"model.seq_len {IMPORTED_SEQ_LEN}, or its max_position_embeddings where shorter (--set "
+        "model.seq_len=N for another); --to-hf writes its max_position_embeddings back, or "
+        "the trained length where longer.\n\n"
         "examples:\n"
         "  hpcllm convert --checkpoint runs/pp2 --out runs/t2 --tp 2 --pp 1\n"
         "  hpcllm convert --checkpoint runs/pp2 --out runs/v2 --pp 2 --vpp 2\n"
@@ -107,7 +111,15 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--from-hf takes --out RUN_DIR [--tokenizer PATH] only")
         if args.out is None:
             raise UserError("--from-hf needs --out RUN_DIR")
-        print(f"wrote {convert.from_hf(args.from_hf, args.out, tokenizer=args.tokenizer)}")
+        out, seq_len, context = convert.import_hf(args.from_hf, args.out, args.tokenizer)
+        if seq_len < context:
+            print(
+                f"wrote {out}: it trains at model.seq_len {seq_len}, not config.json's "
+                f"{context} positions (--set model.seq_len=N for another; --to-hf writes "
+                f"{context} back)"
+            )
+        else:
+            print(f"wrote {out}")
     elif args.to_hf is not None:
         if recut or args.out is not None:
             raise UserError("--to-hf takes --checkpoint RUN_DIR [--step N], not a layout")

@@ -42,6 +42,14 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         metavar="N",
         help="micro-batches [default: every whole micro-batch of the split]",
     )
+    ev.add_argument(
+        "--seq-len",
+        type=positive,
+        metavar="N",
+        help="tokens per sample [default: the run's model.seq_len]; at most that for GPT-2's "
+        "learned positions, any for Llama's rotary ones (beyond the trained length the loss "
+        "says how the model extrapolates)",
+    )
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.add_argument(
         "--allow-unverified",
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size,
         iters=args.iters,
         allow_unverified=args.allow_unverified,
+        seq_len=args.seq_len,
     )
     print(json.dumps(dataclasses.asdict(result)) if args.json else result.line())
     return 0

@@ -30,6 +30,13 @@ from typing import Any
 
 from hpcllm.user_error import UserError
 
+# The model.seq_len a model imported from Hugging Face trains at when its positions hold no
+# weights (rotary) and its config.json gives a longer context (Llama 3.1's 131,072), one
+# sample of which would not fit a small corpus: transformers' default LlamaConfig
+# max_position_embeddings, Llama 1's context. --set model.seq_len=N, before the first step,
+# trains it at another length; the export writes the longer context back.
+IMPORTED_SEQ_LEN = 2048
+
 # The split of a tensor over the tensor-parallel ranks: (dimension, stride); None: replicated.
 Split = tuple[int, int] | None
 
@@ -68,6 +75,34 @@ class HFTensor:
     ours: str
     theirs: str
     transpose: bool = False
+
+
+@dataclass(frozen=True)
+class HFSize:
+    """A size of a Hugging Face config.json beside what the checkpoint's tensors say it is, so
+    that an import whose config.json disagrees with its weights names the key to fix.
+
+    ``given`` is config.json's value (``absent``: it has none, and ``given`` is what
+    transformers assumes); ``implied`` the tensors' value; ``evidence`` says which tensor says
+    so and how ("model.embed_tokens.weight has 64 columns").
+    """
+
+    key: str
+    given: Any
+    implied: int
+    evidence: str
+    absent: bool = False
+
+    def disagreement(self, where: str) -> str | None:
+        """Return the one line that says ``where`` (config.json's path) is wrong, or None."""
+        if self.given == self.implied:
+            return None
+        said = (
+            f"gives no {self.key} (so {self.given}, as transformers assumes)"
+            if self.absent
+            else f"gives {self.key} {self.given}"
+        )
+        return f"{where} {said} but {self.evidence}; set {self.key}: {self.implied} in config.json"
 
 
 @dataclass(frozen=True)
@@ -114,6 +149,10 @@ class Family:
     # a key config.json lacks).
     hf_config: Callable[[Any, int, dict[str, Any]], dict] | None = None
     model_keys_of_hf: Callable[[dict, str], dict[str, Any]] | None = None
+    # The config.json sizes that a checkpoint's tensors give: (config.json, the shape of every
+    # tensor by its Hugging Face name) -> [HFSize], in the order to compare them (a wrong
+    # hidden size makes the sizes derived from it meaningless, so it comes first).
+    hf_sizes: Callable[[dict, Mapping[str, tuple[int, ...]]], list[HFSize]] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     # Whether a weight's shape depends on model.seq_len (GPT-2's learned positions do;
     # rotary positions do not, so such a model may train at another length).
@@ -153,6 +192,15 @@ class Family:
             if rule.matches(name):
                 return rule
         raise ValueError(f"family {self.name}: no tensor rule matches {name}")
+
+
+
+def hf_layer_count(shapes: Mapping[str, Any], prefix: str) -> int | None:
+    """Return how many blocks a checkpoint's tensor names hold (``prefix`` + index + "."),
+    None where it holds none or their indices are not 0 to n - 1."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = {int(m.group(1)) for name in shapes if (m := pattern.match(name))}
+    return len(found) if found and found == set(range(len(found))) else None
 
 
 _REGISTRY: dict[str, Family] = {}

@@ -7,9 +7,10 @@ eq. 3; activation memory Korthikanti et al. (2022), section 4.1.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from hpcllm.families import Family, HFTensor, Shape, TensorRule, register
+from hpcllm.families import Family, HFSize, HFTensor, Shape, TensorRule, hf_layer_count, register
 from hpcllm.user_error import UserError
 
 # gpt2-124m/350m are GPT-2 small/medium (Radford et al., 2019); 760m and 1.3b are the GPT-3
@@ -170,6 +171,28 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
     }
 
 
+def hf_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
+    """Return the config.json sizes a GPT2LMHeadModel's tensors give: the width and the
+    vocabulary (the token embedding's columns and rows), the positions (the position
+    embedding's rows) and the layers (the blocks named)."""
+    sizes = []
+    wte, wpe = "transformer.wte.weight", "transformer.wpe.weight"
+    if len(shapes.get(wte, ())) == 2:
+        rows, columns = shapes[wte]
+        sizes += [
+            HFSize("n_embd", hf.get("n_embd"), columns, f"{wte} has {columns} columns"),
+            HFSize("vocab_size", hf.get("vocab_size"), rows, f"{wte} has {rows} rows"),
+        ]
+    if len(shapes.get(wpe, ())) == 2:
+        rows = shapes[wpe][0]
+        sizes.append(HFSize("n_positions", hf.get("n_positions"), rows, f"{wpe} has {rows} rows"))
+    layers = hf_layer_count(shapes, "transformer.h.")
+    if layers is not None:
+        held = f"the weights hold {layers} layers (transformer.h.0 to {layers - 1})"
+        sizes.append(HFSize("n_layer", hf.get("n_layer"), layers, held))
+    return sizes
+
+
 GPT2 = register(
     Family(
         name="gpt2",
@@ -188,5 +211,6 @@ GPT2 = register(
         hf_model_type="gpt2",
         hf_config=hf_config,
         model_keys_of_hf=model_keys_of_hf,
+        hf_sizes=hf_sizes,
     )
 )

@@ -21,10 +21,11 @@ three MLP matrices (f the MLP width), 4·s·h for the attention scores and their
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpcllm.families import Family, HFTensor, Shape, TensorRule, register
+from hpcllm.families import Family, HFSize, HFTensor, Shape, TensorRule, hf_layer_count, register
 from hpcllm.keys import ABOVE_ZERO, POSITIVE, key
 from hpcllm.user_error import UserError
 
@@ -405,6 +406,48 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
     }
 
 
+def hf_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
+    """Return the config.json sizes a LlamaForCausalLM's tensors give: the hidden size and the
+    vocabulary (the embedding's columns and rows), the layers (the blocks named), the MLP
+    width (the gate's rows) and the key/value heads (k's rows over the head size)."""
+    sizes = []
+    embed = "model.embed_tokens.weight"
+    if len(shapes.get(embed, ())) == 2:
+        rows, columns = shapes[embed]
+        sizes += [
+            HFSize("hidden_size", hf.get("hidden_size"), columns, f"{embed} has {columns} columns"),
+            HFSize("vocab_size", hf.get("vocab_size"), rows, f"{embed} has {rows} rows"),
+        ]
+    layers = hf_layer_count(shapes, "model.layers.")
+    if layers is not None:
+        held = f"the weights hold {layers} layers (model.layers.0 to {layers - 1})"
+        sizes.append(HFSize("num_hidden_layers", hf.get("num_hidden_layers"), layers, held))
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    if gate in shapes:
+        width = shapes[gate][0]
+        sizes.append(
+            HFSize(
+                "intermediate_size", hf.get("intermediate_size"), width, f"{gate} has {width} rows"
+            )
+        )
+    k = "model.layers.0.self_attn.k_proj.weight"
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    if k in shapes and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        head_dim, rows = hidden // heads, shapes[k][0]
+        if head_dim > 0 and rows % head_dim == 0:
+            given = hf.get("num_key_value_heads")
+            sizes.append(
+                HFSize(
+                    "num_key_value_heads",
+                    given or heads,
+                    rows // head_dim,
+                    f"{k} has {rows} rows, {rows // head_dim} heads of {head_dim}",
+                    absent=given is None,
+                )
+            )
+    return sizes
+
+
 def keys_of_shape(shape: Shape) -> dict[str, Any]:
     """Return the model.* keys that give a Shape's extra sizes: key/value heads, MLP width,
     tying. A size the Shape leaves at its default is written out (as many key/value heads as
@@ -437,6 +480,7 @@ LLAMA = register(
         hf_model_type="llama",
         hf_config=hf_config,
         model_keys_of_hf=model_keys_of_hf,
+        hf_sizes=hf_sizes,
         seq_in_weights=False,
         split_pointwise_values=split_pointwise_values,
         biases=False,

@@ -19,7 +19,7 @@ from typing import overload
 import torch
 
 from hpcllm.config import Config, batch_plan, check
-from hpcllm.datasets.reader import micro_steps_per_epoch
+from hpcllm.datasets.reader import TRAIN_ADVICE, micro_steps_per_epoch
 from hpcllm.datasets.shards import Manifest
 from hpcllm.errors import UserError
 from hpcllm.model.stages import split_layers
@@ -95,7 +95,8 @@ def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> int:
     (as the reader refuses it)."""
     vocab = check_vocab(cfg, manifest)
     samples = _samples(manifest.n_tokens("train"), cfg.model.seq_len)
-    micro_steps_per_epoch(samples, "train", cfg.model.seq_len, batch_plan(cfg.train, dp))
+    plan = batch_plan(cfg.train, dp)
+    micro_steps_per_epoch(samples, "train", cfg.model.seq_len, plan, TRAIN_ADVICE)
     return vocab
 
 

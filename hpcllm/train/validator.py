@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hpcllm import observe, watchdog
 from hpcllm.config import Config
-from hpcllm.datasets.reader import MicroBatchReader
+from hpcllm.datasets.reader import VAL_ADVICE, MicroBatchReader
 from hpcllm.datasets.shards import Manifest
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.topology import Grid
@@ -53,6 +53,7 @@ class Validator:
             dp_size=self.grid.dp,
             seed=self.cfg.data.seed,
             prefetch=2,
+            advice=VAL_ADVICE,
         )
 
     def should_validate(self, step: int, last_step: int) -> bool:
