@@ -167,6 +167,59 @@ class ModelConfig:
     init_std: float = key(
         0.02, "standard deviation of the weights' normal initialisation", ABOVE_ZERO
     )
+    # Mixtures of experts (docs/moe.md): the blocks chosen by moe_every, moe_first_dense and
+    # moe_dense_layers swap their MLP for a router and moe_experts expert MLPs.
+    moe_experts: int = key(0, "experts of each MoE block; 0: every MLP dense", COUNT_OR_NEVER)
+    moe_top_k: int = key(2, "experts each token goes to", POSITIVE)
+    moe_ffn_size: int | None = key(
+        None, "each expert's MLP width; null: the family's MLP width", POSITIVE
+    )
+    moe_every: int = key(
+        1,
+        "block i (from 0) is MoE when i >= moe_first_dense and (i + 1) % moe_every == 0",
+        POSITIVE,
+    )
+    moe_first_dense: int = key(0, "the first blocks kept dense", COUNT_OR_NEVER)
+    moe_dense_layers: list[int] | None = key(
+        None, "blocks kept dense besides (Qwen's mlp_only_layers); null: none", form="block indices"
+    )
+    moe_shared_ffn_size: int = key(
+        0, "width of a shared expert every token goes through; 0: none", COUNT_OR_NEVER
+    )
+    moe_shared_gate: bool = key(False, "a sigmoid gate on the shared expert's output (Qwen-MoE)")
+    moe_router: Literal["softmax-topk", "topk-softmax", "sigmoid"] = key(
+        "softmax-topk", "the router: softmax then top-k, top-k then softmax (Mixtral), sigmoid"
+    )
+    moe_renormalize: bool = key(
+        False, "divide the k chosen weights by their sum (Qwen's norm_topk_prob)"
+    )
+    moe_aux_loss: float = key(
+        0.01, "balancing loss coefficient (averaged over the MoE blocks); 0: none", OFF_AT_ZERO
+    )
+    moe_z_loss: float = key(0.0, "router z-loss coefficient; 0: none", OFF_AT_ZERO)
+    moe_bias_rate: float = key(
+        0.001, "the sigmoid router's balancing-bias step per optimizer step; 0: fixed", OFF_AT_ZERO
+    )
+    moe_capacity_factor: float | None = key(
+        None, "each expert's slots per fair share of the tokens; null: dropless", ABOVE_ZERO
+    )
+    moe_drop_policy: Literal["probs", "position"] = key(
+        "probs", "tokens over capacity dropped: the lowest-weighted or the latest first"
+    )
+
+
+def moe_layers(m: ModelConfig) -> list[int]:
+    """Return the blocks (from 0) whose MLP is a mixture of experts: none when
+    ``moe_experts`` is 0, else each i >= ``moe_first_dense`` with (i + 1) % ``moe_every`` == 0
+    that ``moe_dense_layers`` does not keep dense."""
+    if not m.moe_experts:
+        return []
+    dense = set(m.moe_dense_layers or ())
+    return [
+        i
+        for i in range(m.n_layer or 0)
+        if i >= m.moe_first_dense and (i + 1) % m.moe_every == 0 and i not in dense
+    ]
 
 
 def model_config(arch: str, **values: Any) -> ModelConfig:
@@ -932,6 +985,7 @@ def check(cfg: Config) -> None:
     if m.n_head % parallel.tp:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {parallel.tp}")
     _check_family(m, parallel.tp)
+    _check_moe(m, parallel.tp)
     if parallel.sequence_parallel and parallel.tp > 1 and m.seq_len % parallel.tp:
         raise UserError(
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
@@ -970,6 +1024,12 @@ def check(cfg: Config) -> None:
         )
     if parallel.dp_engine in ("ps-async", "local-sgd"):
         _check_async(cfg)
+        if m.moe_experts and m.moe_router == "sigmoid" and m.moe_bias_rate:
+            raise UserError(
+                f"model.moe_router sigmoid moves its balancing bias by every rank's loads at "
+                f"every step, which {parallel.dp_engine} has no step for; set "
+                "model.moe_bias_rate: 0 or use ddp, horovod or ps"
+            )
     if parallel.dp_compression == "bf16" and parallel.dp_engine == "horovod":
         raise UserError(
             "Horovod compresses to fp16 only; use parallel.dp_compression: fp16 or none"
@@ -979,6 +1039,38 @@ def check(cfg: Config) -> None:
     if not cfg.data.path or "\x00" in cfg.data.path:
         raise UserError(f"data.path must be a folder path, got {_show(cfg.data.path)}")
     check_folder("run.dir", cfg.run.dir)
+
+
+def _check_moe(m: ModelConfig, tp: int) -> None:
+    """Refuse an MoE setting that cannot work, in one line (nothing when moe_experts is 0)."""
+    if not m.moe_experts:
+        return
+    if m.moe_top_k > m.moe_experts:
+        raise UserError(f"model.moe_top_k {m.moe_top_k} is above model.moe_experts {m.moe_experts}")
+    if m.moe_top_k == 1 and m.moe_renormalize:
+        raise UserError(
+            "model.moe_renormalize with model.moe_top_k 1 weighs every token 1, so the router "
+            "learns nothing; use moe_top_k >= 2 or moe_renormalize: false"
+        )
+    outside = [i for i in m.moe_dense_layers or () if not 0 <= i < m.n_layer]
+    if outside:
+        raise UserError(
+            f"model.moe_dense_layers names block {outside[0]}; blocks are 0 to {m.n_layer - 1}"
+        )
+    if not moe_layers(m):
+        raise UserError(
+            f"model.moe_experts {m.moe_experts} but no block is MoE (moe_every {m.moe_every}, "
+            f"moe_first_dense {m.moe_first_dense}, moe_dense_layers {m.moe_dense_layers}); "
+            "set moe_experts: 0 for a dense model"
+        )
+    if m.moe_shared_gate and not m.moe_shared_ffn_size:
+        raise UserError(
+            "model.moe_shared_gate gates a shared expert; set model.moe_shared_ffn_size"
+        )
+    for name in ("moe_ffn_size", "moe_shared_ffn_size"):
+        width = getattr(m, name)
+        if width and width % tp:
+            raise UserError(f"model.{name} {width} is not divisible by parallel.tp {tp}")
 
 
 def _check_async(cfg: Config) -> None:

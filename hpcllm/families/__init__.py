@@ -187,12 +187,29 @@ class Family:
     bench_keys: tuple[str, ...] = ()
 
     def rule(self, name: str) -> TensorRule:
-        """Return the rule of a whole-model parameter name; a ValueError where none matches."""
-        for rule in self.tensors:
+        """Return the rule of a whole-model parameter name (the MoE part's, every family's
+        alike, then the family's own); a ValueError where none matches."""
+        for rule in (*MOE_TENSORS, *self.tensors):
             if rule.matches(name):
                 return rule
         raise ValueError(f"family {self.name}: no tensor rule matches {name}")
 
+
+# The MoE MLP part (hpcllm.model.moe) of any family's block: stacked experts (E, rows, cols)
+# split over t as the dense MLP's matrices are, the router, the shared expert's gate, the
+# proj biases and the sigmoid router's balancing bias (a buffer) whole on every rank.
+_MOE = r"blocks\.\d+\.mlp\."
+MOE_TENSORS = (
+    TensorRule(_MOE + r"(experts|shared)\.(gate|up|fc|fc_bias)", (1, 1), "local", "block"),
+    TensorRule(_MOE + r"(experts|shared)\.proj", (2, 1), "local", "block"),
+    TensorRule(
+        _MOE + r"((experts|shared)\.proj_bias|router\.weight|shared_gate\.weight)",
+        None,
+        "tp-sum-if-sequence-parallel",
+        "block",
+    ),
+    TensorRule(_MOE + r"bias", None, "local", "block"),
+)
 
 
 def hf_layer_count(shapes: Mapping[str, Any], prefix: str) -> int | None:

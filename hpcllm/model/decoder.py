@@ -15,6 +15,7 @@ they are plain layers. The decoder knows no schedule and no data-parallel engine
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,7 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcllm import families, kernels
-from hpcllm.config import ModelConfig, padded_vocab
+from hpcllm.config import ModelConfig, moe_layers, padded_vocab
+from hpcllm.model.moe import MoE
 from hpcllm.parallel.random import recompute_context, tp_rng
 from hpcllm.parallel.roles import assign_roles, persistent_buffers
 from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -60,6 +62,11 @@ class DecoderParts:
     mlp: PartFactory
     positions: Callable[[ModelConfig, torch.Generator, bool], nn.Module] | None = None
     norm_names: tuple[str, str, str] = ("norm1", "norm2", "norm_f")
+    # Mixtures of experts (:mod:`hpcllm.model.moe`): the experts' activation, as the dense
+    # MLP's (``swiglu`` or ``gelu``, the latter with biases), and the dense MLP's width,
+    # which the experts take unless model.moe_ffn_size says otherwise.
+    expert_activation: str = "swiglu"
+    mlp_width: Callable[[ModelConfig], int] = lambda cfg: 4 * cfg.d_model
 
 
 class LayerCache:
@@ -210,6 +217,34 @@ class SelfAttention(nn.Module):
         return self.proj(y, add_bias=add_bias), None if add_bias else self.proj.bias
 
 
+def moe_mlp(
+    parts: DecoderParts, cfg: ModelConfig, group: Any, gen: torch.Generator, sp: bool
+) -> MoE:
+    """Return an MoE MLP part as model.moe_* describes it, with the family's expert activation
+    and width; the auxiliary losses' coefficients are averaged over the MoE blocks."""
+    blocks = len(moe_layers(cfg))
+    return MoE(
+        cfg.d_model,
+        cfg.moe_experts,
+        cfg.moe_top_k,
+        cfg.moe_ffn_size or parts.mlp_width(cfg),
+        activation=parts.expert_activation,
+        group=group,
+        gen=gen,
+        init_std=cfg.init_std,
+        out_std=cfg.init_std / math.sqrt(2 * cfg.n_layer),
+        router=cfg.moe_router,
+        renormalize=cfg.moe_renormalize,
+        capacity_factor=cfg.moe_capacity_factor,
+        drop_policy=cfg.moe_drop_policy,
+        aux_loss=cfg.moe_aux_loss / blocks,
+        z_loss=cfg.moe_z_loss / blocks,
+        shared_ffn=cfg.moe_shared_ffn_size,
+        shared_gate=cfg.moe_shared_gate,
+        sequence_parallel=sp,
+    )
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 
@@ -225,6 +260,7 @@ class Block(nn.Module):
         group: Any,
         gen: torch.Generator,
         sequence_parallel: bool = False,
+        index: int | None = None,
     ) -> None:
         super().__init__()
         sp = sequence_parallel and group_size(group) > 1
@@ -234,7 +270,10 @@ class Block(nn.Module):
         self.add_module(self.norm_names[0], parts.norm(cfg.d_model, cfg.layer_norm_eps, sp))
         self.attn = parts.attention(cfg, group, gen, sp)
         self.add_module(self.norm_names[1], parts.norm(cfg.d_model, cfg.layer_norm_eps, sp))
-        self.mlp = parts.mlp(cfg, group, gen, sp)
+        # Block ``index`` of the model (None: a block alone, dense) is a mixture of experts
+        # where model.moe_* says so.
+        moe = index is not None and index in moe_layers(cfg)
+        self.mlp = moe_mlp(parts, cfg, group, gen, sp) if moe else parts.mlp(cfg, group, gen, sp)
         self.dropout = cfg.dropout
         self.rng_group = group if sp else None
 
@@ -312,7 +351,7 @@ class Decoder(nn.Module):
                 self.wpe = wpe
         blocks = {}
         for index in range(cfg.n_layer):
-            block = self.block(cfg, tp_group, gen, self.sequence_parallel)
+            block = self.block(cfg, tp_group, gen, self.sequence_parallel, index)
             if index in layers:
                 blocks[str(index)] = block
         self.blocks = nn.ModuleDict(blocks)
@@ -333,10 +372,16 @@ class Decoder(nn.Module):
 
     @classmethod
     def block(
-        cls, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
+        cls,
+        cfg: ModelConfig,
+        group: Any,
+        gen: torch.Generator,
+        sequence_parallel: bool = False,
+        index: int | None = None,
     ) -> Block:
-        """Return one block of this family, drawn from ``gen`` (as the decoder draws each)."""
-        return Block(cls.parts, cfg, group, gen, sequence_parallel)
+        """Return one block of this family, drawn from ``gen`` (as the decoder draws each):
+        block ``index`` of the model (its MLP an MoE where model.moe_* says), or a dense one."""
+        return Block(cls.parts, cfg, group, gen, sequence_parallel, index)
 
     def check_length(self, s: int) -> None:
         """Raise a ValueError for a sequence of ``s`` tokens this stage cannot take."""

@@ -135,4 +135,5 @@ class GPT(Decoder):
         mlp=MLP,
         positions=LearnedPositions,
         norm_names=("ln1", "ln2", "ln_f"),
+        expert_activation="gelu",
     )

@@ -188,4 +188,6 @@ class Llama(Decoder):
         attention=LlamaAttention,
         mlp=SwiGLU,
         norm_names=("norm1", "norm2", "norm_f"),
+        expert_activation="swiglu",
+        mlp_width=ffn_size,
     )

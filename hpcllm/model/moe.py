@@ -265,16 +265,17 @@ class _AttachAux(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.full_like(ctx.aux_like, _AUX_SCALE[0])
+        scale = _AUX_SCALE[0]
+        return grad, (torch.ones_like(ctx.aux_like) * scale).to(ctx.aux_like.dtype)
 
 
 # The gradient the auxiliary losses get: the main loss's scale (1/m micro-batches, times a
 # mixed-precision loss scale), which the step sets with :func:`aux_loss_scale`.
-_AUX_SCALE = [1.0]
+_AUX_SCALE: list[float | torch.Tensor] = [1.0]
 
 
 @contextmanager
-def aux_loss_scale(scale: float) -> Iterator[None]:
+def aux_loss_scale(scale: float | torch.Tensor) -> Iterator[None]:
     """Within, the auxiliary losses' backward is scaled by ``scale`` (what the main loss is
     multiplied by before its backward)."""
     before = _AUX_SCALE[0]
@@ -378,7 +379,11 @@ class MoE(nn.Module):
         else:
             self.bias = None
         self.stats: LayerStats | None = None
-        self.step_counts: torch.Tensor | None = None  # (E,) summed over the step's micro-batches
+        # Summed over a training step's micro-batches (and their recomputed forwards, which
+        # repeat each exactly): the choices per expert (E,), which the sigmoid router's bias
+        # follows, and the figures the step logs (balance, z, dropped, max/mean load, count).
+        self.step_counts: torch.Tensor | None = None
+        self.step_sums: torch.Tensor | None = None
 
     def _tokens_whole(self, count: int) -> int:
         return count * group_size(self.group) if self.sequence_parallel else count
@@ -467,6 +472,12 @@ class MoE(nn.Module):
         )
         if self.training:
             self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+            load = counts.max().float() / counts.float().mean().clamp_min(1e-9)
+            figures = torch.stack(
+                [self.stats.balance, self.stats.z, self.stats.dropped.float(), load]
+            )
+            figures = torch.cat([figures.float(), figures.new_ones(1)])
+            self.step_sums = figures if self.step_sums is None else self.step_sums + figures
         aux = self.aux_loss * balance + self.z_loss * z
         if self.training and aux.requires_grad:
             y = _AttachAux.apply(y, aux)
@@ -486,6 +497,45 @@ def _mine(keep: torch.Tensor, b: int, s: int, group: Any) -> torch.Tensor:
     return keep.view(b, s * t, -1)[:, rank * s : (rank + 1) * s].reshape(b * s, -1)
 
 
+# The figures a step logs of its MoE layers (means over the layers and micro-batches).
+FIGURES = ("moe_balance_loss", "moe_z_loss", "moe_dropped", "moe_max_load")
+
+
+def layers_of(modules: Any) -> list[MoE]:
+    """Return the MoE layers inside ``modules`` (a module or a list of them), in order."""
+    found: list[MoE] = []
+    for module in modules if isinstance(modules, list | tuple | nn.ModuleList) else [modules]:
+        found += [m for m in module.modules() if isinstance(m, MoE)]
+    return found
+
+
+def end_step(
+    layers: list[MoE], bias_rate: float, groups: tuple[Any, ...], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Close a training step of ``layers`` (this rank's MoE layers): move each sigmoid
+    router's bias by the step's loads summed over ``groups[0]`` (the data-parallel group, whose
+    ranks saw other tokens), and return the step's :data:`FIGURES`, means over every MoE
+    layer of the model and every micro-batch, on ``device`` (summed over each of ``groups``,
+    the data-parallel then the pipeline group: a collective on every rank of them)."""
+    for layer in layers:
+        bias_update(layer, bias_rate, groups[0])
+    # Per layer: its means over the step's micro-batches; then summed over the layers, with
+    # their count, so that a sum over the stages and the replicas gives the whole's mean.
+    total = torch.zeros(len(FIGURES) + 1, device=device)
+    for layer in layers:
+        if layer.step_sums is not None:
+            sums = layer.step_sums.to(device)
+            total[:-1] += sums[:-1] / sums[-1]
+            total[-1] += 1
+        layer.step_sums = None
+    if dist.is_initialized():
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
+    means = total[:-1] / total[-1].clamp_min(1)
+    return dict(zip(FIGURES, means, strict=True))
+
+
 def bias_update(layer: MoE, rate: float, group: Any = None) -> None:
     """Move a sigmoid router's ``bias`` by ``rate`` · sign(mean load − load), from the token
     counts of the step's micro-batches (summed over ``group``, the ranks that saw other
@@ -494,7 +544,7 @@ def bias_update(layer: MoE, rate: float, group: Any = None) -> None:
         layer.step_counts = None
         return
     load = layer.step_counts.float()
-    if group is not None and dist.is_initialized():
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(load, group=group)
     with torch.no_grad():
         layer.bias += rate * torch.sign(load.mean() - load)

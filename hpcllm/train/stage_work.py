@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcllm import observe, watchdog
+from hpcllm.model import moe
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.tensor.deferred import (
     defer_weight_grads,
@@ -69,6 +70,7 @@ class ChunkWork:
         self._deferred: dict[tuple[int, int], tuple[list, list]] = {}
         # Backward passes still to come per chunk: the last one starts the dp reduction.
         self._left = [self.m] * len(chunks)
+        self._scale_of_aux: torch.Tensor | float | None = None
 
     def forward(self, chunk: int, microbatch: int, x: torch.Tensor | None) -> torch.Tensor | None:
         with observe.nvtx_range(f"forward mb{microbatch}{self._names[chunk]}"):
@@ -77,8 +79,20 @@ class ChunkWork:
     def backward(
         self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
     ) -> torch.Tensor | None:
-        with observe.nvtx_range(f"backward mb{microbatch}{self._names[chunk]}"):
+        with (
+            observe.nvtx_range(f"backward mb{microbatch}{self._names[chunk]}"),
+            moe.aux_loss_scale(self._aux_scale()),
+        ):
             return self._backward_pass(chunk, microbatch, grad, weights)
+
+    def _aux_scale(self) -> torch.Tensor | float:
+        """Return what the main loss is multiplied by before its backward (1/m and the loss
+        scale), which the MoE layers' auxiliary losses take too: on every stage alike."""
+        if self._scale_of_aux is None:
+            param = next(self.chunks.parameters(), None)
+            device = param.device if param is not None else torch.device("cpu")
+            self._scale_of_aux = self.scale(torch.full((), 1.0 / self.m, device=device))
+        return self._scale_of_aux
 
     def backward_weight(self, chunk: int, microbatch: int) -> None:
         with observe.nvtx_range(f"weight gradients mb{microbatch}{self._names[chunk]}"):

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from hpcllm import observe, watchdog
-from hpcllm.config import Config
+from hpcllm.config import Config, moe_layers
+from hpcllm.model import moe
 from hpcllm.parallel.data.engine import RunsSegments
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.parallel.pipeline.runtime import Runtime
@@ -84,6 +85,11 @@ class ScheduleRunner:
         self.scaler: GradScaler = model.optimizer.scaler
         self.accumulation = accumulation
         self.timeline: list[Interval] = []
+        # Mixtures of experts: this rank's MoE layers, closed after each step's backwards
+        # (the sigmoid router's bias, the figures logged) on every rank, MoE layers held or not.
+        self.moe = bool(moe_layers(cfg.model))
+        self.moe_layers = moe.layers_of(list(model.chunks))
+        self.moe_figures: dict[str, torch.Tensor] = {}
 
     def __call__(self, batches: Iterator[Any], timed: bool) -> tuple[torch.Tensor, float, float]:
         """Return the step's summed micro-batch losses, its data time and its compute time.
@@ -110,6 +116,14 @@ class ScheduleRunner:
             self.timeline = Runtime(model.channel).run(
                 model.actions, work, split_backward=model.split_backward, synchronize=sync
             )
+        if self.moe:
+            # An engine running segments (ps-async, local SGD) has no step all ranks meet at.
+            lockstep = not isinstance(model.engine, RunsSegments)
+            groups = (self.grid.groups.dp, model.pp_group) if lockstep else (None, None)
+            with watchdog.waiting("MoE loads all-reduce", axis="dp"):
+                self.moe_figures = moe.end_step(
+                    self.moe_layers, self.cfg.model.moe_bias_rate, groups, device
+                )
         # Micro-batches are read inside the forwards that first need them.
         compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
         loss_sum = stage_loss_sum(work, model.pp_group, device)
@@ -206,6 +220,8 @@ class SynchronousStep:
             "comm_wait_s": engine.comm_wait_s,
             "skipped": bool(skipped) if wait else skipped,
         }
+        for name, value in self.runner.moe_figures.items():
+            record[name] = value.item() if wait else value
         return StepOutcome(record, steps=1, synced=wait)
 
 

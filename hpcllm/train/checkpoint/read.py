@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from hpcllm import families
-from hpcllm.config import Config, config_from_dict, load_yaml
+from hpcllm.config import Config, config_from_dict, load_yaml, moe_layers
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.optimizer_parts import merge_shards
 from hpcllm.train.checkpoint.format import (
@@ -154,6 +154,38 @@ def _read_file(
     return shard
 
 
+# The MoE keys that shape the weights (model.moe_top_k, the losses and capacity do not).
+_MOE_WEIGHT_KEYS = (
+    "moe_ffn_size",
+    "moe_shared_ffn_size",
+    "moe_shared_gate",
+)
+
+
+def _moe_differences(saved: Any, mine: Any) -> list[str]:
+    """Return how two model sections' mixtures of experts differ in their weights: dense
+    against MoE, the MoE blocks, the experts, their widths, the router's balancing bias."""
+    theirs, ours = moe_layers(saved), moe_layers(mine)
+    if bool(theirs) != bool(ours):
+        return [
+            f"{'MoE' if theirs else 'dense'} (model.moe_experts {saved.moe_experts}) vs "
+            f"{'MoE' if ours else 'dense'} (model.moe_experts {mine.moe_experts})"
+        ]
+    if not theirs:
+        return []
+    different = []
+    if theirs != ours:
+        different.append(f"MoE blocks {theirs} vs {ours}")
+    if saved.moe_experts != mine.moe_experts:
+        different.append(f"moe_experts {saved.moe_experts} vs {mine.moe_experts}")
+    for key in _MOE_WEIGHT_KEYS:
+        if getattr(saved, key) != getattr(mine, key):
+            different.append(f"{key} {getattr(saved, key)} vs {getattr(mine, key)}")
+    if (saved.moe_router == "sigmoid") != (mine.moe_router == "sigmoid"):
+        different.append(f"moe_router {saved.moe_router} vs {mine.moe_router}")
+    return different
+
+
 def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
     """Refuse, in one line, to resume ``cfg`` from a checkpoint of another model.
 
@@ -189,6 +221,7 @@ def check_same_model(folder: Path, cfg: Config, vocab_size: int) -> None:
             for k in theirs
             if k not in free and theirs[k] != ours[k]
         ]
+        different += _moe_differences(saved, mine)
     saved_vocab = meta.get("vocab_size")
     if saved_vocab not in (None, vocab_size):
         different.append(f"vocabulary {saved_vocab} vs {vocab_size}")
