@@ -278,6 +278,13 @@ def interval_line(
         f"mem MB {record['memory_mb']:8.0f}",
         f"skipped {record['skipped_steps']}",
     ]
+    if record.get("moe_balance_loss") is not None:  # an MoE model's step (docs/moe.md)
+        fields += [
+            f"moe balance {record['moe_balance_loss']:6.3f}",
+            f"z {record['moe_z_loss']:7.3f}",
+            f"max load {record['moe_max_load']:5.2f}",
+            f"dropped {record['moe_dropped']:6.2%}",
+        ]
     return " | ".join(fields)
 
 

@@ -254,3 +254,49 @@ def test_capacity_of_counts_the_micro_batch():
     assert capacity_of(None, 2, 100, 8) is None
     assert capacity_of(1.0, 2, 100, 8) == 25
     assert capacity_of(1.25, 2, 100, 8) == math.ceil(31.25)
+
+
+@pytest.mark.parametrize(
+    "arch, sets",
+    [
+        ("gpt2", ["model.preset=tiny"]),
+        (
+            "llama",
+            [
+                "model.preset=llama-tiny",
+                "model.moe_every=2",
+                "model.moe_ffn_size=48",
+                "model.moe_shared_ffn_size=32",
+                "model.moe_shared_gate=true",
+            ],
+        ),
+    ],
+)
+def test_the_moe_flops_are_a_count_of_the_models_matmuls(arch, sets):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpcllm.config import load_config
+    from hpcllm.flops import model_step_flops, moe_flops_delta
+
+    base = [f"model.arch={arch}", *sets, "model.seq_len=16"]
+    dense = load_config(None, base).model
+    sparse = load_config(None, [*base, "model.moe_experts=4", "model.moe_top_k=2"]).model
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    counted = []
+    for cfg in (dense, sparse):
+        model = families_model(cfg, 128)
+        with FlopCounterMode(display=False) as counter:
+            model(ids, ids)
+        counted.append(counter.get_total_flops())
+    forward = moe_flops_delta(sparse, 2) / 3  # a step is 3 forwards' worth
+    assert counted[1] - counted[0] == pytest.approx(forward, rel=1e-9)
+    assert moe_flops_delta(sparse, 2, "full") == pytest.approx(4 * forward)
+    assert model_step_flops(sparse, 2, 128) == pytest.approx(
+        model_step_flops(dense, 2, 128) + 3 * forward
+    )
+
+
+def families_model(cfg, vocab: int) -> torch.nn.Module:
+    from hpcllm import families
+
+    return families.model_class(cfg.arch)(cfg, vocab)

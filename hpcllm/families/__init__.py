@@ -141,6 +141,9 @@ class Family:
     # One layer's GEMMs for ``rows`` tokens at t: (rows, shape, t) -> [(M, N, K), ...].
     layer_gemms: Callable[[int, Shape, int], list[tuple[int, int, int]]]
     tensors: tuple[TensorRule, ...]
+    # The weight matrices of the dense MLP (GeLU's 2, SwiGLU's 3): what one token's pass
+    # through an MLP of width f costs, 2·h·f FLOPs each, which MoE blocks count per expert.
+    mlp_matrices: int = 2
     hf_tensors: tuple[HFTensor, ...] = ()
     hf_model_type: str | None = None  # config.json's model_type
     # Hugging Face config.json out: (model config, vocabulary, {"bos_token_id": ...,

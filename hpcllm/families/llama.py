@@ -469,6 +469,7 @@ LLAMA = register(
         keys=LlamaKeys,
         presets=PRESETS,
         step_flops=step_flops,
+        mlp_matrices=3,
         parameters=parameters,
         layer_parameters=layer_parameters,
         first_parameters=first_parameters,

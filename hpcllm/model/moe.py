@@ -447,9 +447,8 @@ class MoE(nn.Module):
             # Added once, after the sum over t: this rank's tokens' kept biases, weighed.
             mine = keep if not self.sequence_parallel else _mine(keep, b, s, self.group)
             local_weights = routing.weights * mine
-            y = y + torch.einsum(
-                "tk,tkh->th", local_weights.to(y.dtype), self.experts.proj_bias[routing.experts]
-            ).view(b, s, h)
+            biases = self.experts.proj_bias[routing.experts]  # (T, k, h)
+            y = y + (local_weights.to(y.dtype).unsqueeze(-1) * biases).sum(1).view(b, s, h)
             if self.shared is not None:
                 assert self.shared.proj_bias is not None
                 bias = self.shared.proj_bias[0]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 
 from hpcllm import kernels, observe, watchdog
-from hpcllm.config import Config, batch_plan
+from hpcllm.config import Config, batch_plan, moe_layers
 from hpcllm.files import atomic_write
 from hpcllm.flops import model_step_flops
 from hpcllm.parallel.pipeline.schedule import Interval
@@ -51,6 +51,20 @@ def count_parameters(chunks: torch.nn.Module, grid: Grid) -> int:
         dist.all_reduce(total, group=grid.groups.pp)
         count = int(total.item())
     return count
+
+
+def count_experts(chunks: torch.nn.Module, grid: Grid, k: int, experts: int) -> tuple[int, int]:
+    """Return (the whole model's routed-expert parameters a token does not use, (E − k)/E of
+    them; the bytes of expert weights the busiest rank holds). Collectives over the grid."""
+    mine = [p for name, p in chunks.named_parameters() if ".mlp.experts." in name]
+    skipped = sum(role(p).whole_numel(p.numel(), grid.tp) for p in mine) * (experts - k) // experts
+    held = sum(p.numel() * p.element_size() for p in mine)
+    counts = torch.tensor([skipped, held], dtype=torch.int64, device=grid.device)
+    if grid.pp > 1:
+        dist.all_reduce(counts[:1], group=grid.groups.pp)
+    if grid.world_size > 1:
+        dist.all_reduce(counts[1:], op=dist.ReduceOp.MAX)
+    return int(counts[0].item()), int(counts[1].item())
 
 
 class Metrics:
@@ -103,6 +117,21 @@ class Metrics:
         largest = {k: max(r[k] for r in rows) for k in mine}
         return memory.describe(largest, self.grid.dp, self.cfg.parallel.distributed_optimizer)
 
+    def _moe_line(self, parameters: int) -> list[str]:
+        """Return the banner's MoE line (none for a dense model): the blocks, the parameters a
+        token uses, and the experts' weights on the busiest rank (a collective)."""
+        m = self.cfg.model
+        blocks = moe_layers(m)
+        if not blocks:
+            return []
+        skipped, held = count_experts(self.model.chunks, self.grid, m.moe_top_k, m.moe_experts)
+        return [
+            f"experts {m.moe_experts}, top {m.moe_top_k}, router {m.moe_router}, in "
+            f"{len(blocks)} of {m.n_layer} blocks: {(parameters - skipped) / 1e6:.2f} M "
+            f"parameters active per token (FLOPs and MFU count these); expert weights "
+            f"{held / 2**20:.1f} MiB on the busiest rank"
+        ]
+
     def banner(self, resume: str, vocab_size: int, data: str) -> list[str]:
         """Return the run's start-up lines (every rank must call this: it gathers memory and
         counts parameters).
@@ -129,6 +158,7 @@ class Metrics:
             f"model {parameters / 1e6:.2f} M parameters: n_layer {m.n_layer}, "
             f"n_head {m.n_head}, d_model {m.d_model}, seq_len {m.seq_len}, vocab "
             f"{vocab_size} (padded {self.padded_vocab})",
+            *self._moe_line(parameters),
             f"data {data}",
             f"train {cfg.train.steps} steps, global batch {self.global_batch} "
             f"({self.tokens_per_step} tokens/step), precision {cfg.train.precision}, "
