@@ -96,6 +96,10 @@ def test_an_moe_model_trains_alike_under_every_layout_and_engine(arch, stdlib, t
         "--pp", "2", check=True)  # fmt: skip
     torch.testing.assert_close(hpcllm.load_model(recut)(ids), logits, rtol=0, atol=0)
     assert evaluate(recut, stdlib, split="train", iters=1).loss > 0
+    # Generation with the KV cache is generation without it.
+    model = hpcllm.load_model(tmp_path / "t1").eval()
+    cached = model.generate(ids[:1, :5], 8, temperature=0, kv_cache=True)
+    assert torch.equal(cached, model.generate(ids[:1, :5], 8, temperature=0, kv_cache=False))
 
 
 SIGMOID = [
