@@ -48,7 +48,11 @@ ROTATED: dict[str, tuple[int, list[str]]] = {
     "d2-ps-async-k0": (2, ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"]),
     # Local SGD averages weights, not gradients: only its first step's loss is compared.
     "d2-local-sgd": (2, ["parallel.dp_engine=local-sgd", "parallel.local_sgd_steps=1"]),
+    # Compiled blocks (the routing's data-dependent shapes break the graph around dispatch).
+    "compile-blocks": (1, ["model.compile=blocks"]),
 }
+# The compiler fuses and reorders fp32 arithmetic (tests/test_compile.py's bound).
+TOLERANCE = {"compile-blocks": 1e-4}
 FIRST_STEP_ONLY = {"d2-local-sgd"}
 COMPARED = ("loss", "grad_norm", "moe_balance_loss", "moe_z_loss")
 
@@ -80,7 +84,7 @@ def test_an_moe_model_trains_alike_under_every_layout_and_engine(arch, stdlib, t
                 continue
             else:
                 expected = want[key]
-            if got != pytest.approx(expected, rel=1e-5):
+            if got != pytest.approx(expected, rel=TOLERANCE.get(name, 1e-5)):
                 wrong[f"{name} {key}"] = (got, expected)
     assert not wrong, wrong
     # One model at every layout: t = 2 × p = 2 merged whole is the one process's to the

@@ -164,7 +164,7 @@ class Dispatch:
 
     tokens: torch.Tensor
     slots: torch.Tensor
-    counts: list[int]
+    counts: torch.Tensor
 
 
 def dispatch(experts: torch.Tensor, keep: torch.Tensor, n_experts: int) -> Dispatch:
@@ -173,8 +173,31 @@ def dispatch(experts: torch.Tensor, keep: torch.Tensor, n_experts: int) -> Dispa
     flat, keep = experts.flatten(), keep.flatten()
     slots = keep.nonzero().flatten()
     slots = slots[torch.sort(flat[slots], stable=True).indices]
-    counts = torch.bincount(flat[slots], minlength=n_experts).tolist()
+    counts = torch.bincount(flat[slots], minlength=n_experts)
     return Dispatch(slots // k, slots, counts)
+
+
+# Whether torch's grouped GEMM runs here, by (device type, dtype): asked once each.
+_GROUPED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Return whether ``torch._grouped_mm`` (forward and backward) runs on ``device`` in
+    ``dtype`` in this build: CPU builds since torch 2.9 or so, CUDA in bf16 on Hopper."""
+    key = (device.type, dtype)
+    if key not in _GROUPED:
+        works = hasattr(torch, "_grouped_mm")
+        if works:
+            try:
+                x = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+                w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w, offs=offs)
+                torch.autograd.grad(y, (x, w), torch.ones_like(y))
+            except (RuntimeError, NotImplementedError, TypeError):
+                works = False
+        _GROUPED[key] = works
+    return _GROUPED[key]
 
 
 class Experts(nn.Module):
@@ -229,15 +252,23 @@ class Experts(nn.Module):
         if activation == "gelu":
             self.proj_bias = nn.Parameter(torch.zeros(n_experts, hidden))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool = True) -> torch.Tensor:
         """Return the experts' outputs (this rank's partial sums over t, no ``proj_bias``) for
         ``x`` (N, h), whose first ``counts[0]`` rows go to expert 0, the next to expert 1, …
 
-        A loop over the experts, one GEMM pair each (empty experts skipped).
+        One grouped GEMM per matrix where torch's runs here (:func:`grouped_mm_works`; no
+        host sync), else (or without ``grouped``) a loop over the experts, one GEMM pair each.
         """
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else x.dtype
+        )
+        if grouped and grouped_mm_works(x.device, dtype):
+            return self._grouped(x.to(dtype), counts, dtype)
         outputs = []
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
             rows = x[start : start + n]
@@ -252,6 +283,23 @@ class Experts(nn.Module):
         if not outputs:
             return x.new_zeros(0, self.proj.shape[1])
         return torch.cat(outputs)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # w: (E, out, in)
+            return torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=offs)
+
+        if self.activation == "swiglu":
+            assert self.gate is not None and self.up is not None
+            h = kernels.swiglu(mm(x, self.gate), mm(x, self.up))
+        else:
+            assert self.fc is not None and self.fc_bias is not None
+            rows = torch.repeat_interleave(
+                torch.arange(self.n_experts, device=x.device), counts, output_size=x.shape[0]
+            )
+            h = kernels.bias_gelu(mm(x, self.fc) + self.fc_bias[rows].to(dtype), None)
+        return mm(h.to(dtype), self.proj)
 
 
 class _AttachAux(torch.autograd.Function):
@@ -378,6 +426,7 @@ class MoE(nn.Module):
             self.register_buffer("bias", torch.zeros(n_experts))
         else:
             self.bias = None
+        self.grouped = True  # the experts' grouped GEMM where it runs (False: the loop)
         self.stats: LayerStats | None = None
         # Summed over a training step's micro-batches (and their recomputed forwards, which
         # repeat each exactly): the choices per expert (E,), which the sigmoid router's bias
@@ -431,12 +480,13 @@ class MoE(nn.Module):
         capacity = capacity_of(self.capacity_factor, self.top_k, tokens, self.n_experts)
         keep = kept(experts, weights, self.n_experts, capacity, self.drop_policy)
         plan = dispatch(experts, keep, self.n_experts)
-        out = self.experts(inputs[plan.tokens], plan.counts)
+        out = self.experts(inputs[plan.tokens], plan.counts, self.grouped)
         scale = weights.flatten()[plan.slots].unsqueeze(1)
         y = inputs.new_zeros(inputs.shape[0], h, dtype=out.dtype)
         y = y.index_add(0, plan.tokens, out * scale.to(out.dtype))
         if self.shared is not None:
-            shared = self.shared(inputs, [inputs.shape[0]])
+            every = plan.counts.new_full((1,), inputs.shape[0])
+            shared = self.shared(inputs, every, self.grouped)
             y = y + (shared if all_gate is None else shared * all_gate.to(shared.dtype))
         y = y.view(b, -1, h)
         if self.sequence_parallel:

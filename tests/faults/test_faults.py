@@ -54,6 +54,17 @@ KINDS = {
             ("ddp", ["parallel.dp_engine=ddp"]),
             ("t2", ["parallel.tp=2"]),
             ("horovod", ["parallel.dp_engine=horovod"]),
+            # Mixture of experts: the sigmoid router's bias resumes with the weights, and a
+            # rank stopped mid-step leaves its peer waiting in an MoE step's collectives.
+            (
+                "moe",
+                [
+                    "parallel.dp_engine=ddp",
+                    "model.moe_experts=4",
+                    "model.moe_router=sigmoid",
+                    "model.moe_capacity_factor=1.0",
+                ],
+            ),
         ]
     )
 }
@@ -356,6 +367,9 @@ BAD = [
     ("model.arch=llama",),  # another family than the folder's checkpoints
     ("model.arch=llama", "model.n_kv_heads=3"),  # 2 query heads cannot share 3 kv heads
     ("model.n_kv_heads=1",),  # a Llama setting on GPT-2
+    ("model.moe_experts=4",),  # the folder's dense checkpoints resumed as MoE
+    ("model.moe_experts=4", "model.moe_top_k=8"),
+    ("model.moe_experts=4", "model.moe_router=topk"),
 ]
 
 
