@@ -33,8 +33,6 @@ summed over t, as the norms' are.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,7 +262,9 @@ class Experts(nn.Module):
             if torch.is_autocast_enabled(x.device.type)
             else x.dtype
         )
-        if grouped and grouped_mm_works(x.device, dtype):
+        # Traced, the op's fake kernel takes bf16 only (CUDA's case), whatever eager runs.
+        traced_ok = not torch.compiler.is_compiling() or dtype == torch.bfloat16
+        if grouped and traced_ok and grouped_mm_works(x.device, dtype):
             return self._grouped(x.to(dtype), counts, dtype)
         outputs = []
         start = 0
@@ -302,36 +302,21 @@ class Experts(nn.Module):
         return mm(h.to(dtype), self.proj)
 
 
-class _AttachAux(torch.autograd.Function):
-    """Forward: ``y`` unchanged. Backward: ``y``'s gradient, and ``aux``'s gradient set to the
-    main loss's scale, so the auxiliary loss is trained by the same backward as the output."""
+def take_aux_losses(layers: list[MoE]) -> torch.Tensor | None:
+    """Return the sum of the auxiliary losses ``layers`` left by their last training forward
+    (None where none did), and forget them.
 
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_like = aux.detach()
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = _AUX_SCALE[0]
-        return grad, (torch.ones_like(ctx.aux_like) * scale).to(ctx.aux_like.dtype)
-
-
-# The gradient the auxiliary losses get: the main loss's scale (1/m micro-batches, times a
-# mixed-precision loss scale), which the step sets with :func:`aux_loss_scale`.
-_AUX_SCALE: list[float | torch.Tensor] = [1.0]
-
-
-@contextmanager
-def aux_loss_scale(scale: float | torch.Tensor) -> Iterator[None]:
-    """Within, the auxiliary losses' backward is scaled by ``scale`` (what the main loss is
-    multiplied by before its backward)."""
-    before = _AUX_SCALE[0]
-    _AUX_SCALE[0] = scale
-    try:
-        yield
-    finally:
-        _AUX_SCALE[0] = before
+    The caller backpropagates it beside the forward's output, with the gradient the main loss
+    gets (1/m micro-batches, times fp16's loss scale): each stage's routers train as the main
+    loss trains them. A forward recomputed inside a backward leaves losses that the next
+    forward replaces, never taken.
+    """
+    losses = [layer.aux for layer in layers if layer.aux is not None]
+    for layer in layers:
+        layer.aux = None
+    if not losses:
+        return None
+    return torch.stack([loss.float() for loss in losses]).sum()
 
 
 @dataclass
@@ -427,6 +412,7 @@ class MoE(nn.Module):
         else:
             self.bias = None
         self.grouped = True  # the experts' grouped GEMM where it runs (False: the loop)
+        self.aux: torch.Tensor | None = None  # the last training forward's auxiliary loss
         self.stats: LayerStats | None = None
         # Summed over a training step's micro-batches (and their recomputed forwards, which
         # repeat each exactly): the choices per expert (E,), which the sigmoid router's bias
@@ -528,8 +514,8 @@ class MoE(nn.Module):
             figures = torch.cat([figures.float(), figures.new_ones(1)])
             self.step_sums = figures if self.step_sums is None else self.step_sums + figures
         aux = self.aux_loss * balance + self.z_loss * z
-        if self.training and aux.requires_grad:
-            y = _AttachAux.apply(y, aux)
+        # Left for the step's backward (take_aux_losses), beside the output's.
+        self.aux = aux if self.training and aux.requires_grad else None
         return y.to(x.dtype), None
 
 
@@ -568,6 +554,7 @@ def end_step(
     the data-parallel then the pipeline group: a collective on every rank of them)."""
     for layer in layers:
         bias_update(layer, bias_rate, groups[0])
+        layer.aux = None  # a recomputed forward's, never taken
     # Per layer: its means over the step's micro-batches; then summed over the layers, with
     # their count, so that a sum over the stages and the replicas gives the whole's mean.
     total = torch.zeros(len(FIGURES) + 1, device=device)

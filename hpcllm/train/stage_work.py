@@ -70,7 +70,9 @@ class ChunkWork:
         self._deferred: dict[tuple[int, int], tuple[list, list]] = {}
         # Backward passes still to come per chunk: the last one starts the dp reduction.
         self._left = [self.m] * len(chunks)
-        self._scale_of_aux: torch.Tensor | float | None = None
+        # Each forward's MoE auxiliary losses, backpropagated with its output.
+        self._moe = [moe.layers_of(chunk) for chunk in chunks]
+        self._aux: dict[tuple[int, int], torch.Tensor] = {}
 
     def forward(self, chunk: int, microbatch: int, x: torch.Tensor | None) -> torch.Tensor | None:
         with observe.nvtx_range(f"forward mb{microbatch}{self._names[chunk]}"):
@@ -79,20 +81,20 @@ class ChunkWork:
     def backward(
         self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
     ) -> torch.Tensor | None:
-        with (
-            observe.nvtx_range(f"backward mb{microbatch}{self._names[chunk]}"),
-            moe.aux_loss_scale(self._aux_scale()),
-        ):
+        with observe.nvtx_range(f"backward mb{microbatch}{self._names[chunk]}"):
             return self._backward_pass(chunk, microbatch, grad, weights)
 
-    def _aux_scale(self) -> torch.Tensor | float:
-        """Return what the main loss is multiplied by before its backward (1/m and the loss
-        scale), which the MoE layers' auxiliary losses take too: on every stage alike."""
-        if self._scale_of_aux is None:
-            param = next(self.chunks.parameters(), None)
-            device = param.device if param is not None else torch.device("cpu")
-            self._scale_of_aux = self.scale(torch.full((), 1.0 / self.m, device=device))
-        return self._scale_of_aux
+    def _with_aux(
+        self, key: tuple[int, int], out: torch.Tensor, grad: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Return the backward's roots and their gradients: the forward's output, and the
+        auxiliary losses its MoE layers left, whose gradient is what the main loss is
+        multiplied by (1/m and the loss scale) on every stage alike."""
+        aux = self._aux.pop(key, None)
+        if aux is None:
+            return [out], [grad]
+        scale = self.scale(torch.full((), 1.0 / self.m, device=aux.device))
+        return [out, aux], [grad, scale.to(aux.dtype)]
 
     def backward_weight(self, chunk: int, microbatch: int) -> None:
         with observe.nvtx_range(f"weight gradients mb{microbatch}{self._names[chunk]}"):
@@ -112,6 +114,9 @@ class ChunkWork:
             module = self.modules[chunk]
             hidden = module(inputs, labels) if part.post else module(inputs)
         keep = torch.is_grad_enabled()  # evaluation keeps nothing for a backward
+        aux = moe.take_aux_losses(self._moe[chunk])
+        if keep and aux is not None:
+            self._aux[(microbatch, chunk)] = aux
         if part.post:
             self.losses[microbatch] = hidden.detach()
             if keep:
@@ -125,14 +130,15 @@ class ChunkWork:
         self, chunk: int, microbatch: int, grad: torch.Tensor | None, weights: bool
     ) -> torch.Tensor | None:
         x, out = self._saved.pop((microbatch, chunk))
+        outs, grads_in = self._with_aux((microbatch, chunk), out, grad)
         if weights:
-            self._backward(chunk, [out], [grad])
+            self._backward(chunk, outs, grads_in)
             return None if x is None else x.grad
         params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
         inputs = ([x] if x is not None else []) + params
         # Recomputed blocks (model.recompute) must rebuild the forward's deferrable layers.
         with defer_weight_grads() as parked, deferrable_weight_grads():
-            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+            grads = torch.autograd.grad(outs, inputs, grads_in, allow_unused=True)
         if x is not None:
             gx, grads = grads[0], grads[1:]
         else:

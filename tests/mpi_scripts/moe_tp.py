@@ -12,7 +12,7 @@ import sys
 import torch
 
 from hpcllm import topology
-from hpcllm.model.moe import MoE, aux_loss_scale
+from hpcllm.model.moe import MoE, take_aux_losses
 from hpcllm.parallel.tensor.layers import shard_of
 
 B, S, H, E, FFN = 2, 8, 16, 4, 32
@@ -44,6 +44,12 @@ def layer(group, sp: bool, activation: str, capacity) -> MoE:
     return m
 
 
+def backward(layer: MoE, loss: torch.Tensor, scale: float) -> None:
+    """Backpropagate ``loss`` and the layer's auxiliary losses at ``scale``, as the step does."""
+    aux = take_aux_losses([layer])
+    torch.autograd.backward([loss, aux], [None, torch.tensor(scale)])
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
@@ -55,16 +61,14 @@ def run(grid, sp: bool, activation: str, capacity) -> dict:
 
     serial = layer(None, False, activation, capacity)
     xs = x.clone().requires_grad_()
-    with aux_loss_scale(0.5):
-        ys, _ = serial(xs)
-        (0.5 * (ys * dy).sum()).backward()
+    ys, _ = serial(xs)
+    backward(serial, 0.5 * (ys * dy).sum(), 0.5)
 
     par = layer(group, sp, activation, capacity)
     part = slice(rank * S // t, (rank + 1) * S // t) if sp else slice(None)
     xp = x[:, part].clone().requires_grad_()
-    with aux_loss_scale(0.5):
-        yp, _ = par(xp)
-        (0.5 * (yp * dy[:, part]).sum()).backward()
+    yp, _ = par(xp)
+    backward(par, 0.5 * (yp * dy[:, part]).sum(), 0.5)
     router_grad = par.router.weight.grad.clone()
     if sp:  # the step's sum of the sequence-parallel gradients
         torch.distributed.all_reduce(router_grad, group=group)
