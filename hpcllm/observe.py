@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 
 from hpcllm.files import atomic_write
@@ -146,6 +147,11 @@ class MetricsLog:
                 for key, value in record.items():
                     if isinstance(value, int | float) and key != "step":
                         self._tb.add_scalar(key, value, record["step"])
+                # An MoE model's experts' shares of each block's tokens, as histograms.
+                for block, shares in record.get("moe_expert_load", {}).items():
+                    self._tb.add_histogram(
+                        f"moe_expert_load/block{block}", np.asarray(shares), record["step"]
+                    )
             except OSError as err:  # TensorBoard's writer thread raises it at the next call
                 self._failed("the TensorBoard events", err)
                 self._tb = None

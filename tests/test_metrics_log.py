@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hpcllm.observe import RESUMED, MetricsLog, read_metrics
 
 
@@ -76,3 +78,16 @@ def _session_starts(path: Path) -> list[int]:
         for event in EventFileLoader(str(path)).Load()
         if event.HasField("session_log") and event.session_log.status == SessionLog.START
     ]
+
+
+def test_an_moe_steps_expert_loads_are_tensorboard_histograms(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"step": 1, "loss": 1.0, "moe_expert_load": {"3": [0.1, 0.2, 0.3, 0.4]}})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    (histogram,) = events.Histograms("moe_expert_load/block3")
+    assert histogram.step == 1 and histogram.histogram_value.num == 4
+    assert histogram.histogram_value.sum == pytest.approx(1.0)

@@ -87,6 +87,14 @@ def test_an_moe_model_trains_alike_under_every_layout_and_engine(arch, stdlib, t
             if got != pytest.approx(expected, rel=TOLERANCE.get(name, 1e-5)):
                 wrong[f"{name} {key}"] = (got, expected)
     assert not wrong, wrong
+    # Each MoE block's figures and experts' loads, whichever stage and replica held it.
+    for name in ("t2p2", "p2-interleaved", "d2-ddp"):
+        for got, expected in zip(logged[name]["records"], logged["t1"]["records"], strict=True):
+            assert got["moe_blocks"].keys() == expected["moe_blocks"].keys()
+            for block, figures in expected["moe_blocks"].items():
+                assert got["moe_blocks"][block] == pytest.approx(figures, rel=1e-5), name
+                load = expected["moe_expert_load"][block]
+                assert got["moe_expert_load"][block] == pytest.approx(load, rel=1e-5), name
     # One model at every layout: t = 2 × p = 2 merged whole is the one process's to the
     # trained weights' rounding (a token whose router scores nearly tie may pick another
     # expert, so the bound is looser than a dense model's).

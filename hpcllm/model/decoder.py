@@ -274,6 +274,8 @@ class Block(nn.Module):
         # where model.moe_* says so.
         moe = index is not None and index in moe_layers(cfg)
         self.mlp = moe_mlp(parts, cfg, group, gen, sp) if moe else parts.mlp(cfg, group, gen, sp)
+        if moe:
+            self.mlp.block = index
         self.dropout = cfg.dropout
         self.rng_group = group if sp else None
 

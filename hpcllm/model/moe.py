@@ -411,6 +411,7 @@ class MoE(nn.Module):
             self.register_buffer("bias", torch.zeros(n_experts))
         else:
             self.bias = None
+        self.block: int | None = None  # the model's block index (the Block sets it)
         self.grouped = True  # the experts' grouped GEMM where it runs (False: the loop)
         self.aux: torch.Tensor | None = None  # the last training forward's auxiliary loss
         self.stats: LayerStats | None = None
@@ -545,31 +546,59 @@ def layers_of(modules: Any) -> list[MoE]:
 
 
 def end_step(
-    layers: list[MoE], bias_rate: float, groups: tuple[Any, ...], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Close a training step of ``layers`` (this rank's MoE layers): move each sigmoid
-    router's bias by the step's loads summed over ``groups[0]`` (the data-parallel group, whose
-    ranks saw other tokens), and return the step's :data:`FIGURES`, means over every MoE
-    layer of the model and every micro-batch, on ``device`` (summed over each of ``groups``,
-    the data-parallel then the pipeline group: a collective on every rank of them)."""
+    layers: list[MoE],
+    bias_rate: float,
+    groups: tuple[Any, ...],
+    device: torch.device,
+    blocks: list[int],
+    n_experts: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Close a training step of ``layers`` (this rank's MoE layers).
+
+    Returns the step's :data:`FIGURES` (means over the model's MoE blocks ``blocks`` and the
+    step's micro-batches) and a table with a row per block of ``blocks``: the four figures,
+    then each expert's share of the block's routed tokens, summed over each of ``groups``
+    (the data-parallel then the pipeline group: a collective on every rank of them) and
+    averaged over the data-parallel replicas. Then moves each sigmoid router's bias by the
+    step's loads summed over ``groups[0]``.
+    """
+    width = len(FIGURES) + 1 + n_experts  # alike on every rank, MoE layers held or not
+    table = torch.zeros(len(blocks), width, device=device)
     for layer in layers:
-        bias_update(layer, bias_rate, groups[0])
-        layer.aux = None  # a recomputed forward's, never taken
-    # Per layer: its means over the step's micro-batches; then summed over the layers, with
-    # their count, so that a sum over the stages and the replicas gives the whole's mean.
-    total = torch.zeros(len(FIGURES) + 1, device=device)
-    for layer in layers:
-        if layer.step_sums is not None:
-            sums = layer.step_sums.to(device)
-            total[:-1] += sums[:-1] / sums[-1]
-            total[-1] += 1
-        layer.step_sums = None
+        if layer.step_sums is None or layer.step_counts is None:
+            continue
+        row = table[blocks.index(layer.block)]
+        sums = layer.step_sums.to(device)
+        row[: len(FIGURES)] = sums[:-1] / sums[-1]
+        row[len(FIGURES)] = 1  # this replica's: the sums below count the replicas
+        counts = layer.step_counts.to(device).float()
+        row[len(FIGURES) + 1 :] = counts / counts.sum().clamp_min(1)
     if dist.is_initialized():
         for group in groups:
             if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(total, group=group)
-    means = total[:-1] / total[-1].clamp_min(1)
-    return dict(zip(FIGURES, means, strict=True))
+                dist.all_reduce(table, group=group)
+    replicas = table[:, len(FIGURES)].clamp_min(1).unsqueeze(1)
+    table = torch.cat([table[:, : len(FIGURES)], table[:, len(FIGURES) + 1 :]], dim=1) / replicas
+    means = table[:, : len(FIGURES)].mean(dim=0) if len(blocks) else table.new_zeros(4)
+    for layer in layers:
+        bias_update(layer, bias_rate, groups[0])
+        layer.step_sums = None
+        layer.aux = None  # a recomputed forward's, never taken
+    return dict(zip(FIGURES, means, strict=True)), table
+
+
+def per_block(table: torch.Tensor, blocks: list[int]) -> dict[str, Any]:
+    """Return :func:`end_step`'s table as metrics.jsonl fields: per MoE block its figures
+    (``moe_blocks``) and its experts' shares of the routed tokens (``moe_expert_load``)."""
+    rows = table.tolist()
+    n = len(FIGURES)
+    return {
+        "moe_blocks": {
+            str(b): {name.removeprefix("moe_"): row[i] for i, name in enumerate(FIGURES)}
+            for b, row in zip(blocks, rows, strict=True)
+        },
+        "moe_expert_load": {str(b): row[n:] for b, row in zip(blocks, rows, strict=True)},
+    }
 
 
 def bias_update(layer: MoE, rate: float, group: Any = None) -> None:

@@ -87,9 +87,11 @@ class ScheduleRunner:
         self.timeline: list[Interval] = []
         # Mixtures of experts: this rank's MoE layers, closed after each step's backwards
         # (the sigmoid router's bias, the figures logged) on every rank, MoE layers held or not.
-        self.moe = bool(moe_layers(cfg.model))
+        self.moe_blocks = moe_layers(cfg.model)
+        self.moe = bool(self.moe_blocks)
         self.moe_layers = moe.layers_of(list(model.chunks))
         self.moe_figures: dict[str, torch.Tensor] = {}
+        self.moe_table: torch.Tensor | None = None  # per MoE block, the last step's
 
     def __call__(self, batches: Iterator[Any], timed: bool) -> tuple[torch.Tensor, float, float]:
         """Return the step's summed micro-batch losses, its data time and its compute time.
@@ -121,8 +123,13 @@ class ScheduleRunner:
             lockstep = not isinstance(model.engine, RunsSegments)
             groups = (self.grid.groups.dp, model.pp_group) if lockstep else (None, None)
             with watchdog.waiting("MoE loads all-reduce", axis="dp"):
-                self.moe_figures = moe.end_step(
-                    self.moe_layers, self.cfg.model.moe_bias_rate, groups, device
+                self.moe_figures, self.moe_table = moe.end_step(
+                    self.moe_layers,
+                    self.cfg.model.moe_bias_rate,
+                    groups,
+                    device,
+                    self.moe_blocks,
+                    self.cfg.model.moe_experts,
                 )
         # Micro-batches are read inside the forwards that first need them.
         compute = sum(i.end - i.start for i in self.timeline if i.kind.is_compute)
@@ -222,6 +229,8 @@ class SynchronousStep:
         }
         for name, value in self.runner.moe_figures.items():
             record[name] = value.item() if wait else value
+        if wait and self.runner.moe_table is not None:
+            record.update(moe.per_block(self.runner.moe_table, self.runner.moe_blocks))
         return StepOutcome(record, steps=1, synced=wait)
 
 
