@@ -39,20 +39,25 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "d2-horovod": (2, ["parallel.dp_engine=horovod"]),
     "d2-ddp-zero1": (2, ["parallel.dp_engine=ddp", "parallel.distributed_optimizer=true"]),
     "t2p2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+    "d2-ps": (2, ["parallel.dp_engine=ps"]),
+    "d2-ps-async-k0": (2, ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"]),
+    # Local SGD averages weights, not gradients: only its first step's loss is compared.
+    "d2-local-sgd": (2, ["parallel.dp_engine=local-sgd", "parallel.local_sgd_steps=1"]),
 }
 # These once, each by one family in turn (rotate): the MoE part is the same in both.
 ROTATED: dict[str, tuple[int, list[str]]] = {
     "recompute-full": (1, ["model.recompute=full"]),
-    "d2-ps": (2, ["parallel.dp_engine=ps"]),
     "recompute-selective": (1, ["model.recompute=selective"]),
-    "d2-ps-async-k0": (2, ["parallel.dp_engine=ps-async", "parallel.max_staleness=0"]),
-    # Local SGD averages weights, not gradients: only its first step's loss is compared.
-    "d2-local-sgd": (2, ["parallel.dp_engine=local-sgd", "parallel.local_sgd_steps=1"]),
     # Compiled blocks (the routing's data-dependent shapes break the graph around dispatch).
     "compile-blocks": (1, ["model.compile=blocks"]),
+    # Mixed precision: the router in fp32, the experts in bf16 or fp16 (with the loss scale
+    # on the auxiliary losses' gradient too).
+    "bf16": (1, ["train.precision=bf16"]),
+    "fp16": (1, ["train.precision=fp16"]),
 }
-# The compiler fuses and reorders fp32 arithmetic (tests/test_compile.py's bound).
-TOLERANCE = {"compile-blocks": 1e-4}
+# The compiler fuses and reorders fp32 arithmetic (tests/test_compile.py's bound); half
+# precision rounds every matmul.
+TOLERANCE = {"compile-blocks": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 FIRST_STEP_ONLY = {"d2-local-sgd"}
 COMPARED = ("loss", "grad_norm", "moe_balance_loss", "moe_z_loss")
 
