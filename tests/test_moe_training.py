@@ -157,6 +157,12 @@ def test_the_sigmoid_routers_bias_follows_every_ranks_loads_and_resumes(stdlib, 
     again = _biases(resumed)
     for name in one:
         torch.testing.assert_close(again[name], one[name], rtol=0, atol=0)
+    # Re-cut to t = 2 × p = 2, the biases (whole on every rank) come back as they were.
+    recut = tmp_path / "recut"
+    cli("convert", "--checkpoint", str(tmp_path / "t1"), "--out", str(recut), "--tp", "2",
+        "--pp", "2", check=True)  # fmt: skip
+    for name, bias in _biases(recut).items():
+        torch.testing.assert_close(bias, one[name], rtol=0, atol=0)
 
 
 @pytest.mark.slow
