@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import NoReturn
 
 from hpcllm import __version__
 from hpcllm.commands import add_parsers
@@ -46,12 +47,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The ``hpcllm`` command (and ``python -m hpcllm``): :func:`main`, then the process ends.
+    """The ``hpcllm`` command (and ``python -m hpcllm``): :func:`main`, then :func:`end`."""
+    end(main())
 
-    A process in which the command started torch.distributed ends through
-    :func:`exit_process`; any other exits as usual.
+
+def end(code: int) -> NoReturn:
+    """End the process with ``code``: through :func:`exit_process` where
+    :func:`hpcllm.topology.init` started torch.distributed, else as Python does.
+
+    Every program that trains under a launcher ends here: the ``hpcllm`` command,
+    ``python -m hpcllm.bench.collectives``, and a script of one's own around ``Trainer``
+    should too (the test suite's scripts do, through ``tests/script_runner.py``).
     """
-    code = main()
     topology = sys.modules.get("hpcllm.topology")
     if topology is not None and topology.was_started():
         exit_process(code)
@@ -75,17 +82,19 @@ def _end_torch_distributed() -> None:
     gc.collect()
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int) -> NoReturn:
     """End the process with ``code`` without the interpreter's finalisation.
 
-    A Gloo process group can outlive destroy_process_group (torch keeps a reference of its
-    own once an optimizer has been built), and with it its worker threads. One that is still
-    releasing a finished operation's tensors when Python finalises needs the GIL, which a
-    finalising interpreter refuses by ending the thread inside C++: the rank aborts (SIGABRT,
-    "terminate called without an active exception") after a run that succeeded. So the
-    process ends the way finalisation would have, minus that: Python's exit handlers (the
-    watchdog's stop, Horovod's shutdown), MPI_Finalize where MPI was started, Python's and C's
-    buffered output flushed, then ``os._exit``, whatever a step of that raises.
+    A Gloo process group can outlive destroy_process_group and a garbage collection (the
+    world group does, once a trainer has run), and with it its worker threads. Those threads
+    run the Python callbacks chained on a collective's future (DDP's communication hooks:
+    torch's default all-reduce hook and hpcllm's timing hook), then release them; one that
+    reaches such a callback when Python finalises needs the GIL, which a finalising
+    interpreter refuses by ending the thread inside C++: the rank aborts (SIGABRT, "terminate
+    called without an active exception") after a run that succeeded. So the process ends the
+    way finalisation would have, minus that: Python's exit handlers (the watchdog's stop,
+    Horovod's shutdown), MPI_Finalize where MPI was started, Python's and C's buffered output
+    flushed, then ``os._exit``, whatever a step of that raises.
     """
     import atexit
     import ctypes

@@ -9,7 +9,10 @@ phase it enters (:func:`phase`); the watcher writes its rank's phase and process
 (``.RUN_NAME.startup/``, shared like the run folder), every half second. If the rank has not
 finished its first step ``run.startup_timeout_s`` after start, its watcher reads every rank's
 heartbeat, names the phase and the ranks not heard from (stopped, gone, or behind the others),
-in one line from the first watcher to give up, and kills its rank, which ends the job.
+in one line from the first watcher to give up, and kills its rank, which ends the job. Until
+the first step is done the trainer gives torch's process groups this allowance's backstop as
+their timeout (``run.timeout_s``'s after it), so that a stall inside step 1 ends with this
+line, never first with a collective's own timeout.
 """
 
 from __future__ import annotations

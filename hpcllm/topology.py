@@ -178,9 +178,9 @@ class Grid:
 
     ``groups`` holds its torch groups and mpi4py communicators (:class:`ProcessGroups`).
     ``pp_prev``/``pp_next`` are the world ranks of the neighbouring pipeline
-    stages, wrapping around as the interleaved schedule needs. ``timeout_s`` is what
-    :func:`init` gave the torch groups (None: torch's defaults), for engines that start
-    collectives of their own (Horovod).
+    stages, wrapping around as the interleaved schedule needs. ``timeout_s`` is the torch
+    groups' timeout, :func:`init`'s or :func:`set_timeout`'s since (None: torch's defaults),
+    for engines that start collectives of their own (Horovod).
     """
 
     layout: Layout
@@ -398,9 +398,10 @@ def init(
     a UserError on every rank at once and never a hang. Calling ``init`` again with another
     layout reuses the world process group and builds new groups.
 
-    ``timeout_s`` (the trainer passes ``run.timeout_s``) bounds every torch.distributed
-    collective and receive of the new groups, and the world group's when this call creates it:
-    past it gloo raises and NCCL's watchdog tears the process down. None keeps torch's
+    ``timeout_s`` bounds every torch.distributed collective and receive of the new groups and
+    of the world group: past it gloo raises and NCCL's watchdog tears the process down. The
+    trainer passes the start-up allowance's backstop, and ``run.timeout_s``'s through
+    :func:`set_timeout` once the first step is done. None keeps torch's
     defaults (30 min for gloo, 10 for NCCL) and a 600 s rendezvous.
     """
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
@@ -454,7 +455,7 @@ def init(
     startup.phase("set-up")
     comms = _mpi_comms(world_comm, layout, launch.rank) if world_comm is not None else {}
     tp_rank, pp_rank, dp_rank = layout.coords(launch.rank)
-    return Grid(
+    grid = Grid(
         layout=layout,
         launch=launch,
         rank=launch.rank,
@@ -479,6 +480,9 @@ def init(
         ),
         timeout_s=timeout_s,
     )
+    if timeout_s is not None:  # a world group made by an earlier call takes it too
+        set_timeout(grid, timeout_s)
+    return grid
 
 
 def describe_grid(grid: Grid) -> dict[str, Any]:
@@ -566,6 +570,32 @@ def render_grid(report: dict[str, Any]) -> str:
 
 def _members(ranks: list[int]) -> str:
     return "[" + " ".join(str(r) for r in ranks) + "]"
+
+
+def set_timeout(grid: Grid, timeout_s: float) -> None:
+    """Give the world group and every torch group of ``grid`` the timeout ``timeout_s``, from
+    their next collective on, and record it as ``grid.timeout_s``.
+
+    The trainer starts the groups with the start-up allowance (the first step compiles, and a
+    stall in it is the start-up watcher's to name) and gives them ``run.timeout_s``'s here
+    once the first step is done. Horovod, which read its stall check when it started, keeps
+    the first.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    axes = ("tp", "pp", "dp", "mp", "embedding")
+    groups = [distributed_c10d._get_default_group(), *(getattr(grid.groups, a) for a in axes)]
+    seen: set[int] = set()
+    for group in groups:
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or id(group) in seen:
+            continue  # no embedding group (p = 1); a group given twice
+        seen.add(id(group))
+        distributed_c10d._set_pg_timeout(timeout, group)
+    grid.timeout_s = timeout_s
 
 
 def shutdown() -> None:

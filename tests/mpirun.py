@@ -99,6 +99,15 @@ def run_mpi(
     return result
 
 
+# Every script runs through this, which ends its process as the hpcllm command does.
+SCRIPT_RUNNER = REPO / "tests" / "script_runner.py"
+
+
 def python(*args: str) -> list[str]:
-    """Return a command that runs this interpreter (the venv's) with ``args``."""
+    """Return a command that runs this interpreter (the venv's) with ``args``; a script
+    (``args`` opening with a ``.py`` path) runs through :data:`SCRIPT_RUNNER`, so that a
+    process that started torch.distributed never finalises (docs/reliability.md, "A clean
+    end")."""
+    if args and args[0].endswith(".py"):
+        return [sys.executable, str(SCRIPT_RUNNER), *args]
     return [sys.executable, *args]

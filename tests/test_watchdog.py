@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from family_runs import train
+from family_runs import SMALLEST, train
 from mpirun import python, run_mpi
 
 from hpcllm import watchdog
@@ -187,8 +187,12 @@ def test_a_stopped_rank_ends_the_job_instead_of_hanging(tmp_path, mode, phase):
 
 
 @pytest.mark.mpi
-def test_init_timeout_bounds_torch_collectives():
-    result = run_mpi(2, python("tests/mpi_scripts/watchdog_dist_timeout.py", "2", "10"), timeout=90)
+@pytest.mark.parametrize("given", [[], ["60"]], ids=["by-init", "set-after-a-longer-init"])
+def test_init_timeout_bounds_torch_collectives(given):
+    # set-after-a-longer-init: the trainer's groups wait the start-up allowance until the first
+    # step is done, then run.timeout_s's backstop (topology.set_timeout).
+    script = python("tests/mpi_scripts/watchdog_dist_timeout.py", "2", "10", *given)
+    result = run_mpi(2, script, timeout=90)
     result.check()
     rows = [json.loads(line) for line in result.rank_stdout[0].splitlines()]
     assert [row["group"] for row in rows] == ["world", "dp"]
@@ -277,3 +281,46 @@ def test_a_rank_stopped_during_start_up_ends_the_job_naming_the_phase(tmp_path, 
     ]
     assert len(said) == 1, said  # the first watcher to give up says it, once
     assert f"is in {phase}; ranks not heard from: 1 (stopped in {phase})" in said[0][1]
+
+
+@pytest.mark.mpi
+def test_a_rank_stopped_in_step_1_ends_the_job_by_the_watcher_before_any_collective_timeout(
+    tmp_path,
+):
+    # The first step may compile for longer than run.timeout_s, so until it is done the
+    # groups' own timeout (gloo's) must not end a stall before the start-up watcher's
+    # allowance does, with its one line naming the phase and the rank. Rank 1 stops itself as
+    # it enters step 1; rank 0 waits for it in the step's gradient all-reduce (ddp), whose
+    # gloo timeout at run.timeout_s plus the backstop's 5 s used to end the job first, in a
+    # traceback.
+    allowance = 20
+    sets = [
+        *SMALLEST,
+        "parallel.dp_engine=ddp",
+        "data.synthetic=true",
+        "model.vocab_size=512",
+        "train.steps=2",
+        "run.timeout_s=1",
+        f"run.startup_timeout_s={allowance}",
+        "run.tensorboard=false",
+    ]
+    started = time.monotonic()
+    stop = {"HPCLLM_STOP_AT": "step 1:1"}
+    result = train(2, None, tmp_path / "run", *sets, timeout=120, env=stop)
+    took = time.monotonic() - started
+    everything = result.stderr + "".join(result.rank_stderr.values())
+    assert result.returncode != 0, everything
+    # Bounded: the watcher ends the job at the allowance, counted from its start, which
+    # comes after the interpreter's own start (seconds, on a busy machine).
+    assert took < allowance + 30, (took, everything)
+    said = [
+        line
+        for stream in result.rank_stderr.values()
+        for line in stream.splitlines()
+        if "start-up stalled" in line
+    ]
+    assert len(said) == 1, everything  # the first watcher to give up says it, once
+    assert "is in step 1; ranks not heard from: 1 (stopped in step 1)" in said[0], said
+    assert "(run.startup_timeout_s)" in said[0]
+    for backend_word in ("Traceback", "Gloo", "gloo", "timed out", "Timed out"):
+        assert backend_word not in everything, everything

@@ -611,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from hpcllm.cli import end
     from hpcllm.errors import run_reporting_errors
 
-    sys.exit(run_reporting_errors(lambda: main(sys.argv[1:])))
+    end(run_reporting_errors(lambda: main(sys.argv[1:])))

@@ -87,7 +87,9 @@ class Trainer:
             pp=parallel.pp,
             dp=parallel.dp,
             vpp=parallel.vpp,
-            timeout_s=watchdog.backstop_s(cfg.run.timeout_s),
+            # Until the first step is done the groups wait as long as start-up may take (it
+            # compiles), so that a stall there is the start-up watcher's to name, first.
+            timeout_s=watchdog.backstop_s(max(cfg.run.timeout_s, cfg.run.startup_timeout_s)),
         )
         self.device = self.grid.device
         if train.straggler_rank is not None and train.straggler_rank >= self.grid.world_size:
@@ -362,7 +364,9 @@ class Trainer:
                 self.profiler.after_step(state.step)
                 if dog is None:  # armed once the first step has compiled and autotuned
                     startup.done()  # the start-up watcher's part is over
-                    dog = watchdog.start(self.cfg.run.timeout_s, self.grid.rank, self.run_dir)
+                    timeout_s = self.cfg.run.timeout_s
+                    topology.set_timeout(self.grid, watchdog.backstop_s(timeout_s))
+                    dog = watchdog.start(timeout_s, self.grid.rank, self.run_dir)
                 diverged = self.guard.check(state) if outcome.synced else None
                 if diverged:  # log the step that ends the run (every rank: it gathers)
                     metrics.log_diverged(outcome, state)

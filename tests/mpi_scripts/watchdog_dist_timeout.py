@@ -2,7 +2,9 @@
 
 Rank 1 stays away for ``argv[2]`` s; rank 0's all-reduces, on the world group and on a grid
 group, with the timeout ``argv[1]`` s and no watchdog, must raise before then. Rank 0 prints
-how long each waited.
+how long each waited. With ``argv[3]``, init gives the groups that (longer) timeout and
+``topology.set_timeout`` gives them ``argv[1]`` s before the all-reduces, as the trainer does
+after its first step.
 """
 
 import json
@@ -17,7 +19,12 @@ from hpcllm import topology
 
 def main() -> None:
     timeout_s, away_s = float(sys.argv[1]), float(sys.argv[2])
-    grid = topology.init(timeout_s=timeout_s)
+    if len(sys.argv) > 3:
+        grid = topology.init(timeout_s=float(sys.argv[3]))
+        topology.set_timeout(grid, timeout_s)
+        assert grid.timeout_s == timeout_s
+    else:
+        grid = topology.init(timeout_s=timeout_s)
     grid.groups.world_comm.Barrier()
     if grid.rank == 0:
         # The world group, and one made by new_group, which does not inherit its timeout.
