@@ -77,6 +77,16 @@ def test_print_config_round_trips_and_touches_nothing(stdlib, tmp_path):
 
 
 @pytest.mark.slow
+def test_print_config_of_synthetic_data_ignores_the_prepared_data_at_data_path(stdlib, tmp_path):
+    # Training on synthetic ids reads nothing at data.path, so a smaller vocabulary than the
+    # prepared data's tokenizer (257, bytes) is no error there, and none in --print-config.
+    items = [*SMALL, "data.synthetic=true", "model.vocab_size=128", f"data.path={stdlib}"]
+    run = _hpcllm("train", *sets(*items, f"run.dir={tmp_path / 'run'}"), "--print-config")
+    assert run.returncode == 0, run.stderr
+    assert "vocab_size: 128" in run.stdout
+
+
+@pytest.mark.slow
 def test_print_config_refuses_a_world_size_the_grid_cannot_use(stdlib, tmp_path):
     folder = tmp_path / "run"
     items = [

@@ -123,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
         from hpcllm.launcher import detect_launcher
         from hpcllm.train.preflight import check_job
 
-        # The trainer's checks, those against the data where data.path exists.
+        # The trainer's checks, those against the data where data.path exists and is read
+        # (synthetic data reads none).
         data = Path(cfg.data.path)
-        manifest = load_manifest(data) if data.exists() else None
+        manifest = load_manifest(data) if data.exists() and not cfg.data.synthetic else None
         check_job(cfg, args.world_size or detect_launcher().world_size, manifest)
         print(render_yaml(cfg), end="", flush=True)
         return 0
