@@ -6,12 +6,14 @@ which raises it too; import it from here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 from hpcllm.launcher import detect_launcher, error_comm, launch_rank
 from hpcllm.user_error import USER_ERROR_EXIT, UserError
@@ -161,3 +163,51 @@ def _report_lost_peer(err: BaseException, grace_s: float = 3.0) -> int:
     )
     _abort_mpi_job(1)
     return 1
+
+
+def end(code: int) -> NoReturn:
+    """End the process with ``code``: through :func:`exit_process` where
+    :func:`hpcllm.topology.init` started torch.distributed, else as Python does.
+
+    Every program that trains under a launcher ends here: the ``hpcllm`` command,
+    ``python -m hpcllm.bench.collectives``, and a script of one's own around ``Trainer``
+    should too (the test suite's scripts do, through ``tests/script_runner.py``).
+    """
+    topology = sys.modules.get("hpcllm.topology")
+    if topology is not None and topology.was_started():
+        exit_process(code)
+    sys.exit(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` without the interpreter's finalisation.
+
+    A Gloo process group can outlive destroy_process_group and a garbage collection (the
+    world group does, once a trainer has run), and with it its worker threads. Those threads
+    run the Python callbacks chained on a collective's future (DDP's communication hooks:
+    torch's default all-reduce hook and hpcllm's timing hook), then release them; one that
+    reaches such a callback when Python finalises needs the GIL, which a finalising
+    interpreter refuses by ending the thread inside C++: the rank aborts (SIGABRT, "terminate
+    called without an active exception") after a run that succeeded. So the process ends the
+    way finalisation would have, minus that: Python's exit handlers (the watchdog's stop,
+    Horovod's shutdown), MPI_Finalize where MPI was started, Python's and C's buffered output
+    flushed, then ``os._exit``, whatever a step of that raises.
+    """
+    import atexit
+    import ctypes
+
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        atexit._run_exitfuncs()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)  # what C extensions printed (NCCL_DEBUG, ...)
+        os._exit(code)

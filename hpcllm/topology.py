@@ -600,7 +600,7 @@ def set_timeout(grid: Grid, timeout_s: float) -> None:
 
 def shutdown() -> None:
     """Tear down torch.distributed if it was started (MPI is finalised at exit: by mpi4py, or
-    by the ``hpcllm`` command's own exit, ``hpcllm.cli.exit_process``)."""
+    by the ``hpcllm`` command's own exit, ``hpcllm.errors.exit_process``)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

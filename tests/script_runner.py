@@ -5,7 +5,7 @@ Usage: python tests/script_runner.py SCRIPT [ARGS...]
 :func:`mpirun.python` starts every script of the suite (``tests/mpi_scripts/*.py``) through
 this. The script sees the command line, ``sys.path[0]`` and ``__name__`` that ``python SCRIPT
 ARGS`` gives it; its exit code (falling off the end: 0, an uncaught exception: its traceback
-and 1, ``SystemExit``: its code) then goes to :func:`hpcllm.cli.end`, which ends a process
+and 1, ``SystemExit``: its code) then goes to :func:`hpcllm.errors.end`, which ends a process
 that started torch.distributed without the interpreter's finalisation, where a Gloo worker
 thread still running or releasing a Python callback (DDP's communication hooks) aborted the
 rank after a run that succeeded (docs/reliability.md, "A clean end").
@@ -30,7 +30,7 @@ def exit_code(stop: SystemExit) -> int:
 
 
 def main() -> None:
-    """Run ``sys.argv[1]`` with the arguments after it; end through :func:`hpcllm.cli.end`."""
+    """Run ``sys.argv[1]`` with the arguments after it; end through :func:`hpcllm.errors.end`."""
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = str(Path(script).resolve().parent)

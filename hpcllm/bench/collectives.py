@@ -611,7 +611,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hpcllm.cli import end
-    from hpcllm.errors import run_reporting_errors
+    from hpcllm.errors import end, run_reporting_errors
 
     end(run_reporting_errors(lambda: main(sys.argv[1:])))
