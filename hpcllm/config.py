@@ -163,6 +163,12 @@ class ModelConfig:
     compile: Literal["auto", "none", "blocks", "full"] = key(
         "auto", "torch.compile: each block, each chunk whole, or none; auto: blocks on CUDA"
     )
+    compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = key(
+        "default",
+        "torch.compile's mode for what model.compile compiles (reduce-overhead: CUDA graphs)",
+    )
     layer_norm_eps: float = key(1e-5, "the norms' epsilon (LayerNorm, RMSNorm)", ABOVE_ZERO)
     init_std: float = key(
         0.02, "standard deviation of the weights' normal initialisation", ABOVE_ZERO

@@ -164,12 +164,32 @@ def reset_implementations_used() -> None:
     TRITON_RAN.clear()
 
 
+_BIAS_OPS = ("bias_gelu", "bias_dropout_add")
+# Whether a graph that leaves the bias ops to inductor still hands their biases to them, as
+# before the GEMM epilogue took them (for scripts/step_levers.py's "before" side alone).
+BIAS_OUTSIDE_GEMM_WHEN_COMPILED = False
+
+
 def fused(x: torch.Tensor) -> bool:
-    """Return whether the ops run fused kernels on ``x``'s device.
+    """Return whether the ops that take a matmul's bias run fused kernels on ``x``'s device.
 
     Where they do not, a caller passes a bias to its matmul instead of to the op (one
-    ``addmm`` rather than a matmul and an add), as plain PyTorch would.
+    ``addmm`` rather than a matmul and an add), as plain PyTorch would: also inside a graph
+    torch.compile traces under ``auto``, which leaves these ops to inductor, so that cuBLAS
+    adds the bias in the GEMM's epilogue (measured on an H100: docs/benchmarks.md).
     """
+    if (
+        _compiled_reference
+        and not BIAS_OUTSIDE_GEMM_WHEN_COMPILED
+        and torch.compiler.is_compiling()
+        and not TRITON_IN_COMPILED_GRAPHS.intersection(_BIAS_OPS)
+    ):
+        return False
+    return _runs_fused(x)
+
+
+def _runs_fused(x: torch.Tensor) -> bool:
+    """Return whether enabled kernels run on ``x``'s device."""
     return _enabled and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
 
 
@@ -180,7 +200,7 @@ def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = Tru
         and op not in TRITON_IN_COMPILED_GRAPHS
         and torch.compiler.is_compiling()
     )
-    if not (supported and fused(x)) or left_to_inductor:
+    if not (supported and _runs_fused(x)) or left_to_inductor:
         impl, fn = "torch", _by_name[op].reference
     elif _chooser is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         impl, fn = "triton", _by_name[op].fused

@@ -5,7 +5,9 @@ token ids and ``--tokens`` new tokens at temperature 0, by
 :meth:`hpcllm.model.decoder.Decoder.generate` with ``kv_cache`` on and off, in alternating
 runs; each side's figure is the median of ``--repeats`` runs. The cached tokens must be the
 uncached ones (the run fails otherwise), and the speed-up is the uncached median over the
-cached one. Torch runs ``--threads`` threads.
+cached one. Torch runs ``--threads`` threads; ``--device`` (the CPU by default, or a GPU) holds the
+model, in fp32 (two orders of the same sums must pick the same tokens), and each timed run ends
+when the GPU is done.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from hpcllm.files import atomic_write
 
 
 def bench_model(
-    preset: str, prompt: int, tokens: int, seq_len: int, repeats: int, vocab: int
+    preset: str,
+    prompt: int,
+    tokens: int,
+    seq_len: int,
+    repeats: int,
+    vocab: int,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Return one model's cached and uncached times (median seconds) and whether the tokens
     agree."""
@@ -37,14 +45,18 @@ def bench_model(
         raise UserError(f"--models: {preset} is no family's preset ({known})")
     sets = [f"model.arch={family}", f"model.preset={preset}", f"model.seq_len={seq_len}"]
     cfg = load_config(None, [*sets, "model.dropout=0"]).model
-    model = build(cfg, vocab).eval()
+    device = device or torch.device("cpu")
+    model = build(cfg, vocab).to(device).eval()
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     runs: dict[bool, list[float]] = {True: [], False: []}
     outputs: dict[bool, torch.Tensor] = {}
     for r in range(repeats):
         for cached in (True, False) if r % 2 == 0 else (False, True):
             began = time.perf_counter()
             outputs[cached] = model.generate(ids, tokens, temperature=0, kv_cache=cached)
+            sync()
             runs[cached].append(time.perf_counter() - began)
     same = torch.equal(outputs[True], outputs[False])
     if not same:
@@ -65,27 +77,43 @@ def bench_model(
 
 
 def run(
-    models: list[str], prompt: int, tokens: int, seq_len: int, repeats: int, threads: int
+    models: list[str],
+    prompt: int,
+    tokens: int,
+    seq_len: int,
+    repeats: int,
+    threads: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Return every model's row (see the module docstring)."""
     torch.set_num_threads(threads)
+    try:
+        where = torch.device(device)
+    except RuntimeError as err:
+        raise UserError(f"--device {device}: {err}") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no GPU here")
+    if where.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {device}: cpu or cuda[:N]")
     vocab = 512
     return {
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu",
         "threads": threads,
         "prompt": prompt,
         "tokens": tokens,
         "seq_len": seq_len,
         "repeats": repeats,
         "vocab": vocab,
-        "rows": [bench_model(m, prompt, tokens, seq_len, repeats, vocab) for m in models],
+        "rows": [bench_model(m, prompt, tokens, seq_len, repeats, vocab, where) for m in models],
     }
 
 
 def render(result: dict[str, Any]) -> str:
     """Return the result as a table."""
     lines = [
-        f"torch {result['torch']}, {result['threads']} threads: {result['tokens']} tokens after "
+        f"torch {result['torch']} on {result.get('device', 'cpu')}, {result['threads']} threads: "
+        f"{result['tokens']} tokens after "
         f"a {result['prompt']}-token prompt, seq_len {result['seq_len']}, temperature 0; "
         f"medians of {result['repeats']} runs each",
         "",

@@ -122,7 +122,7 @@ ROWS = {
 
 def _side(key: str, family: str) -> str:
     """Return the name of side ``key``'s row when the model is of ``family``."""
-    return ROWS[key].format(family=family)
+    return ROWS[key].format(family=family) if key in ROWS else key
 
 
 def _say(message: str) -> None:

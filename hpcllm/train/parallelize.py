@@ -137,8 +137,9 @@ def resolve_compile(setting: str, device: torch.device, schedule: str) -> str:
     return setting
 
 
-def compile_chunks(chunks: nn.ModuleList, how: str) -> None:
-    """Compile this rank's chunks in place with ``torch.compile``'s default mode.
+def compile_chunks(chunks: nn.ModuleList, how: str, mode: str = "default") -> None:
+    """Compile this rank's chunks in place with ``torch.compile`` in ``mode``
+    (``model.compile_mode``).
 
     ``blocks`` compiles each transformer block on its own, and each last stage's head
     (final LayerNorm, output layer, loss; with t = 1: at t > 1 the vocabulary-parallel loss
@@ -155,12 +156,12 @@ def compile_chunks(chunks: nn.ModuleList, how: str) -> None:
         return
     for chunk in chunks:
         if how == "full":
-            chunk.compile()
+            chunk.compile(mode=mode)
             continue
         for block in chunk.blocks.values():
-            block.compile()
+            block.compile(mode=mode)
         if chunk.post and chunk.tp_group is None:
-            chunk.head = torch.compile(chunk.head)
+            chunk.head = torch.compile(chunk.head, mode=mode)
 
 
 def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> ParallelModel:
@@ -202,7 +203,9 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
             scatter_gather=parallel.scatter_gather,
             sequence_parallel=chunks[0].sequence_parallel,
         )
-    compile_chunks(chunks, resolve_compile(cfg.model.compile, device, schedule))
+    compile_chunks(
+        chunks, resolve_compile(cfg.model.compile, device, schedule), cfg.model.compile_mode
+    )
     engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
 

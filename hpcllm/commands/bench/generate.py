@@ -32,6 +32,11 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--repeats", type=positive, default=5, help="runs of each [default: 5]")
     gen.add_argument("--threads", type=positive, default=2, help="torch threads [default: 2]")
+    gen.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models run: cpu, cuda, cuda:N [default: cpu]",
+    )
     gen.add_argument("--json-out", type=Path, default=None, help="also write JSON here")
     gen.set_defaults(run=run)
 
@@ -41,7 +46,13 @@ def run(args: argparse.Namespace) -> int:
     from hpcllm.bench import generate
 
     result = generate.run(
-        args.models, args.prompt, args.tokens, args.seq_len, args.repeats, args.threads
+        args.models,
+        args.prompt,
+        args.tokens,
+        args.seq_len,
+        args.repeats,
+        args.threads,
+        args.device,
     )
     print(generate.render(result))
     if args.json_out is not None:
