@@ -80,9 +80,18 @@ def gpu_utilisation(device: torch.device) -> float | None:
 
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
-    """Mark a range for Nsight Systems (a cheap no-op when no profiler is attached)."""
-    import nvtx
-
+    """Mark a range for Nsight Systems (a cheap no-op when no profiler is attached), in the
+    ``hpcllm`` domain; torch's own NVTX markers (no domain) where the ``nvtx`` package is
+    missing, and nothing where neither is there."""
+    try:
+        import nvtx
+    except ImportError:
+        if torch.cuda.is_available():
+            with torch.cuda.nvtx.range(name):
+                yield
+        else:
+            yield
+        return
     with nvtx.annotate(name, domain="hpcllm"):
         yield
 

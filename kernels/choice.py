@@ -1,10 +1,16 @@
 """Which implementation of an op runs under ``model.fused_kernels: auto``: the faster, measured.
 
-The Triton kernels cannot win everywhere (an op inductor fuses into its neighbours, a shape
-too small to fill the GPU). So the first call of an op at a given signature (argument shapes,
-dtypes, devices and the other arguments) times forward + backward of the Triton custom op and
-of the torch reference under ``torch.compile`` (the eager reference where compile fails), on
-copies of its arguments, and the faster one runs at that signature from then on. It times with
+The Triton kernels cannot win everywhere (a shape too small to fill the GPU, an op torch does
+in one kernel already). So the first call of an op at a given signature (argument shapes,
+dtypes, devices and the other arguments) outside compiled graphs times forward + backward of
+the Triton custom op and of the eager torch reference (what ``off`` runs there), on copies of
+its arguments, and the faster one runs at that signature from then on: ``auto`` is, op by op,
+the better of ``on`` and ``off``. (Inside compiled graphs ``auto`` leaves the ops to inductor
+without timing them: :func:`hpcllm.kernels.set_enabled`.) Until 2026-11 the alternative was
+the reference under ``torch.compile``, each op its own compiled function: alone on the GPU
+it often beat the Triton op, but called op by op from an eager step its guards and launches
+cost the host more than they saved, and a gpt2-124m eager step ran slower under ``auto``
+than with the kernels off (64.3 against 55.6 ms/step on an H100: docs/kernels.md). It times with
 a :class:`~hpcllm.kernels.timing.Clock`, the clock of ``hpcllm bench kernels`` (the median of
 CUDA-event timings after warm-ups, each run after an L2 flush), which is a parameter, so that a
 test checks the choosing with a fake one.
@@ -67,15 +73,10 @@ class Chooser:
     def torch_impl(self, op: str, device: torch.device) -> Callable[..., Any]:
         """Return the torch implementation ``op`` runs on ``device`` where torch is chosen.
 
-        The reference under torch.compile: inductor on CUDA; on the CPU (the interpreter's
-        tests and the benchmark's smoke mode, where times mean nothing) the eager backend,
-        which needs no C++ compiler. The eager reference where compiling it failed.
+        The eager reference, what ``model.fused_kernels: off`` runs (the module docstring says
+        why not a compiled one).
         """
-        key = (op, device.type)
-        if key not in self._torch:
-            backend = "inductor" if device.type == "cuda" else "eager"
-            self._torch[key] = torch.compile(getattr(reference, op), backend=backend)
-        return self._torch[key]
+        return self._torch.setdefault((op, device.type), getattr(reference, op))
 
     def choose(self, op: str, triton_op: Callable[..., Any], args: tuple[Any, ...]) -> str:
         """Return "triton" or "torch" for ``op`` on ``args``, timing both at a new signature."""
@@ -100,10 +101,5 @@ class Chooser:
         ):
             triton_ms = self.clock.median_ms(_forward_backward(op, triton_op, args), device)
             torch_run = _forward_backward(op, self.torch_impl(op, device), args)
-            try:
-                torch_run()
-            except Exception:  # no compiler, or an op inductor rejects: time eager torch
-                self._torch[(op, device.type)] = getattr(reference, op)
-                torch_run = _forward_backward(op, self._torch[(op, device.type)], args)
             torch_ms = self.clock.median_ms(torch_run, device)
         return triton_ms, torch_ms
