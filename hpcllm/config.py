@@ -161,7 +161,8 @@ class ModelConfig:
         "auto", "fused Triton kernels: auto times them against torch per op and shape"
     )
     compile: Literal["auto", "none", "blocks", "full"] = key(
-        "auto", "torch.compile: each block, each chunk whole, or none; auto: blocks on CUDA"
+        "auto",
+        "torch.compile: each block, each chunk whole, or none; auto: full on 1 GPU, else blocks",
     )
     compile_mode: Literal[
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"

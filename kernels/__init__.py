@@ -9,7 +9,7 @@ under Triton's interpreter (``TRITON_INTERPRET=1``, for tests), an op calls its 
 (namespace ``hpcllm``: its Triton kernels, which torch.compile traces through); otherwise it
 calls its torch reference (plain torch that inductor fuses itself, and the kernels' test
 oracle). Enabled with ``choose`` (``model.fused_kernels: auto``), the first
-call of an op at each signature times the Triton op against the compiled reference and runs
+call of an op at each signature times the Triton op against the eager reference and runs
 the faster from then on (:mod:`~hpcllm.kernels.choice`). Inside a torch.compile trace, ``auto``
 (``compiled_reference``) gives inductor the reference to fuse with its neighbours (the
 cross-entropy ops excepted: :data:`TRITON_IN_COMPILED_GRAPHS`), where ``on`` traces the Triton
@@ -95,7 +95,7 @@ def set_enabled(
     """Make every op run its Triton kernel (where its tensors allow) or its torch reference.
 
     With ``choose`` (``model.fused_kernels: auto``) each op runs whichever of its Triton op and
-    its compiled reference ``clock`` times faster, per signature (:mod:`~hpcllm.kernels.choice`;
+    its eager reference ``clock`` times faster, per signature (:mod:`~hpcllm.kernels.choice`;
     None: a :class:`~hpcllm.kernels.timing.Clock` of its defaults);
     every call forgets earlier choices. With ``compiled_reference`` (``auto`` too) an op traced
     by torch.compile is the reference, which inductor fuses into the ops around it (except
@@ -145,7 +145,7 @@ def choices() -> dict[tuple[Any, ...], str]:
 
 
 def choice_timings() -> dict[tuple[Any, ...], tuple[float, float]]:
-    """Return what auto timed: (op, *signature) → (Triton ms, compiled torch ms)."""
+    """Return what auto timed: (op, *signature) → (Triton ms, eager torch ms)."""
     return {} if _chooser is None else dict(_chooser.timings)
 
 

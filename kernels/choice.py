@@ -61,7 +61,7 @@ def _forward_backward(op: str, fn: Callable[..., Any], args: tuple[Any, ...]) ->
 
 
 class Chooser:
-    """Picks, per op and signature, the faster of the Triton op and the compiled reference."""
+    """Picks, per op and signature, the faster of the Triton op and the eager reference."""
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock = clock or Clock()

@@ -1,6 +1,9 @@
 import dataclasses
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from hpcllm.bench.step import plain_optimizer
 from hpcllm.cli import main
 from hpcllm.config import load_config
 from hpcllm.model.plain_gpt2 import PlainGPT2
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The smallest model that still runs every part: one block, 16 tokens.
 TINY = [
@@ -187,3 +192,47 @@ def test_a_familys_plain_model_computes_hpcllms(preset):
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids, ids.roll(-1, 1)), ours(ids, ids.roll(-1, 1)))
+
+
+@pytest.mark.slow
+def test_step_levers_times_each_lever_against_the_plain_step_in_its_blocks(tmp_path):
+    """scripts/step_levers.py on the CPU: one trainer per set of keys, a switch lever inside
+    its trainer, every lever's ratio to the plain step of its own blocks; an unknown lever is
+    refused in one line."""
+    out = tmp_path / "levers"
+    done = subprocess.run(
+        [sys.executable, "scripts/step_levers.py", "--shape", "cpu-smoke",
+         "--levers", "configured,kernels-off,eager", "--rounds", "2", "--steps", "1",
+         "--out", str(out), *(f"--set={s}" for s in TINY)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "levers.json").read_text())
+    assert list(result["levers"]) == ["plain_eager", "configured", "kernels-off", "eager"]
+    for name, row in result["levers"].items():
+        assert len(row["blocks_ms"]) == 2 and row["step_ms"] > 0, name
+        assert row["tokens_per_s"] == pytest.approx(2 * 16 / (row["step_ms"] / 1e3))
+    assert result["levers"]["eager"]["keys"] == ["model.compile=none"]
+    assert "| kernels-off |" in done.stdout and (out / "levers.md").exists()
+    bad = subprocess.run(
+        [sys.executable, "scripts/step_levers.py", "--levers", "configured,warp-drive"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown levers ['warp-drive']" in bad.stderr
+
+
+def test_gpu_check_runs_parts_under_one_deadline_and_names_what_it_left(tmp_path):
+    """scripts/gpu_check.sh: a part it does not know, and parts the deadline leaves no time
+    for, are named in the summary; the script itself ends well."""
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path), "5", "nosuch,env,tests"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[:3] == [
+        "nosuch: no such part",
+        "env: not run (deadline)",
+        "tests: not run (deadline)",
+    ]
+    assert summary[3].startswith("done in ")

@@ -64,14 +64,40 @@ def test_compiled_model_trains_to_the_uncompiled_losses(
             assert math.isclose(new, old, rel_tol=1e-4), (key, got[key], recorded[key])
 
 
-def test_auto_compiles_blocks_on_cuda_only_and_zb_h1_never() -> None:
+def test_auto_compiles_on_cuda_only_whole_on_one_gpu_and_zb_h1_never() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_compile("auto", cpu, "1f1b") == "none"
+    assert resolve_compile("auto", cpu, "1f1b", one_gpu=True) == "none"
     assert resolve_compile("auto", cuda, "1f1b") == "blocks"
+    assert resolve_compile("auto", cuda, "1f1b", one_gpu=True) == "full"
+    assert resolve_compile("blocks", cuda, "1f1b", one_gpu=True) == "blocks"
     assert resolve_compile("auto", cuda, "zb-h1") == "none"
     assert resolve_compile("full", cpu, "interleaved") == "full"
     with pytest.raises(UserError, match="zb-h1"):
         resolve_compile("blocks", cuda, "zb-h1")
+
+
+@pytest.mark.parametrize("how", ["blocks", "full"])
+def test_compile_mode_reaches_every_compiled_part(how: str, monkeypatch) -> None:
+    """model.compile_mode is the mode of every torch.compile the chunks get: each block and
+    the head under blocks, the chunk under full."""
+    calls = []
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw))
+    )
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(("head", kw)) or fn)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "1": torch.nn.ReLU()})
+            self.head = torch.nn.Linear(2, 2)
+            self.post, self.tp_group = True, None
+
+    compile_chunks(torch.nn.ModuleList([Chunk()]), how, "reduce-overhead")
+    mode = {"mode": "reduce-overhead"}
+    blocks = [("Linear", mode), ("ReLU", mode), ("head", mode)]
+    assert calls == ([("Chunk", mode)] if how == "full" else blocks)
 
 
 def test_blocks_share_one_compiled_graph_and_weights_stay_the_models() -> None:

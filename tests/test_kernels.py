@@ -920,7 +920,7 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
     # Each row says what auto runs at the op's shape: the faster as its chooser timed them.
     cells = [line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| tiny")]
     auto_column = {(row[1], row[2]): row[-2] for row in cells}
-    named = {"triton": "Triton", "torch": "compile"}
+    named = {"triton": "Triton", "torch": "eager"}
     for r in result["ops"]:
         auto = r["auto_fwd_bwd_ms"]
         assert r["auto"] == ("triton" if auto["triton"] <= auto["torch"] else "torch")
@@ -932,7 +932,7 @@ def test_bench_smoke_mode_runs_every_op_and_variant(tmp_path):
 @pytest.mark.gpu
 def test_auto_and_bench_kernels_give_the_same_time_for_the_same_op_and_shape(ops):
     """Under one fake clock, the times auto's chooser records for each op at the smoke shape
-    are bench kernels' forward + backward times of the Triton op and the compiled reference,
+    are bench kernels' forward + backward times of the Triton op and the eager reference,
     and the auto column is the chooser's pick."""
     from hpcllm.bench import kernels as bench
     from hpcllm.observe import CaseProgress
@@ -954,7 +954,7 @@ def test_auto_and_bench_kernels_give_the_same_time_for_the_same_op_and_shape(ops
     for row in rows:
         assert row["auto"] == chosen[row["op"]]
         assert tuple(row["auto_fwd_bwd_ms"].values()) == timed[row["op"]]
-        same = (row["triton_ms"], row["compile_ms"]) == timed[row["op"]]
+        same = (row["triton_ms"], row["eager_ms"]) == timed[row["op"]]
         assert same == (row["pass"] == "fwd+bwd"), row  # the forward alone: another figure
 
 
@@ -1069,6 +1069,37 @@ def test_compiled_block_traces_in_one_graph_and_matches_eager(ops, fused):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     finally:
         kernels.set_enabled(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("before", [False, True], ids=["bias-in-gemm", "bias-outside"])
+def test_compiled_block_under_auto_gives_the_matmuls_their_biases(ops, before):
+    """Under auto a compiled block leaves the bias ops to inductor, so each matmul takes its
+    bias itself (cuBLAS's epilogue), as plain PyTorch does: every linear of the traced graph
+    has its bias. The switch that restores the earlier path leaves the four biases to the
+    bias-GeLU and bias-dropout-add references, after bias-free matmuls."""
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    kernels.set_enabled(True, choose=True, clock=FakeClock(), compiled_reference=True)
+    kernels.BIAS_OUTSIDE_GEMM_WHEN_COMPILED = before
+    try:
+        torch._dynamo.reset()
+        block = GPT.block(_small(n_head=2, d_model=64, seq_len=32), None, torch.Generator())
+        x = leaf(torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1)))
+        torch.compile(block.to(DEVICE), backend=keep, fullgraph=True)(x)
+    finally:
+        kernels.BIAS_OUTSIDE_GEMM_WHEN_COMPILED = False
+        kernels.set_enabled(True)
+        torch._dynamo.reset()
+    (graph,) = graphs
+    linears = [n for n in graph.graph.nodes if n.target is torch._C._nn.linear]
+    with_bias = [len(n.args) > 2 and n.args[2] is not None for n in linears]
+    assert len(linears) == 4  # qkv, attention output, fc, MLP output
+    assert with_bias == [True, False, False, False] if before else [True] * 4
 
 
 @pytest.mark.gpu

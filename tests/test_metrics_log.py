@@ -91,3 +91,26 @@ def test_an_moe_steps_expert_loads_are_tensorboard_histograms(tmp_path):
     (histogram,) = events.Histograms("moe_expert_load/block3")
     assert histogram.step == 1 and histogram.histogram_value.num == 4
     assert histogram.histogram_value.sum == pytest.approx(1.0)
+
+
+def test_nvtx_ranges_fall_back_to_torchs_markers_without_the_nvtx_package(monkeypatch):
+    """A GPU image without the ``nvtx`` package (pip install --no-deps) still runs every
+    step: the ranges go to torch's own NVTX markers (on CUDA) or nowhere."""
+    import sys
+
+    import torch
+
+    from hpcllm import observe
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx raises ImportError
+    pushed = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append("pop"))
+    with observe.nvtx_range("optimizer"):
+        pushed.append("inside")
+    assert pushed == ["optimizer", "inside", "pop"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with observe.nvtx_range("optimizer"):
+        pushed.append("cpu")
+    assert pushed[-1] == "cpu" and len(pushed) == 4

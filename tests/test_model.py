@@ -311,3 +311,16 @@ def test_bench_generate_checks_the_tokens_and_times_both(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and "gpt5 is no family's preset" in bad.stderr
+    assert result["device"] == "cpu" and "on cpu," in done.stdout  # --device cpu, the default
+    device = "cuda" if not torch.cuda.is_available() else "mps"
+    wrong = subprocess.run(
+        [sys.executable, "-m", "hpcllm", "bench", "generate", "--device", device],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = wrong.stderr.strip().splitlines()
+    assert wrong.returncode == 2 and len(lines) == 1 and f"--device {device}:" in lines[0]
+    assert ("torch sees no GPU here" if device == "cuda" else "cpu or cuda") in lines[0]
+    from hpcllm.bench import generate
+
+    with pytest.raises(UserError, match="--device tpu: Expected one of cpu"):
+        generate.run(["tiny"], 2, 2, 16, 1, 1, device="tpu")

@@ -8,10 +8,10 @@ and forward + backward (median of CUDA-event timings) of the eager reference, th
 under torch.compile and the Triton op (the ``hpcllm`` custom op the dispatch calls), gives the
 Triton op's speed-up over torch.compile, turns the bytes the op has to move into GB/s and
 compares that with the device's measured copy bandwidth, and says which of the Triton op and the
-compiled reference ``model.fused_kernels: auto`` runs at that shape (its chooser, timing with the
-same clock: :mod:`hpcllm.kernels.timing`). Then it times whole training steps of
-the first preset's model (bf16 autocast, fused AdamW) with the
-kernels off, on, auto (each op the faster of Triton and compiled torch, timed on first use),
+eager reference ``model.fused_kernels: auto`` runs at that shape outside compiled graphs (its
+chooser, timing with the same clock: :mod:`hpcllm.kernels.timing`). Then it times whole
+training steps of the first preset's model (bf16 autocast, fused AdamW) with the
+kernels off, on, auto (each op the faster of Triton and eager torch, timed on first use),
 and the model under torch.compile without and with the kernels: tokens/s, TFLOP/s, MFU, and
 which ops ran a Triton kernel (:func:`hpcllm.kernels.implementations_used`).
 
@@ -186,7 +186,7 @@ def bench_op(
 
 def auto_choice(case: OpCase, clock: Clock) -> tuple[str, dict[str, float]]:
     """Return what ``model.fused_kernels: auto`` runs for ``case``'s op at its shape, "triton"
-    or "torch" (the reference under torch.compile), and the forward + backward milliseconds
+    or "torch" (the eager reference), and the forward + backward milliseconds
     of each that it compared: the dispatch's first call of the op with auto on, its chooser
     timing with ``clock``."""
     was = kernels.enabled(), kernels.choosing(), kernels.compiled_reference()
@@ -327,7 +327,7 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 # auto's choice as the op table names its columns
-AUTO_PICKS = {"triton": "Triton", "torch": "compile"}
+AUTO_PICKS = {"triton": "Triton", "torch": "eager"}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -350,8 +350,8 @@ def render(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "auto: what model.fused_kernels: auto runs at the op's shape, the Triton op or the "
-        "reference under torch.compile, as its chooser timed them (forward + backward, with "
+        "auto: what model.fused_kernels: auto runs at the op's shape outside compiled graphs, "
+        "the Triton op or the eager reference, as its chooser timed them (forward + backward, with "
         "this table's clock; its times are the JSON's auto_fwd_bwd_ms).",
     ]
     if result["training"]:

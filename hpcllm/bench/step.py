@@ -548,10 +548,10 @@ def render(result: dict[str, Any]) -> str:
                 f"| {_fmt(r.get('peak_mem_mb'), '.0f')} | {ops} |"
             )
         for a in s.get("auto_timings", []):
-            pick = "Triton" if a["triton_ms"] <= a["torch_ms"] else "compiled torch"
+            pick = "Triton" if a["triton_ms"] <= a["torch_ms"] else "eager torch"
             lines.append(
                 f"auto timed {a['op']} (forward + backward, outside compiled graphs): Triton "
-                f"{a['triton_ms']:.3g} ms, compiled torch {a['torch_ms']:.3g} ms: {pick}"
+                f"{a['triton_ms']:.3g} ms, eager torch {a['torch_ms']:.3g} ms: {pick}"
             )
         off = next(r for r in s["rows"] if r["key"] == "hpcllm_kernels_off")
         intervals = s["loop_interval_ms"]

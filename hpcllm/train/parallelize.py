@@ -119,16 +119,24 @@ def check_pipeline(cfg: Config, accumulation: int | None) -> None:
         ) from None
 
 
-def resolve_compile(setting: str, device: torch.device, schedule: str) -> str:
+def resolve_compile(
+    setting: str, device: torch.device, schedule: str, one_gpu: bool = False
+) -> str:
     """Return what ``model.compile`` compiles here: ``none``, ``blocks`` or ``full``.
 
-    ``auto`` is ``blocks`` on CUDA and ``none`` elsewhere (CPU compilation costs more start-up
-    than it saves on small models). zb-h1 parks weight-gradient GEMMs from inside the
-    backward, which a compiled backward cannot do: ``auto`` leaves it uncompiled and an
-    explicit choice is refused.
+    ``auto`` is ``none`` off CUDA (CPU compilation costs more start-up than it saves on small
+    models); on CUDA it is ``full`` where ``one_gpu`` (one rank holds the whole model and
+    nothing recomputes: no gradient reduction to overlap with the backward, no activation
+    checkpoint inside the graph), and ``blocks`` elsewhere. Measured on an H100, gpt2-124m
+    at micro-batch 16: ``full`` 37.8 ms/step, ``blocks`` 42.5 (each block's graph entry and
+    exit cost the host more than the GPU's work hides; docs/benchmarks.md). zb-h1 parks
+    weight-gradient GEMMs from inside the backward, which a compiled backward cannot do:
+    ``auto`` leaves it uncompiled and an explicit choice is refused.
     """
     if setting == "auto":
-        return "blocks" if device.type == "cuda" and schedule != "zb-h1" else "none"
+        if device.type != "cuda" or schedule == "zb-h1":
+            return "none"
+        return "full" if one_gpu else "blocks"
     if setting != "none" and schedule == "zb-h1":
         raise UserError(
             f"model.compile: {setting} cannot run parallel.schedule: zb-h1 (its split backward "
@@ -203,9 +211,9 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
             scatter_gather=parallel.scatter_gather,
             sequence_parallel=chunks[0].sequence_parallel,
         )
-    compile_chunks(
-        chunks, resolve_compile(cfg.model.compile, device, schedule), cfg.model.compile_mode
-    )
+    one_gpu = grid.world_size == 1 and cfg.model.recompute == "none"
+    how = resolve_compile(cfg.model.compile, device, schedule, one_gpu)
+    compile_chunks(chunks, how, cfg.model.compile_mode)
     engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
 

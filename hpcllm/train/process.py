@@ -57,7 +57,7 @@ class ProcessSettings:
     ) -> None:
         """Switch the fused kernels on or off (:func:`hpcllm.kernels.set_enabled`).
 
-        With ``choose`` each op runs whichever of its Triton kernel and compiled torch
+        With ``choose`` each op runs whichever of its Triton kernel and eager torch
         reference is faster at each shape (timed at its first call); with
         ``compiled_reference`` an op inside a compiled graph is left to inductor.
         """

@@ -167,10 +167,10 @@ class Trainer:
             # Ranks sharing a node share its cores; torch would start a thread per core each.
             cores = len(os.sched_getaffinity(0))
             self.process.torch_threads(max(1, cores // self.grid.launch.local_size))
-        # auto times Triton against compiled torch per op and shape, on each rank alone; at
+        # auto times Triton against eager torch per op and shape, on each rank alone; at
         # t > 1 replicated activations must be computed alike on every tp rank, so there
         # every op runs its Triton kernel, as with "on". Inside compiled graphs auto leaves
-        # every op to inductor, alike on every rank.
+        # every op but the cross-entropy to inductor, alike on every rank.
         fused = kernels.resolve_fused(cfg.model.fused_kernels, self.device)
         auto = cfg.model.fused_kernels == "auto"
         choose = auto and cfg.parallel.tp == 1
