@@ -7,12 +7,13 @@ FLOPs: :mod:`hpcllm.flops` (Megatron's count, recomputation included).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -78,22 +79,26 @@ def gpu_utilisation(device: torch.device) -> float | None:
         return None
 
 
-@contextlib.contextmanager
-def nvtx_range(name: str) -> Iterator[None]:
-    """Mark a range for Nsight Systems (a cheap no-op when no profiler is attached), in the
-    ``hpcllm`` domain; torch's own NVTX markers (no domain) where the ``nvtx`` package is
-    missing, and nothing where neither is there."""
+@functools.cache
+def _nvtx_package() -> Any:
+    """Return the ``nvtx`` package, or None where it is not installed (asked once)."""
     try:
         import nvtx
     except ImportError:
-        if torch.cuda.is_available():
-            with torch.cuda.nvtx.range(name):
-                yield
-        else:
-            yield
-        return
-    with nvtx.annotate(name, domain="hpcllm"):
-        yield
+        return None
+    return nvtx
+
+
+def nvtx_range(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Return a range for Nsight Systems (a cheap no-op when no profiler is attached), in the
+    ``hpcllm`` domain; torch's own NVTX markers (no domain) where the ``nvtx`` package is
+    missing (a GPU image it was not installed on), and nothing where neither is there."""
+    nvtx = _nvtx_package()
+    if nvtx is not None:
+        return nvtx.annotate(name, domain="hpcllm")
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return contextlib.nullcontext()
 
 
 # The key of the marker line a resumed run appends to metrics.jsonl (its value: the step).

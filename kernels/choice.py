@@ -5,14 +5,16 @@ in one kernel already). So the first call of an op at a given signature (argumen
 dtypes, devices and the other arguments) outside compiled graphs times forward + backward of
 the Triton custom op and of the eager torch reference (what ``off`` runs there), on copies of
 its arguments, and the faster one runs at that signature from then on: ``auto`` is, op by op,
-the better of ``on`` and ``off``. (Inside compiled graphs ``auto`` leaves the ops to inductor
-without timing them: :func:`hpcllm.kernels.set_enabled`.) Until 2026-11 the alternative was
-the reference under ``torch.compile``, each op its own compiled function: alone on the GPU
-it often beat the Triton op, but called op by op from an eager step its guards and launches
-cost the host more than they saved, and a gpt2-124m eager step ran slower under ``auto``
-than with the kernels off (64.3 against 55.6 ms/step on an H100: docs/kernels.md). It times with
-a :class:`~hpcllm.kernels.timing.Clock`, the clock of ``hpcllm bench kernels`` (the median of
-CUDA-event timings after warm-ups, each run after an L2 flush), which is a parameter, so that a
+the better of ``on`` and ``off`` (nearly: for the two bias ops the reference timed adds the
+bias, which ``off`` leaves to the matmul's epilogue). Inside compiled graphs ``auto`` leaves
+the ops to inductor without timing them (:func:`hpcllm.kernels.set_enabled`). Until 2026-11
+the alternative was the reference under ``torch.compile``, each op its own compiled function:
+alone on the GPU it often beat the Triton op, but called op by op from an eager step its
+guards and launches cost the host more than they saved, and a gpt2-124m eager step ran slower
+under ``auto`` than with the kernels off (64.3 against 55.6 ms/step on an H100:
+docs/kernels.md). It times with a :class:`~hpcllm.kernels.timing.Clock`, the clock of
+``hpcllm bench kernels`` (the median of CUDA-event timings after warm-ups, each run after an
+L2 flush), which is a parameter, so that a
 test checks the choosing with a fake one.
 """
 

@@ -10,10 +10,11 @@
 # env,levers124,llama,train,generate,tests,kernels). Parts:
 #   env         GPU, driver, CUDA, torch, Triton (and installs this checkout without deps)
 #   levers124   scripts/step_levers.py at gpt2-124m, every lever, with profiles
-#   levers1p3   scripts/step_levers.py at gpt2-1.3b (configured, kernels off, full, CUDA graphs)
+#   levers1p3   scripts/step_levers.py at gpt2-1.3b (configured, blocks, kernels off, CUDA graphs)
 #   llama       hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b
-#   llamalevers scripts/step_levers.py for llama3.2-1b at the gpt2-1.3b shape
-#   tests       pytest -m gpu
+#   llamalevers scripts/step_levers.py for llama3.2-1b at the gpt2-1.3b shape (configured,
+#               blocks, kernels off)
+#   tests       pytest -m gpu tests/test_kernels.py (every test marked gpu is there)
 #   train       llama-tiny, 50 steps, fused_kernels on and off (bf16 losses compared)
 #   generate    hpcllm bench generate --device cuda (the KV cache's speed-up)
 #   kernels     hpcllm bench kernels (each op against inductor, and eager training steps)
@@ -99,14 +100,14 @@ for p in "${WANT[@]}"; do
     case $p in
     env) part env 60 bash -c env_part ;;
     levers124) part levers124 220 $PY scripts/step_levers.py --shape gpt2-124m \
-        --levers configured,bias-outside-gemm,kernels-off,full,eager,eager-kernels-off,eager-kernels-on,blocks-cudagraphs,full-cudagraphs \
+        --levers configured,blocks,bias-outside-gemm,kernels-off,eager,eager-kernels-off,eager-kernels-on,blocks-cudagraphs,full-cudagraphs \
         --profile configured,plain_compile --out "$OUT_DIR/levers124" ;;
     levers1p3) part levers1p3 200 $PY scripts/step_levers.py --shape gpt2-1.3b --rounds 2 \
-        --levers configured,bias-outside-gemm,kernels-off,full-cudagraphs --out "$OUT_DIR/levers1p3" ;;
+        --levers configured,blocks,kernels-off,full-cudagraphs --out "$OUT_DIR/levers1p3" ;;
     llama) part llama 150 $PY -m hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b \
         --rounds 2 --loop-steps 4 --json-out "$OUT_DIR/llama-step.json" ;;
     llamalevers) part llamalevers 200 $PY scripts/step_levers.py --shape gpt2-1.3b \
-        --model llama3.2-1b --rounds 2 --levers configured,kernels-off,full-cudagraphs \
+        --model llama3.2-1b --rounds 2 --levers configured,blocks,kernels-off \
         --out "$OUT_DIR/llamalevers" ;;
     tests) part tests 100 $PY -m pytest -m gpu -q -x -p no:cacheprovider tests/test_kernels.py ;;
     train) part train 60 bash -c train_part ;;

@@ -197,23 +197,25 @@ def test_a_familys_plain_model_computes_hpcllms(preset):
 @pytest.mark.slow
 def test_step_levers_times_each_lever_against_the_plain_step_in_its_blocks(tmp_path):
     """scripts/step_levers.py on the CPU: one trainer per set of keys, a switch lever inside
-    its trainer, every lever's ratio to the plain step of its own blocks; an unknown lever is
-    refused in one line."""
+    the trainer of its keys, every lever's ratio to the plain step of its own blocks; an
+    unknown lever is refused in one line."""
     out = tmp_path / "levers"
     done = subprocess.run(
         [sys.executable, "scripts/step_levers.py", "--shape", "cpu-smoke",
-         "--levers", "configured,kernels-off,eager", "--rounds", "2", "--steps", "1",
+         "--levers", "configured,eager,eager-kernels-off", "--rounds", "2", "--steps", "1",
          "--out", str(out), *(f"--set={s}" for s in TINY)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads((out / "levers.json").read_text())
-    assert list(result["levers"]) == ["plain_eager", "configured", "kernels-off", "eager"]
+    assert list(result["levers"]) == ["plain_eager", "configured", "eager", "eager-kernels-off"]
     for name, row in result["levers"].items():
         assert len(row["blocks_ms"]) == 2 and row["step_ms"] > 0, name
+        assert row["vs_plain_compile_same_blocks"] == row["baseline_ms"] / row["step_ms"]
         assert row["tokens_per_s"] == pytest.approx(2 * 16 / (row["step_ms"] / 1e3))
-    assert result["levers"]["eager"]["keys"] == ["model.compile=none"]
-    assert "| kernels-off |" in done.stdout and (out / "levers.md").exists()
+    both = [result["levers"][n]["keys"] for n in ("eager", "eager-kernels-off")]
+    assert both == [["model.compile=none"]] * 2  # one trainer, the switch inside it
+    assert "| eager-kernels-off |" in done.stdout and (out / "levers.md").exists()
     bad = subprocess.run(
         [sys.executable, "scripts/step_levers.py", "--levers", "configured,warp-drive"],
         cwd=REPO, capture_output=True, text=True, timeout=120,

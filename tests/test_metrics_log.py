@@ -96,6 +96,7 @@ def test_an_moe_steps_expert_loads_are_tensorboard_histograms(tmp_path):
 def test_nvtx_ranges_fall_back_to_torchs_markers_without_the_nvtx_package(monkeypatch):
     """A GPU image without the ``nvtx`` package (pip install --no-deps) still runs every
     step: the ranges go to torch's own NVTX markers (on CUDA) or nowhere."""
+    import functools
     import sys
 
     import torch
@@ -103,6 +104,8 @@ def test_nvtx_ranges_fall_back_to_torchs_markers_without_the_nvtx_package(monkey
     from hpcllm import observe
 
     monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx raises ImportError
+    observe._nvtx_package.cache_clear()  # asked once per process: ask again
+    monkeypatch.setattr(observe, "_nvtx_package", functools.cache(observe._nvtx_package))
     pushed = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
@@ -114,3 +117,4 @@ def test_nvtx_ranges_fall_back_to_torchs_markers_without_the_nvtx_package(monkey
     with observe.nvtx_range("optimizer"):
         pushed.append("cpu")
     assert pushed[-1] == "cpu" and len(pushed) == 4
+    observe._nvtx_package.cache_clear()

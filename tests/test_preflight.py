@@ -160,3 +160,16 @@ def test_bench_dp_default_precisions_skip_emulated_bf16() -> None:
     assert default_precisions(gpu=False, native_bf16=True) == (["fp32", "bf16"], None)
     precisions, note = default_precisions(gpu=False, native_bf16=False)
     assert precisions == ["fp32"] and "bf16 left out" in note
+
+
+def test_a_compile_mode_that_does_nothing_or_is_unmeasured_is_named() -> None:
+    (idle,) = _warnings(["model.compile_mode=max-autotune"])  # the CPU: auto compiles nothing
+    assert idle == (
+        "model.compile_mode max-autotune does nothing here: model.compile auto compiles "
+        "nothing on cpu"
+    )
+    graphs = ["model.compile_mode=reduce-overhead", "train.micro_batch_size=1"]
+    (many,) = _warnings([*graphs, "train.global_batch_size=4"], device_type="cuda")
+    assert "reduce-overhead with 4 micro-batches per step" in many
+    assert _warnings([*graphs, "train.global_batch_size=1"], device_type="cuda") == []
+    assert _warnings(["model.compile_mode=max-autotune"], device_type="cuda") == []

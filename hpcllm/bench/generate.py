@@ -49,7 +49,11 @@ def bench_model(
     model = build(cfg, vocab).to(device).eval()
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     runs: dict[bool, list[float]] = {True: [], False: []}
     outputs: dict[bool, torch.Tensor] = {}
     for r in range(repeats):
@@ -95,6 +99,8 @@ def run(
         raise UserError(f"--device {device}: torch sees no GPU here")
     if where.type not in ("cpu", "cuda"):
         raise UserError(f"--device {device}: cpu or cuda[:N]")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s) here")
     vocab = 512
     return {
         "torch": torch.__version__,

@@ -9,7 +9,7 @@ one-line reason, or failed with the log to read), and writes what it found into 
 4. ``kernels``: ``hpcllm bench kernels``, each fused op against eager and torch.compile.
 5. ``step``: ``hpcllm bench step`` at gpt2-124m (micro-batch 16) and gpt2-1.3b (sequence
    2048, micro-batch 4): plain eager, plain + torch.compile, hpcllm as configured and with its
-   kernels off, then hpcllm with ``model.compile`` none and full (a run each, timed against the
+   kernels off, then hpcllm with ``model.compile`` none and blocks (a run each, timed against the
    plain model again), with peak memory.
 6. ``train``: 50 steps of ``hpcllm train`` at gpt2-124m, the whole loop, against the step of
    part 5.

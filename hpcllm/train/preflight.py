@@ -156,6 +156,20 @@ def startup_warnings(
             f"of each step is pipeline bubble; use at least {layout.pp} (train."
             f"global_batch_size {micro_step * layout.pp} = micro_batch_size x d x pp)"
         )
+    if m.compile_mode != "default":
+        one_gpu = world_size == 1 and m.recompute == "none"
+        how = resolve_compile(m.compile, torch.device(device_type), cfg.parallel.schedule, one_gpu)
+        if how == "none":
+            warnings.append(
+                f"model.compile_mode {m.compile_mode} does nothing here: model.compile "
+                f"{m.compile} compiles nothing on {device_type}"
+            )
+        elif m.compile_mode == "reduce-overhead" and accumulation > 1:
+            warnings.append(
+                f"model.compile_mode reduce-overhead with {accumulation} micro-batches per "
+                "step: CUDA graphs replay into the buffers of the previous replay, and have "
+                "been measured on a GPU at one micro-batch per step only (docs/benchmarks.md)"
+            )
     if train_tokens is not None:
         samples = _samples(train_tokens, m.seq_len)
         wanted = train.steps * global_batch

@@ -31,7 +31,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         description="Run every measurement of this node in order, each as its own process, "
         "with a progress line per part (skipped with the reason when what it needs is "
         "absent): the environment, the tests marked gpu, bench device, bench kernels, bench "
-        "step (gpt2-124m and gpt2-1.3b; as configured, kernels off, compile none and full), "
+        "step (gpt2-124m and gpt2-1.3b; as configured, kernels off, compile none and blocks), "
         "50 steps of hpcllm train, and the collectives over the node's GPUs (mpirun). Writes "
         "report.md (tables and plots), report.json and cluster.yaml (for hpcllm plan "
         "--cluster) into --out. About 20 minutes on one H100.",
