@@ -178,12 +178,7 @@ def fused(x: torch.Tensor) -> bool:
     torch.compile traces under ``auto``, which leaves these ops to inductor, so that cuBLAS
     adds the bias in the GEMM's epilogue (measured on an H100: docs/benchmarks.md).
     """
-    if (
-        _compiled_reference
-        and not BIAS_OUTSIDE_GEMM_WHEN_COMPILED
-        and torch.compiler.is_compiling()
-        and not TRITON_IN_COMPILED_GRAPHS.intersection(_BIAS_OPS)
-    ):
+    if not BIAS_OUTSIDE_GEMM_WHEN_COMPILED and all(map(_left_to_inductor, _BIAS_OPS)):
         return False
     return _runs_fused(x)
 
@@ -193,14 +188,18 @@ def _runs_fused(x: torch.Tensor) -> bool:
     return _enabled and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
 
 
-def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = True) -> Callable:
-    """Return the implementation of ``op`` to run on ``args``, and note which it is."""
-    left_to_inductor = (
+def _left_to_inductor(op: str) -> bool:
+    """Return whether ``op``, traced by torch.compile under ``auto``, runs its reference."""
+    return (
         _compiled_reference
         and op not in TRITON_IN_COMPILED_GRAPHS
         and torch.compiler.is_compiling()
     )
-    if not (supported and _runs_fused(x)) or left_to_inductor:
+
+
+def _pick(op: str, x: torch.Tensor, args: tuple[Any, ...], supported: bool = True) -> Callable:
+    """Return the implementation of ``op`` to run on ``args``, and note which it is."""
+    if not (supported and _runs_fused(x)) or _left_to_inductor(op):
         impl, fn = "torch", _by_name[op].reference
     elif _chooser is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         impl, fn = "triton", _by_name[op].fused

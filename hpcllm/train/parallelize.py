@@ -119,6 +119,13 @@ def check_pipeline(cfg: Config, accumulation: int | None) -> None:
         ) from None
 
 
+def one_gpu(world_size: int, recompute: str) -> bool:
+    """Return whether ``compile: auto`` may compile each chunk whole: one rank holds the whole
+    model (no gradient reduction to overlap) and nothing is recomputed (see
+    :func:`resolve_compile`)."""
+    return world_size == 1 and recompute == "none"
+
+
 def resolve_compile(
     setting: str, device: torch.device, schedule: str, one_gpu: bool = False
 ) -> str:
@@ -211,8 +218,8 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
             scatter_gather=parallel.scatter_gather,
             sequence_parallel=chunks[0].sequence_parallel,
         )
-    one_gpu = grid.world_size == 1 and cfg.model.recompute == "none"
-    how = resolve_compile(cfg.model.compile, device, schedule, one_gpu)
+    whole = one_gpu(grid.world_size, cfg.model.recompute)
+    how = resolve_compile(cfg.model.compile, device, schedule, whole)
     compile_chunks(chunks, how, cfg.model.compile_mode)
     engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
