@@ -9,12 +9,17 @@
 # SECONDS: the deadline (default 480). PARTS: comma-separated, in the order to run (default:
 # env,levers124,llama,train,generate,tests,kernels). Parts:
 #   env         GPU, driver, CUDA, torch, Triton (and installs this checkout without deps)
-#   levers124   scripts/step_levers.py at gpt2-124m, every lever, with profiles
-#   levers1p3   scripts/step_levers.py at gpt2-1.3b (configured, blocks, kernels off, CUDA graphs)
+#   levers124   scripts/step_levers.py at gpt2-124m: as configured, the clip before AdamW, CUDA
+#               graphs, the eager steps; profiles of the configured, plain and eager steps
+#   levers1p3   scripts/step_levers.py at gpt2-1.3b (configured, the clip before AdamW, CUDA graphs)
 #   llama       hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b
 #   llamalevers scripts/step_levers.py for llama3.2-1b at the gpt2-1.3b shape (configured,
 #               blocks, kernels off)
 #   tests       pytest -m gpu tests/test_kernels.py (every test marked gpu is there)
+#   testsfrom   the same tests from the TESTS_FROM-th on (1-based, in collection order), to
+#               finish what a cut-off tests part left, without -x
+#   graphs      CUDA graphs at 4 micro-batches a step: gpt2 tiny trained 8 fp32 steps under
+#               compile full with and without compile_mode reduce-overhead (same losses, norms)
 #   train       llama-tiny, 50 steps, fused_kernels on and off (bf16 losses compared)
 #   generate    hpcllm bench generate --device cuda (the KV cache's speed-up)
 #   kernels     hpcllm bench kernels (each op against inductor, and eager training steps)
@@ -92,24 +97,63 @@ EOF
     return $rc
 }
 
+graphs_part() {
+    # CUDA graphs at m > 1: gpt2 tiny, 4 micro-batches a step, compile full with and without
+    # compile_mode reduce-overhead; fp32, so the two must log the same losses and norms.
+    local common=(--no-progress --set model.preset=tiny --set data.synthetic=true
+        --set train.steps=8 --set train.precision=fp32 --set train.micro_batch_size=2
+        --set train.global_batch_size=8 --set train.log_interval=1 --set train.save_interval=0
+        --set model.compile=full --set train.eval_interval=0 --set run.tensorboard=false)
+    for mode in default reduce-overhead; do
+        $PY -m hpcllm train "${common[@]}" --set model.compile_mode=$mode \
+            --set run.dir="$OUT_DIR/graphs-$mode" || return 1
+    done
+    $PY - "$OUT_DIR" <<'EOF'
+import sys
+from pathlib import Path
+from hpcllm.observe import read_metrics
+out = Path(sys.argv[1])
+plain, graphs = (read_metrics(out / f"graphs-{m}") for m in ("default", "reduce-overhead"))
+pairs = [(a, b) for a, b in zip(plain, graphs) if "loss" in a and "loss" in b]
+assert len(pairs) >= 8, len(pairs)
+worst = 0.0
+for a, b in pairs:
+    for key in ("loss", "grad_norm"):
+        rel = abs(a[key] - b[key]) / max(abs(a[key]), 1e-12)
+        worst = max(worst, rel)
+    print(f"step {a['step']}: loss {a['loss']:.6f} / {b['loss']:.6f}, "
+          f"norm {a['grad_norm']:.6f} / {b['grad_norm']:.6f}")
+print(f"largest relative difference {worst:.2e} (goal within 1e-5)")
+sys.exit(0 if worst <= 1e-5 else 1)
+EOF
+    local rc=$?
+    rm -rf "$OUT_DIR"/graphs-*/checkpoints
+    return $rc
+}
+
 export OUT_DIR PY
-export -f env_part train_part
+export -f env_part train_part graphs_part
 
 IFS=, read -r -a WANT <<<"$PARTS"
 for p in "${WANT[@]}"; do
     case $p in
     env) part env 60 bash -c env_part ;;
-    levers124) part levers124 220 $PY scripts/step_levers.py --shape gpt2-124m \
-        --levers configured,blocks,bias-outside-gemm,kernels-off,eager,eager-kernels-off,eager-kernels-on,blocks-cudagraphs,full-cudagraphs \
-        --profile configured,plain_compile --out "$OUT_DIR/levers124" ;;
-    levers1p3) part levers1p3 200 $PY scripts/step_levers.py --shape gpt2-1.3b --rounds 2 \
-        --levers configured,blocks,kernels-off,full-cudagraphs --out "$OUT_DIR/levers1p3" ;;
+    levers124) part levers124 200 $PY scripts/step_levers.py --shape gpt2-124m \
+        --levers configured,clip-outside-adamw,full-cudagraphs,eager,eager-kernels-off,eager-kernels-on \
+        --profile configured,plain_compile,eager,eager-kernels-off,eager-kernels-on \
+        --out "$OUT_DIR/levers124" ;;
+    levers1p3) part levers1p3 170 $PY scripts/step_levers.py --shape gpt2-1.3b --rounds 2 \
+        --levers configured,clip-outside-adamw,full-cudagraphs --out "$OUT_DIR/levers1p3" ;;
     llama) part llama 150 $PY -m hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b \
         --rounds 2 --loop-steps 4 --json-out "$OUT_DIR/llama-step.json" ;;
     llamalevers) part llamalevers 200 $PY scripts/step_levers.py --shape gpt2-1.3b \
         --model llama3.2-1b --rounds 2 --levers configured,blocks,kernels-off \
         --out "$OUT_DIR/llamalevers" ;;
     tests) part tests 100 $PY -m pytest -m gpu -q -x -p no:cacheprovider tests/test_kernels.py ;;
+    testsfrom) part testsfrom 150 bash -c "$PY -m pytest -m gpu --collect-only -q -p no:cacheprovider \
+        tests/test_kernels.py | grep :: | tail -n +${TESTS_FROM:-1} >'$OUT_DIR/testsfrom.txt' && \
+        $PY -m pytest -m gpu -q -p no:cacheprovider \$(cat '$OUT_DIR/testsfrom.txt')" ;;
+    graphs) part graphs 90 bash -c graphs_part ;;
     train) part train 60 bash -c train_part ;;
     generate) part generate 40 $PY -m hpcllm bench generate --device cuda \
         --models tiny llama-tiny --tokens 100 --repeats 3 --json-out "$OUT_DIR/generate.json" ;;

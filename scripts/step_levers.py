@@ -15,7 +15,8 @@ others go on.
         [--rounds 3] [--steps 3] [--profile configured,plain_compile] [--out DIR]
 
 ``--profile`` also profiles two steps of the named sides with torch.profiler: wall and GPU
-busy time per step (the union of kernel intervals), kernel time by kind, and a Chrome trace
+busy time per step (the union of kernel intervals), kernel time by kind, the host's self CPU
+time by op (where an eager step's launches go), and a Chrome trace
 (``DIR/trace-SIDE.json.gz``) to read the gaps from.
 """
 
@@ -41,6 +42,7 @@ from hpcllm import kernels
 from hpcllm.bench.runs import synthetic_unless_data
 from hpcllm.bench.step import SHAPES, _plain_step, _shape_config, _time_blocks
 from hpcllm.flops import model_step_flops
+from hpcllm.parallel.data import optimizer as mixed_precision
 from hpcllm.train.trainer import Trainer
 
 
@@ -54,9 +56,24 @@ def _bias_outside_gemm() -> Iterator[None]:
         kernels.BIAS_OUTSIDE_GEMM_WHEN_COMPILED = False
 
 
+@contextlib.contextmanager
+def _clip_outside_adamw() -> Iterator[None]:
+    # Before the change: the gradients clipped by a foreach multiply before the fused step.
+    mixed_precision.CLIP_IN_FUSED_STEP = False
+    try:
+        yield
+    finally:
+        mixed_precision.CLIP_IN_FUSED_STEP = True
+
+
 # name -> (trainer --set keys, a switch around its steps, what it is)
 LEVERS: dict[str, tuple[tuple[str, ...], Callable[[], Any] | None, str]] = {
     "configured": ((), None, "hpcllm as configured (compile: auto, fused_kernels: auto)"),
+    "clip-outside-adamw": (
+        (),
+        _clip_outside_adamw,
+        "as configured, the gradients clipped in a pass of their own before AdamW (before)",
+    ),
     "blocks": (("model.compile=blocks",), None, "compile: blocks (each block on its own)"),
     "bias-outside-gemm": (
         ("model.compile=blocks",),
@@ -116,12 +133,15 @@ def profile_side(name: str, step: Callable[[], None], steps: int, out: Path | No
     """Profile ``steps`` steps of a side; return wall, GPU busy and kernel time by kind."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    wait = torch.cuda.synchronize if cuda else (lambda: None)
+    wait()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         began = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        wait()
         wall = (time.perf_counter() - began) / steps
     spans, by_kind, by_name = [], {}, {}
     for e in prof.events():
@@ -141,8 +161,13 @@ def profile_side(name: str, step: Callable[[], None], steps: int, out: Path | No
             busy += e - end
             end = e
     first, last = (spans[0][0], max(e for _, e in spans)) if spans else (0, 0)
+    # The host's side: where the CPU time of the step goes (an eager step's launches).
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:20]
     result = {
         "side": name,
+        "host_self_ms": [
+            (a.key[:90], a.self_cpu_time_total / 1e3 / steps, a.count // steps) for a in host
+        ],
         "wall_ms": wall * 1e3,
         "gpu_busy_ms": busy / 1e3 / steps,
         "gpu_span_ms": (last - first) / 1e3 / steps,
@@ -317,6 +342,8 @@ def render(results: dict[str, Any]) -> str:
             "  by kind (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in p["by_kind_ms"].items()),
         ]
         lines += [f"  {ms:7.3f}  {name}" for name, ms in p["top_kernels_ms"]]
+        lines.append("  host, self CPU ms/step (calls/step):")
+        lines += [f"  {ms:7.3f}  ({n})  {name}" for name, ms, n in p.get("host_self_ms", [])]
     return "\n".join(lines)
 
 
