@@ -9,9 +9,9 @@
 # SECONDS: the deadline (default 480). PARTS: comma-separated, in the order to run (default:
 # env,levers124,llama,train,generate,tests,kernels). Parts:
 #   env         GPU, driver, CUDA, torch, Triton (and installs this checkout without deps)
-#   levers124   scripts/step_levers.py at gpt2-124m: as configured, the clip before AdamW, CUDA
-#               graphs, the eager steps; profiles of the configured, plain and eager steps
-#   levers1p3   scripts/step_levers.py at gpt2-1.3b (configured, the clip before AdamW)
+#   levers124   scripts/step_levers.py at gpt2-124m: as configured, CUDA graphs, the eager
+#               steps; profiles of the configured, plain and eager steps
+#   levers1p3   scripts/step_levers.py at gpt2-1.3b, as configured
 #   llama       hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b
 #   llamalevers scripts/step_levers.py for llama3.2-1b at the gpt2-1.3b shape (configured,
 #               blocks, kernels off)
@@ -139,11 +139,11 @@ for p in "${WANT[@]}"; do
     case $p in
     env) part env 60 bash -c env_part ;;
     levers124) part levers124 200 $PY scripts/step_levers.py --shape gpt2-124m \
-        --levers configured,clip-outside-adamw,full-cudagraphs,eager,eager-kernels-off,eager-kernels-on \
+        --levers configured,full-cudagraphs,eager,eager-kernels-off,eager-kernels-on \
         --profile configured,plain_compile,eager,eager-kernels-off,eager-kernels-on \
         --out "$OUT_DIR/levers124" ;;
     levers1p3) part levers1p3 170 $PY scripts/step_levers.py --shape gpt2-1.3b --rounds 2 \
-        --levers configured,clip-outside-adamw --out "$OUT_DIR/levers1p3" ;;
+        --levers configured --out "$OUT_DIR/levers1p3" ;;
     llama) part llama 150 $PY -m hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b \
         --rounds 2 --loop-steps 4 --json-out "$OUT_DIR/llama-step.json" ;;
     llamalevers) part llamalevers 200 $PY scripts/step_levers.py --shape gpt2-1.3b \

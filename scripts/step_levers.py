@@ -42,7 +42,6 @@ from hpcllm import kernels
 from hpcllm.bench.runs import synthetic_unless_data
 from hpcllm.bench.step import SHAPES, _plain_step, _shape_config, _time_blocks
 from hpcllm.flops import model_step_flops
-from hpcllm.parallel.data import optimizer as mixed_precision
 from hpcllm.train.trainer import Trainer
 
 
@@ -56,24 +55,9 @@ def _bias_outside_gemm() -> Iterator[None]:
         kernels.BIAS_OUTSIDE_GEMM_WHEN_COMPILED = False
 
 
-@contextlib.contextmanager
-def _clip_outside_adamw() -> Iterator[None]:
-    # Before the change: the gradients clipped by a foreach multiply before the fused step.
-    mixed_precision.CLIP_IN_FUSED_STEP = False
-    try:
-        yield
-    finally:
-        mixed_precision.CLIP_IN_FUSED_STEP = True
-
-
 # name -> (trainer --set keys, a switch around its steps, what it is)
 LEVERS: dict[str, tuple[tuple[str, ...], Callable[[], Any] | None, str]] = {
     "configured": ((), None, "hpcllm as configured (compile: auto, fused_kernels: auto)"),
-    "clip-outside-adamw": (
-        (),
-        _clip_outside_adamw,
-        "as configured, the gradients clipped in a pass of their own before AdamW (before)",
-    ),
     "blocks": (("model.compile=blocks",), None, "compile: blocks (each block on its own)"),
     "bias-outside-gemm": (
         ("model.compile=blocks",),

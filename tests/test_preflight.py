@@ -14,6 +14,7 @@ import pytest
 from hpcllm.bench.dp import default_precisions
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
+from hpcllm.train.parallelize import check_compile_mode
 from hpcllm.train.preflight import (
     check_against_data,
     cpu_has_native_bf16,
@@ -162,14 +163,23 @@ def test_bench_dp_default_precisions_skip_emulated_bf16() -> None:
     assert precisions == ["fp32"] and "bf16 left out" in note
 
 
-def test_a_compile_mode_that_does_nothing_or_is_unmeasured_is_named() -> None:
+def test_a_compile_mode_that_does_nothing_is_named() -> None:
     (idle,) = _warnings(["model.compile_mode=max-autotune"])  # the CPU: auto compiles nothing
     assert idle == (
         "model.compile_mode max-autotune does nothing here: model.compile auto compiles "
         "nothing on cpu"
     )
     graphs = ["model.compile_mode=reduce-overhead", "train.micro_batch_size=1"]
-    (many,) = _warnings([*graphs, "train.global_batch_size=4"], device_type="cuda")
-    assert "reduce-overhead with 4 micro-batches per step" in many
     assert _warnings([*graphs, "train.global_batch_size=1"], device_type="cuda") == []
     assert _warnings(["model.compile_mode=max-autotune"], device_type="cuda") == []
+
+
+def test_cuda_graphs_over_several_micro_batches_are_refused_in_one_line() -> None:
+    with pytest.raises(UserError) as refused:
+        check_compile_mode("reduce-overhead", "full", "cuda", 4)
+    assert "\n" not in str(refused.value)
+    assert "reduce-overhead cannot train 4 micro-batches per step" in str(refused.value)
+    check_compile_mode("reduce-overhead", "full", "cuda", 1)  # one micro-batch: measured
+    check_compile_mode("reduce-overhead", "blocks", "cpu", 4)  # no CUDA graphs off the GPU
+    check_compile_mode("reduce-overhead", "none", "cuda", 4)  # nothing compiled
+    check_compile_mode("max-autotune", "full", "cuda", 4)

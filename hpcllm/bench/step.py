@@ -258,10 +258,17 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
     # The run's final checkpoint falls after the last stamp; saving it would only cost time
     # and disk (gigabytes for gpt2-1.3b).
     trainer.checkpointer.enabled = False
+    # So would the final validation, which under compile: full first compiles the model's
+    # eval-mode graph (on an H100, llama3.2-1b's bench step was cut off by its time limit at
+    # the end of its loop, after the timed steps).
+    validation, trainer.validator.reader = trainer.validator.reader, None
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
-    summary = trainer.run(progress=False)
+    try:
+        summary = trainer.run(progress=False)
+    finally:
+        trainer.validator.reader = validation
     trainer.grad_hooks.pop()
     wall, cpu = zip(*stamps[1:], strict=True)
     return {

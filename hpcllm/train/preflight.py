@@ -164,12 +164,6 @@ def startup_warnings(
                 f"model.compile_mode {m.compile_mode} does nothing here: model.compile "
                 f"{m.compile} compiles nothing on {device_type}"
             )
-        elif m.compile_mode == "reduce-overhead" and accumulation > 1:
-            warnings.append(
-                f"model.compile_mode reduce-overhead with {accumulation} micro-batches per "
-                "step: CUDA graphs replay into the buffers of the previous replay, and have "
-                "been measured on a GPU at one micro-batch per step only (docs/benchmarks.md)"
-            )
     if train_tokens is not None:
         samples = _samples(train_tokens, m.seq_len)
         wanted = train.steps * global_batch

@@ -154,12 +154,6 @@ def clip_to_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm: torc
         torch._foreach_mul_(grads, coef)
 
 
-def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Return what to divide the gradients by so that their norm ``norm`` is at most
-    ``max_norm`` (> 0): 1 where it already is; not finite where ``norm`` is not."""
-    return ((norm + 1e-6) / max_norm).clamp(min=1.0)
-
-
 def clip_grad_norm(
     parameters: Sequence[torch.Tensor], max_norm: float, tp_group: Any = None, pp_group: Any = None
 ) -> torch.Tensor:

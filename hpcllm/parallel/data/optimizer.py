@@ -19,13 +19,8 @@ from typing import Any
 
 import torch
 
-from hpcllm.parallel.data.finalize import clip_divisor, clip_to_norm, global_grad_norm
+from hpcllm.parallel.data.finalize import clip_to_norm, global_grad_norm
 from hpcllm.topology import ProcessGroups
-
-# Whether a fused AdamW (bf16, fp32) clips inside its own step, through the divisor torch's
-# fused kernels take for GradScaler (``grad_scale``), instead of in a pass of its own over the
-# gradients (a foreach multiply) first: False only for scripts/step_levers.py's "before" side.
-CLIP_IN_FUSED_STEP = True
 
 
 class MixedPrecisionOptimizer:
@@ -111,10 +106,7 @@ class MixedPrecisionOptimizer:
           overflow back on the host, as the scaler does.
         - Under bf16 and fp32 a fused AdamW (hpcllm's, on CUDA and CPU) takes the verdict on
           the device (its ``found_inf``, the argument GradScaler feeds it), so nothing is read
-          back; another optimizer reads it on the host. The fused one also clips as it reads
-          each gradient, divided by :func:`~hpcllm.parallel.data.finalize.clip_divisor`
-          (its ``grad_scale``, GradScaler's other argument), which saves a read and a write
-          of every gradient.
+          back; another optimizer reads it on the host.
         """
         optimizer, scaler, parameters = self.inner, self.scaler, self.params
         enabled = scaler.is_enabled()
@@ -132,23 +124,14 @@ class MixedPrecisionOptimizer:
             scaler.update()
             return norm, torch.tensor(scaler.get_scale() < scale, device=norm.device)
         bad = ~torch.isfinite(norm)
+        clip_to_norm(parameters, self.clip, norm)
         if all(group.get("fused") for group in optimizer.param_groups):
             optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
-            if CLIP_IN_FUSED_STEP and self.clip > 0:
-                # The fused kernel divides each gradient by its grad_scale as it reads it:
-                # clipping without a pass of its own over the gradients.
-                optimizer.grad_scale = clip_divisor(norm, self.clip)  # type: ignore[attr-defined]
-            else:
-                clip_to_norm(parameters, self.clip, norm)
             try:
                 optimizer.step()
             finally:
                 del optimizer.found_inf  # type: ignore[attr-defined]
-                if hasattr(optimizer, "grad_scale"):
-                    del optimizer.grad_scale  # type: ignore[attr-defined]
-        else:
-            clip_to_norm(parameters, self.clip, norm)
-            if not bool(bad):
-                optimizer.step()
+        elif not bool(bad):
+            optimizer.step()
         # No host read of the norm: on a GPU the next step's kernels queue behind this one's.
         return norm, bad
