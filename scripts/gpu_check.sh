@@ -14,7 +14,7 @@
 #   levers1p3   scripts/step_levers.py at gpt2-1.3b, as configured
 #   llama       hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b
 #   llamalevers scripts/step_levers.py for llama3.2-1b at the gpt2-1.3b shape (configured,
-#               blocks, kernels off)
+#               kernels off)
 #   tests       pytest -m gpu tests/test_kernels.py (every test marked gpu is there)
 #   testsfrom   the same tests from the TESTS_FROM-th on (1-based, in collection order), to
 #               finish what a cut-off tests part left, without -x
@@ -144,10 +144,12 @@ for p in "${WANT[@]}"; do
         --out "$OUT_DIR/levers124" ;;
     levers1p3) part levers1p3 170 $PY scripts/step_levers.py --shape gpt2-1.3b --rounds 2 \
         --levers configured --out "$OUT_DIR/levers1p3" ;;
-    llama) part llama 150 $PY -m hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b \
+    # Under compile: full a fresh machine compiles llama3.2-1b's whole chunk for minutes (a
+    # warm-up still compiling after 118 s on an H100): its parts get 300 s.
+    llama) part llama 300 $PY -m hpcllm bench step --model llama3.2-1b --shapes gpt2-1.3b \
         --rounds 2 --loop-steps 4 --json-out "$OUT_DIR/llama-step.json" ;;
-    llamalevers) part llamalevers 200 $PY scripts/step_levers.py --shape gpt2-1.3b \
-        --model llama3.2-1b --rounds 2 --levers configured,blocks,kernels-off \
+    llamalevers) part llamalevers 300 $PY scripts/step_levers.py --shape gpt2-1.3b \
+        --model llama3.2-1b --rounds 2 --levers configured,kernels-off \
         --out "$OUT_DIR/llamalevers" ;;
     tests) part tests 100 $PY -m pytest -m gpu -q -x -p no:cacheprovider tests/test_kernels.py ;;
     testsfrom) part testsfrom 150 bash -c "$PY -m pytest -m gpu --collect-only -q -p no:cacheprovider \
