@@ -18,8 +18,9 @@
 #   tests       pytest -m gpu tests/test_kernels.py (every test marked gpu is there)
 #   testsfrom   the same tests from the TESTS_FROM-th on (1-based, in collection order), to
 #               finish what a cut-off tests part left, without -x
-#   graphs      CUDA graphs at 4 micro-batches a step: gpt2 tiny trained 8 fp32 steps under
-#               compile full with and without compile_mode reduce-overhead (same losses, norms)
+#   graphs      CUDA graphs: gpt2 tiny trained 8 fp32 steps of one micro-batch under compile
+#               full with and without compile_mode reduce-overhead (the same losses and norms);
+#               on a GPU, reduce-overhead at 4 micro-batches a step refused in one line
 #   train       llama-tiny, 50 steps, fused_kernels on and off (bf16 losses compared)
 #   generate    hpcllm bench generate --device cuda (the KV cache's speed-up)
 #   kernels     hpcllm bench kernels (each op against inductor, and eager training steps)
@@ -98,17 +99,19 @@ EOF
 }
 
 graphs_part() {
-    # CUDA graphs at m > 1: gpt2 tiny, 4 micro-batches a step, compile full with and without
-    # compile_mode reduce-overhead; fp32, so the two must log the same losses and norms.
+    # CUDA graphs: gpt2 tiny trained 8 fp32 steps of one micro-batch under compile full with and
+    # without compile_mode reduce-overhead (the same losses and norms); then, on a GPU, four
+    # micro-batches a step with CUDA graphs must be refused at start-up in one line (their
+    # replays overwrite outputs an earlier micro-batch's backward reads).
     local common=(--no-progress --set model.preset=tiny --set data.synthetic=true
         --set train.steps=8 --set train.precision=fp32 --set train.micro_batch_size=2
-        --set train.global_batch_size=8 --set train.log_interval=1 --set train.save_interval=0
+        --set train.log_interval=1 --set train.save_interval=0
         --set model.compile=full --set train.eval_interval=0 --set run.tensorboard=false)
     for mode in default reduce-overhead; do
-        $PY -m hpcllm train "${common[@]}" --set model.compile_mode=$mode \
-            --set run.dir="$OUT_DIR/graphs-$mode" || return 1
+        $PY -m hpcllm train "${common[@]}" --set train.global_batch_size=2 \
+            --set model.compile_mode=$mode --set run.dir="$OUT_DIR/graphs-$mode" || return 1
     done
-    $PY - "$OUT_DIR" <<'EOF'
+    $PY - "$OUT_DIR" <<'EOF' || return 1
 import sys
 from pathlib import Path
 from hpcllm.observe import read_metrics
@@ -126,13 +129,34 @@ for a, b in pairs:
 print(f"largest relative difference {worst:.2e} (goal within 1e-5)")
 sys.exit(0 if worst <= 1e-5 else 1)
 EOF
-    local rc=$?
     rm -rf "$OUT_DIR"/graphs-*/checkpoints
-    return $rc
+    $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || return 0
+    local said
+    said=$($PY -m hpcllm train "${common[@]}" --set train.global_batch_size=8 \
+        --set model.compile_mode=reduce-overhead --set run.dir="$OUT_DIR/graphs-refused" 2>&1)
+    local rc=$?
+    echo "$said" | tail -3
+    rm -rf "$OUT_DIR/graphs-refused"
+    [ $rc -ne 0 ] && echo "$said" | grep -q "reduce-overhead cannot train 4 micro-batches"
 }
 
-export OUT_DIR PY
-export -f env_part train_part graphs_part
+testsfrom_part() {
+    # The gpu tests from the TESTS_FROM-th on, in collection order (their ids hold spaces).
+    set -o pipefail
+    local list="$OUT_DIR/testsfrom.txt"
+    $PY -m pytest -m gpu --collect-only -q -p no:cacheprovider tests/test_kernels.py |
+        grep :: | tail -n +"${TESTS_FROM:-1}" >"$list" || return 1
+    if [ ! -s "$list" ]; then
+        echo "no gpu test from the ${TESTS_FROM:-1}-th on"
+        return 1
+    fi
+    local ids
+    mapfile -t ids <"$list"
+    $PY -m pytest -q -p no:cacheprovider "${ids[@]}"
+}
+
+export OUT_DIR PY TESTS_FROM
+export -f env_part train_part graphs_part testsfrom_part
 
 IFS=, read -r -a WANT <<<"$PARTS"
 for p in "${WANT[@]}"; do
@@ -152,9 +176,7 @@ for p in "${WANT[@]}"; do
         --model llama3.2-1b --rounds 2 --levers configured,kernels-off \
         --out "$OUT_DIR/llamalevers" ;;
     tests) part tests 100 $PY -m pytest -m gpu -q -x -p no:cacheprovider tests/test_kernels.py ;;
-    testsfrom) part testsfrom 150 bash -c "$PY -m pytest -m gpu --collect-only -q -p no:cacheprovider \
-        tests/test_kernels.py | grep :: | tail -n +${TESTS_FROM:-1} >'$OUT_DIR/testsfrom.txt' && \
-        $PY -m pytest -m gpu -q -p no:cacheprovider \$(cat '$OUT_DIR/testsfrom.txt')" ;;
+    testsfrom) part testsfrom 150 bash -c testsfrom_part ;;
     graphs) part graphs 90 bash -c graphs_part ;;
     train) part train 60 bash -c train_part ;;
     generate) part generate 40 $PY -m hpcllm bench generate --device cuda \

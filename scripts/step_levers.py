@@ -150,7 +150,7 @@ def profile_side(name: str, step: Callable[[], None], steps: int, out: Path | No
     result = {
         "side": name,
         "host_self_ms": [
-            (a.key[:90], a.self_cpu_time_total / 1e3 / steps, a.count // steps) for a in host
+            (a.key[:90], a.self_cpu_time_total / 1e3 / steps, a.count / steps) for a in host
         ],
         "wall_ms": wall * 1e3,
         "gpu_busy_ms": busy / 1e3 / steps,
@@ -327,7 +327,7 @@ def render(results: dict[str, Any]) -> str:
         ]
         lines += [f"  {ms:7.3f}  {name}" for name, ms in p["top_kernels_ms"]]
         lines.append("  host, self CPU ms/step (calls/step):")
-        lines += [f"  {ms:7.3f}  ({n})  {name}" for name, ms, n in p.get("host_self_ms", [])]
+        lines += [f"  {ms:7.3f}  ({n:g})  {name}" for name, ms, n in p.get("host_self_ms", [])]
     return "\n".join(lines)
 
 

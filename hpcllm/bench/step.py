@@ -258,9 +258,9 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
     # The run's final checkpoint falls after the last stamp; saving it would only cost time
     # and disk (gigabytes for gpt2-1.3b).
     trainer.checkpointer.enabled = False
-    # So would the final validation, which under compile: full first compiles the model's
-    # eval-mode graph (on an H100, llama3.2-1b's bench step was cut off by its time limit at
-    # the end of its loop, after the timed steps).
+    # So would validation (the final one, and any the interval puts inside the loop), which
+    # under compile: full first compiles the model's eval-mode graph (on an H100, llama3.2-1b's
+    # bench step was cut off by its time limit at the end of its loop, likely there).
     validation, trainer.validator.reader = trainer.validator.reader, None
     cuda = trainer.device.type == "cuda"
     if cuda:

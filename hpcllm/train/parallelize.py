@@ -152,6 +152,14 @@ def resolve_compile(
     return setting
 
 
+def compiled_how(cfg: Config, device: torch.device, world_size: int) -> str:
+    """Return what ``model.compile`` compiles for ``cfg`` on ``device`` in a job of
+    ``world_size`` ranks (:func:`resolve_compile` with the run's schedule)."""
+    schedule = cfg.parallel.schedule if cfg.parallel.pp > 1 else "1f1b"
+    whole = one_gpu(world_size, cfg.model.recompute)
+    return resolve_compile(cfg.model.compile, device, schedule, whole)
+
+
 def check_compile_mode(mode: str, how: str, device_type: str, accumulation: int) -> None:
     """Raise a UserError where ``model.compile_mode`` cannot train what ``how`` compiles.
 
@@ -159,7 +167,8 @@ def check_compile_mode(mode: str, how: str, device_type: str, accumulation: int)
     before; a step of several micro-batches still needs an earlier micro-batch's outputs in
     its backward, and torch refuses to read them once overwritten (measured on an H100 at 4
     micro-batches: "accessing tensor output of CUDAGraphs that has been overwritten by a
-    subsequent run"). Refused at start-up, in one line, on every rank alike.
+    subsequent run"). The trainer refuses it at start-up, before the run folder is touched, in
+    one line, on every rank alike.
     """
     if mode == "reduce-overhead" and how != "none" and device_type == "cuda" and accumulation > 1:
         raise UserError(
@@ -236,10 +245,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
             scatter_gather=parallel.scatter_gather,
             sequence_parallel=chunks[0].sequence_parallel,
         )
-    whole = one_gpu(grid.world_size, cfg.model.recompute)
-    how = resolve_compile(cfg.model.compile, device, schedule, whole)
-    check_compile_mode(cfg.model.compile_mode, how, device.type, accumulation)
-    compile_chunks(chunks, how, cfg.model.compile_mode)
+    compile_chunks(chunks, compiled_how(cfg, device, grid.world_size), cfg.model.compile_mode)
     engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
 

@@ -36,7 +36,7 @@ from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.train.checkpointer import Checkpointer, Stateful
 from hpcllm.train.divergence import DivergenceGuard
 from hpcllm.train.metrics import Metrics
-from hpcllm.train.parallelize import parallelize
+from hpcllm.train.parallelize import check_compile_mode, compiled_how, parallelize
 from hpcllm.train.preflight import check_job, cpu_has_native_bf16, startup_warnings
 from hpcllm.train.process import ProcessSettings
 from hpcllm.train.profiler import ProfilerWindow
@@ -106,6 +106,12 @@ class Trainer:
         self._set_process()
         self.batch = batch_plan(train, self.grid.dp)
         self.accumulation = self.batch.accumulation
+        check_compile_mode(
+            cfg.model.compile_mode,
+            compiled_how(cfg, self.device, self.grid.world_size),
+            self.device.type,
+            self.accumulation,
+        )
         if self.grid.rank == 0:
             for line in startup_warnings(
                 cfg,
