@@ -24,7 +24,7 @@ from hpcllm.datasets.shards import Manifest
 from hpcllm.errors import UserError
 from hpcllm.model.stages import split_layers
 from hpcllm.topology import Layout
-from hpcllm.train.parallelize import check_pipeline, one_gpu, resolve_compile
+from hpcllm.train.parallelize import check_pipeline, compiled_how, resolve_compile
 
 # CPU flags of native bf16 arithmetic: AVX512-BF16 and AMX on x86, the BF16 extension on Arm.
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
@@ -157,9 +157,7 @@ def startup_warnings(
             f"global_batch_size {micro_step * layout.pp} = micro_batch_size x d x pp)"
         )
     if m.compile_mode != "default":
-        whole = one_gpu(world_size, m.recompute)
-        how = resolve_compile(m.compile, torch.device(device_type), cfg.parallel.schedule, whole)
-        if how == "none":
+        if compiled_how(cfg, torch.device(device_type), world_size) == "none":
             warnings.append(
                 f"model.compile_mode {m.compile_mode} does nothing here: model.compile "
                 f"{m.compile} compiles nothing on {device_type}"
