@@ -262,6 +262,9 @@ class ParallelConfig:
     pp: int = key(1, "pipeline-parallel size p (stages)", POSITIVE)
     dp: int | None = key(None, "data-parallel size d; null: world size / (t x p)", POSITIVE)
     vpp: int = key(1, "virtual pipeline stages per rank v (interleaved schedule)", POSITIVE)
+    ep: int = key(
+        1, "expert-parallel size: the ranks of d that split each MoE layer's experts", POSITIVE
+    )
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = key(
         "1f1b", "pipeline schedule (1f1b with one stage)"
     )
@@ -993,6 +996,7 @@ def check(cfg: Config) -> None:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {parallel.tp}")
     _check_family(m, parallel.tp)
     _check_moe(m, parallel.tp)
+    _check_ep(cfg)
     if parallel.sequence_parallel and parallel.tp > 1 and m.seq_len % parallel.tp:
         raise UserError(
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
@@ -1046,6 +1050,32 @@ def check(cfg: Config) -> None:
     if not cfg.data.path or "\x00" in cfg.data.path:
         raise UserError(f"data.path must be a folder path, got {_show(cfg.data.path)}")
     check_folder("run.dir", cfg.run.dir)
+
+
+def _check_ep(cfg: Config) -> None:
+    """Refuse an expert-parallel size that cannot work, in one line (nothing at ep = 1)."""
+    m, parallel = cfg.model, cfg.parallel
+    if parallel.ep == 1:
+        return
+    if not m.moe_experts:
+        raise UserError(
+            f"parallel.ep {parallel.ep} splits the experts of MoE blocks, but model.moe_experts "
+            "is 0 (every MLP dense); set parallel.ep: 1"
+        )
+    if m.moe_experts % parallel.ep:
+        raise UserError(
+            f"parallel.ep {parallel.ep} does not divide model.moe_experts {m.moe_experts}"
+        )
+    if parallel.dp is not None and parallel.dp % parallel.ep:
+        raise UserError(
+            f"parallel.ep {parallel.ep} must divide the data-parallel size d = {parallel.dp} "
+            "(the expert-parallel ranks are carved out of d)"
+        )
+    if parallel.dp_engine in ("ps", "ps-async", "local-sgd"):
+        raise UserError(
+            f"parallel.dp_engine {parallel.dp_engine} averages every parameter over d, but at "
+            f"parallel.ep {parallel.ep} the ranks of d hold different experts; use ddp or horovod"
+        )
 
 
 def _check_moe(m: ModelConfig, tp: int) -> None:

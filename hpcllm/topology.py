@@ -8,6 +8,15 @@ pipeline-parallel,
 so the t ranks of a tensor-parallel group are consecutive and, with t ≤ GPUs per node, share a
 node and its NVLink, while pipeline stages are the furthest apart (across nodes).
 
+Expert parallelism (``ep``) is carved out of d, as Megatron-Core orders its axes (tp, cp, ep,
+dp, pp): the ep ranks are the fast-varying part of the data-parallel rank,
+
+    dp_rank = ep_rank + ep * expert_dp_rank
+
+so an expert-parallel group is ep consecutive dp ranks (the t·ep ranks nearest each other), and
+the d/ep ranks of an expert-data-parallel group hold the same experts. With ep = 1 nothing
+moves: every rank keeps its place and its groups.
+
 Two layers, each usable alone, on top of :mod:`hpcllm.launcher` (who started the process):
 
 * :class:`Layout` is pure arithmetic (coordinates, group members), tested without MPI or torch;
@@ -34,15 +43,17 @@ from hpcllm.launcher import Launch, detect_launcher, start_mpi
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the three parallel axes, plus v virtual pipeline stages per pipeline rank."""
+    """Sizes of the three parallel axes, plus v virtual pipeline stages per pipeline rank and
+    the ep expert-parallel ranks carved out of d."""
 
     tp: int
     pp: int
     dp: int
     vpp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp"):
+        for name in ("tp", "pp", "dp", "vpp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -51,10 +62,21 @@ class Layout:
                 f"parallel.vpp={self.vpp} (interleaved virtual stages) needs parallel.pp >= 2, "
                 f"got pp={self.pp}"
             )
+        if self.dp % self.ep:
+            raise UserError(
+                f"parallel.ep {self.ep} must divide the data-parallel size d = {self.dp} "
+                "(the expert-parallel ranks are carved out of d)"
+            )
 
     @classmethod
     def for_world(
-        cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, vpp: int = 1
+        cls,
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        vpp: int = 1,
+        ep: int = 1,
     ) -> Layout:
         """Return the layout for ``world_size`` ranks; ``dp`` defaults to world/(tp·pp)."""
         for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("vpp", vpp)):
@@ -72,7 +94,7 @@ class Layout:
                 f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal the world size "
                 f"{world_size}; launch {tp * pp * dp} ranks or change the sizes"
             )
-        return cls(tp=tp, pp=pp, dp=dp, vpp=vpp)
+        return cls(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -107,6 +129,20 @@ class Layout:
         tp_rank, pp_rank, _ = self.coords(rank)
         return [self.rank(tp_rank, pp_rank, d) for d in range(self.dp)]
 
+    def ep_group(self, rank: int) -> list[int]:
+        """Return the world ranks of ``rank``'s expert-parallel group (its ep consecutive dp
+        ranks, which hold different experts), by ep rank."""
+        tp_rank, pp_rank, dp_rank = self.coords(rank)
+        first = dp_rank - dp_rank % self.ep
+        return [self.rank(tp_rank, pp_rank, first + e) for e in range(self.ep)]
+
+    def expert_dp_group(self, rank: int) -> list[int]:
+        """Return the world ranks holding the same experts as ``rank`` (its d/ep expert-data-
+        parallel replicas), by expert-dp rank."""
+        tp_rank, pp_rank, dp_rank = self.coords(rank)
+        e = dp_rank % self.ep
+        return [self.rank(tp_rank, pp_rank, e + self.ep * j) for j in range(self.dp // self.ep)]
+
     def mp_group(self, rank: int) -> list[int]:
         """Return the world ranks of ``rank``'s model-parallel group (its tp×pp block)."""
         _, _, dp_rank = self.coords(rank)
@@ -119,12 +155,14 @@ class Layout:
         return sorted({stages[0], stages[-1]})
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Return every group along ``axis`` (``tp``, ``pp``, ``dp``, ``mp`` or
-        ``embedding``), each once."""
+        """Return every group along ``axis`` (``tp``, ``pp``, ``dp``, ``ep``, ``expert_dp``,
+        ``mp`` or ``embedding``), each once."""
         member_of = {
             "tp": self.tp_group,
             "pp": self.pp_group,
             "dp": self.dp_group,
+            "ep": self.ep_group,
+            "expert_dp": self.expert_dp_group,
             "mp": self.mp_group,
             "embedding": self.embedding_group,
         }[axis]
@@ -139,7 +177,7 @@ class Layout:
 
 
 # The slots later axes fill.
-LATER_AXES = ("cp", "ep", "expert_dp")
+LATER_AXES = ("cp",)
 
 
 @dataclass(frozen=True)
@@ -152,8 +190,12 @@ class ProcessGroups:
     the first and last pipeline stage, which hold the two copies of the tied embedding (None
     when p = 1: nothing is tied across ranks). ``*_comm`` are the matching mpi4py
     communicators (None in a single process started without a launcher, where MPI is never
-    imported). ``cp``, ``ep`` and ``expert_dp`` (context, expert and expert-data parallelism)
-    are the slots later axes fill; None until then.
+    imported). ``ep`` and ``expert_dp`` are the expert-parallel group (the ranks whose experts
+    together make the whole layer; their all-to-all moves the tokens) and the expert-data-parallel
+    group (the ranks holding the same experts, which average their gradients); both are groups of
+    one rank at ep = 1 (``ep`` None, ``expert_dp`` the dp group), and their communicators
+    None when MPI was not started. ``cp`` (context
+    parallelism) is the slot a later axis fills; None until then.
     """
 
     tp: Any
@@ -170,6 +212,8 @@ class ProcessGroups:
     cp: Any = None
     ep: Any = None
     expert_dp: Any = None
+    ep_comm: Any = None
+    expert_dp_comm: Any = None
 
 
 @dataclass
@@ -226,6 +270,21 @@ class Grid:
         return self.layout.vpp
 
     @property
+    def ep(self) -> int:
+        """Return the expert-parallel size (ranks of d that split the experts)."""
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """Return this rank's place in its expert-parallel group (which experts it holds)."""
+        return self.dp_rank % self.layout.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """Return this rank's place among the ranks holding the same experts."""
+        return self.dp_rank // self.layout.ep
+
+    @property
     def pp_prev(self) -> int:
         """Return the world rank of the previous pipeline stage (the last, from the first)."""
         return self.layout.rank(self.tp_rank, (self.pp_rank - 1) % self.pp, self.dp_rank)
@@ -255,6 +314,9 @@ class Grid:
             "tp_group": self.layout.tp_group(self.rank),
             "pp_group": self.layout.pp_group(self.rank),
             "dp_group": self.layout.dp_group(self.rank),
+            "ep_rank": self.ep_rank,
+            "ep_group": self.layout.ep_group(self.rank),
+            "expert_dp_group": self.layout.expert_dp_group(self.rank),
             "embedding_group": self.layout.embedding_group(self.rank) if self.pp > 1 else None,
             "later_axes": {axis: None for axis in LATER_AXES},
             "host": self.host,
@@ -304,16 +366,22 @@ def _rendezvous(world: Any, launch: Launch, timeout: timedelta) -> tuple[str, in
 def _torch_groups(
     layout: Layout, rank: int, backend: str, timeout: timedelta | None
 ) -> dict[str, Any]:
-    """Create every tp/pp/dp/mp torch group, and the embedding groups when p > 1 (all ranks
-    must take part), and keep ours.
+    """Create every tp/pp/dp/ep/expert_dp/mp torch group, and the embedding groups when p > 1
+        (all ranks must take part), and keep ours. At ep = 1 the ep groups are groups of one and the
+        expert-dp groups are the dp groups: no group is made for either (ep is None, a group of one
+    to :func:`~hpcllm.parallel.tensor.mappings.group_size`).
 
-    A new group does not inherit the world group's timeout; each is given ``timeout``.
+        A new group does not inherit the world group's timeout; each is given ``timeout``.
     """
     import torch.distributed as dist
 
     mine: dict[str, Any] = {"embedding": None}
-    for axis in ("tp", "pp", "dp", "mp", "embedding"):
+    for axis in ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp"):
         if axis == "embedding" and layout.pp == 1:
+            continue
+        if axis in ("ep", "expert_dp") and layout.ep == 1:
+            # Nothing changes at ep = 1: every rank of dp holds every expert.
+            mine["ep"], mine["expert_dp"] = None, mine["dp"]
             continue
         # Every rank creates every group in the same order, as torch.distributed requires.
         for members in layout.groups(axis):
@@ -325,7 +393,8 @@ def _torch_groups(
 
 def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
     """Split the MPI world into this rank's tp/pp/dp/mp communicators, ordered as the grid,
-    and, when p > 1, the embedding communicator of its first and last stage."""
+    its ep and expert-dp communicators when ep > 1 (None and the dp one at ep = 1), and, when
+    p > 1, the embedding communicator of its first and last stage."""
     from mpi4py import MPI
 
     tp_rank, pp_rank, dp_rank = layout.coords(rank)
@@ -336,6 +405,14 @@ def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
         "mp": (dp_rank, rank),
     }
     comms = {axis: world.Split(color, key) for axis, (color, key) in splits.items()}
+    comms["ep"], comms["expert_dp"] = None, comms["dp"]
+    if layout.ep > 1:
+        # Colours: the (tp, pp) place, then which expert-dp replica (ep) or which experts (edp).
+        place = pp_rank * layout.tp + tp_rank
+        edp_rank, ep_rank = divmod(dp_rank, layout.ep)
+        groups = layout.dp // layout.ep
+        comms["ep"] = world.Split(place * groups + edp_rank, ep_rank)
+        comms["expert_dp"] = world.Split(place * layout.ep + ep_rank, edp_rank)
     comms["embedding"] = None
     if layout.pp > 1:
         # Every rank takes part in the split; the middle stages keep no communicator.
@@ -391,6 +468,7 @@ def init(
     backend: str | None = None,
     env: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
+    ep: int = 1,
 ) -> Grid:
     """Return this rank's Grid, starting MPI and torch.distributed if not yet started.
 
@@ -406,7 +484,7 @@ def init(
     """
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     launch = detect_launcher(env)
-    layout = Layout.for_world(launch.world_size, tp=tp, pp=pp, dp=dp, vpp=vpp)
+    layout = Layout.for_world(launch.world_size, tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep)
 
     import torch
     import torch.distributed as dist
@@ -477,6 +555,10 @@ def init(
             dp_comm=comms.get("dp"),
             mp_comm=comms.get("mp"),
             embedding_comm=comms.get("embedding"),
+            ep=groups["ep"],
+            expert_dp=groups["expert_dp"],
+            ep_comm=comms.get("ep"),
+            expert_dp_comm=comms.get("expert_dp"),
         ),
         timeout_s=timeout_s,
     )
@@ -500,6 +582,7 @@ def describe_grid(grid: Grid) -> dict[str, Any]:
         "pp": grid.pp,
         "dp": grid.dp,
         "vpp": grid.vpp,
+        "ep": grid.ep,
         "launcher": grid.launch.launcher,
         "backend": grid.backend,
         "ranks": rows,
@@ -540,6 +623,8 @@ def render_grid(report: dict[str, Any]) -> str:
     widths = [max(len(cell) for cell in column) for column in zip(head, *rows, strict=True)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
     vpp = f", {report['vpp']} virtual stages per rank" if report["vpp"] > 1 else ""
+    if report.get("ep", 1) > 1:
+        vpp += f", ep {report['ep']} inside dp"
     out = [
         f"world {report['world_size']} = tp {report['tp']} x pp {report['pp']} x "
         f"dp {report['dp']}{vpp}  (launcher {report['launcher']}, backend {report['backend']})",
@@ -562,7 +647,8 @@ def render_grid(report: dict[str, Any]) -> str:
     out += [
         "",
         "process groups of each rank (torch group and MPI communicator each): tp, pp, dp, mp "
-        "(its tp x pp block), embedding (first and last stage, when p > 1); "
+        "(its tp x pp block), embedding (first and last stage, when p > 1), ep and expert_dp "
+        "(the ranks that split the experts, and those holding the same ones, when ep > 1); "
         f"slots for later axes, empty in this layout: {later}",
     ]
     return "\n".join(out)
@@ -587,7 +673,7 @@ def set_timeout(grid: Grid, timeout_s: float) -> None:
     if not dist.is_initialized():
         return
     timeout = timedelta(seconds=timeout_s)
-    axes = ("tp", "pp", "dp", "mp", "embedding")
+    axes = ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp")
     groups = [distributed_c10d._get_default_group(), *(getattr(grid.groups, a) for a in axes)]
     seen: set[int] = set()
     for group in groups:

@@ -54,6 +54,8 @@ class TensorRule:
     ``"first"``, ``"last"``, ``"first+last"`` (tied: a copy on each, gradients summed) or
     ``"block"`` (the stage holding the block of the name's index). ``padded``: its rows are
     the vocabulary, padded with zero rows to a multiple of 128·t (dropped when merged whole).
+    ``experts``: its first dimension indexes the routed experts, which expert parallelism
+    splits over the ep ranks in contiguous blocks (rank r holds experts r·E/ep to (r+1)·E/ep−1).
     """
 
     pattern: str
@@ -61,6 +63,7 @@ class TensorRule:
     grad: str  # "local", "tp-sum-if-sequence-parallel" or "kv-replicas" (see the docstring)
     stage: str
     padded: bool = False
+    experts: bool = False  # dim 0 is the expert: split over the ep ranks in contiguous blocks
 
     def matches(self, name: str) -> bool:
         """Return whether ``name`` (a whole-model parameter name) is one of these tensors."""
@@ -199,12 +202,15 @@ class Family:
 
 
 # The MoE MLP part (hpcllm.model.moe) of any family's block: stacked experts (E, rows, cols)
-# split over t as the dense MLP's matrices are, the router, the shared expert's gate, the
-# proj biases and the sigmoid router's balancing bias (a buffer) whole on every rank.
+# split over t as the dense MLP's matrices are (the routed ones over ep as well, by expert),
+# the router, the shared expert's gate, the proj biases (added on the token's own rank) and
+# the sigmoid router's balancing bias (a buffer) whole on every rank.
 _MOE = r"blocks\.\d+\.mlp\."
 MOE_TENSORS = (
-    TensorRule(_MOE + r"(experts|shared)\.(gate|up|fc|fc_bias)", (1, 1), "local", "block"),
-    TensorRule(_MOE + r"(experts|shared)\.proj", (2, 1), "local", "block"),
+    TensorRule(_MOE + r"experts\.(gate|up|fc|fc_bias)", (1, 1), "local", "block", experts=True),
+    TensorRule(_MOE + r"experts\.proj", (2, 1), "local", "block", experts=True),
+    TensorRule(_MOE + r"shared\.(gate|up|fc|fc_bias)", (1, 1), "local", "block"),
+    TensorRule(_MOE + r"shared\.proj", (2, 1), "local", "block"),
     TensorRule(
         _MOE + r"((experts|shared)\.proj_bias|router\.weight|shared_gate\.weight)",
         None,

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hpcllm import families, kernels
 from hpcllm.config import ModelConfig, moe_layers, padded_vocab
-from hpcllm.model.moe import MoE
+from hpcllm.model.moe import ExpertParallel, MoE
 from hpcllm.parallel.random import recompute_context, tp_rng
 from hpcllm.parallel.roles import assign_roles, persistent_buffers
 from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -218,7 +218,12 @@ class SelfAttention(nn.Module):
 
 
 def moe_mlp(
-    parts: DecoderParts, cfg: ModelConfig, group: Any, gen: torch.Generator, sp: bool
+    parts: DecoderParts,
+    cfg: ModelConfig,
+    group: Any,
+    gen: torch.Generator,
+    sp: bool,
+    ep: ExpertParallel | None = None,
 ) -> MoE:
     """Return an MoE MLP part as model.moe_* describes it, with the family's expert activation
     and width; the auxiliary losses' coefficients are averaged over the MoE blocks."""
@@ -242,6 +247,7 @@ def moe_mlp(
         shared_ffn=cfg.moe_shared_ffn_size,
         shared_gate=cfg.moe_shared_gate,
         sequence_parallel=sp,
+        ep=ep,
     )
 
 
@@ -261,6 +267,7 @@ class Block(nn.Module):
         gen: torch.Generator,
         sequence_parallel: bool = False,
         index: int | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         sp = sequence_parallel and group_size(group) > 1
@@ -273,7 +280,9 @@ class Block(nn.Module):
         # Block ``index`` of the model (None: a block alone, dense) is a mixture of experts
         # where model.moe_* says so.
         moe = index is not None and index in moe_layers(cfg)
-        self.mlp = moe_mlp(parts, cfg, group, gen, sp) if moe else parts.mlp(cfg, group, gen, sp)
+        self.mlp = (
+            moe_mlp(parts, cfg, group, gen, sp, ep) if moe else parts.mlp(cfg, group, gen, sp)
+        )
         if moe:
             self.mlp.block = index
         self.dropout = cfg.dropout
@@ -297,6 +306,9 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """The whole model of a family (or, with ``tp_group``, this rank's tensor-parallel shard).
+
+    ``ep`` gives this rank its share of each MoE block's experts (expert parallelism); the
+    experts it does not hold are drawn and dropped, as blocks are.
 
     ``vocab_size`` is the tokenizer's; the embedding is padded to a multiple of 128·t and the
     padded rows never reach the loss or the returned logits. ``sequence_parallel`` (with a tp
@@ -324,9 +336,11 @@ class Decoder(nn.Module):
         layers: range | None = None,
         pre: bool = True,
         post: bool = True,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.tp_group = cfg, vocab_size, tp_group
+        self.ep = ep or ExpertParallel()
         t = group_size(tp_group)
         self.padded_vocab = padded_vocab(vocab_size, t)
         self.sequence_parallel = sequence_parallel and t > 1
@@ -353,7 +367,7 @@ class Decoder(nn.Module):
                 self.wpe = wpe
         blocks = {}
         for index in range(cfg.n_layer):
-            block = self.block(cfg, tp_group, gen, self.sequence_parallel, index)
+            block = self.block(cfg, tp_group, gen, self.sequence_parallel, index, self.ep)
             if index in layers:
                 blocks[str(index)] = block
         self.blocks = nn.ModuleDict(blocks)
@@ -370,6 +384,7 @@ class Decoder(nn.Module):
             sequence_parallel=self.sequence_parallel,
             kv_heads=families.shape(cfg, vocab_size).kv_heads or cfg.n_head,
             buffers=persistent_buffers(self),
+            ep=self.ep.size,
         )
 
     @classmethod
@@ -380,10 +395,12 @@ class Decoder(nn.Module):
         gen: torch.Generator,
         sequence_parallel: bool = False,
         index: int | None = None,
+        ep: ExpertParallel | None = None,
     ) -> Block:
         """Return one block of this family, drawn from ``gen`` (as the decoder draws each):
-        block ``index`` of the model (its MLP an MoE where model.moe_* says), or a dense one."""
-        return Block(cls.parts, cfg, group, gen, sequence_parallel, index)
+        block ``index`` of the model (its MLP an MoE where model.moe_* says, holding the
+        experts ``ep`` gives this rank), or a dense one."""
+        return Block(cls.parts, cfg, group, gen, sequence_parallel, index, ep=ep)
 
     def check_length(self, s: int) -> None:
         """Raise a ValueError for a sequence of ``s`` tokens this stage cannot take."""

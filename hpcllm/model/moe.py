@@ -28,11 +28,21 @@ expert tensor parallelism): the first matrices by output rows, the last by input
 the partial outputs combined by the router weights and summed once. The router is whole on
 every rank; under sequence parallelism it scores this rank's tokens and its gradient is
 summed over t, as the norms' are.
+
+Expert parallelism (:class:`ExpertParallel`, ep ranks carved out of d) gives each rank E/ep of
+the experts, a contiguous block. Each rank routes and drops its own tokens as before (so a
+capacity counts a micro-batch of one rank, whatever ep), then one all-to-all sends each kept
+assignment to the rank holding its expert (the counts exchanged first), the experts run on
+what they received, and a second all-to-all brings the outputs back in their order. The
+all-to-all is the data-parallel engine's (torch.distributed or Horovod), handed to the layer
+as a plain function of (tensor, rows sent to each rank, rows received from each rank); its
+backward is the reverse all-to-all.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +165,49 @@ def kept(
     return (rank < capacity).view_as(experts)
 
 
+# The engine's all-to-all over the ep group: (x, rows to each rank, rows from each rank) -> the
+# rows received, by source rank. Not differentiated: :func:`exchange` wraps it.
+AllToAll = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+@dataclass
+class ExpertParallel:
+    """This rank's share of the experts: ``size`` ep ranks, this one ``rank``, and the engine's
+    all-to-all over them (``all_to_all``, set once the engine has started; None at size 1)."""
+
+    size: int = 1
+    rank: int = 0
+    all_to_all: AllToAll | None = None
+
+    def mine(self, n_experts: int) -> range:
+        """Return the (global) indices of the experts this rank holds."""
+        per = n_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all whose backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], all_to_all: AllToAll
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.all_to_all = send, recv, all_to_all
+        return all_to_all(x.contiguous(), send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return ctx.all_to_all(grad.contiguous(), ctx.recv, ctx.send), None, None, None
+
+
+def exchange(
+    x: torch.Tensor, send: list[int], recv: list[int], all_to_all: AllToAll
+) -> torch.Tensor:
+    """Return the rows of ``x`` (``send[j]`` of them for rank j, in order) as the ep ranks
+    received them (``recv[j]`` from rank j, by source); differentiable."""
+    return _Exchange.apply(x, send, recv, all_to_all)
+
+
 @dataclass
 class Dispatch:
     """The kept assignments sorted by expert: ``tokens`` (N,) their token, ``slots`` (N,)
@@ -204,7 +257,9 @@ class Experts(nn.Module):
     ``swiglu``: ``gate`` and ``up`` (E, f/t, h), SiLU(x·G) ⊙ (x·U), then ``proj`` (E, h, f/t);
     ``gelu``: ``fc`` (E, f/t, h) with ``fc_bias`` (E, f/t), GeLU, then ``proj`` (E, h, f/t)
     with ``proj_bias`` (E, h), which :meth:`forward` leaves to the caller (added once, after
-    the sum over t). Each weight is drawn whole, expert by expert, and this rank keeps its slice.
+    the sum over t). Each weight is drawn whole, expert by expert, and this rank keeps its slice:
+    of the experts ``ep`` gives it (all of them by default), its tp part of each. ``proj_bias``
+    stays whole (the token's own rank adds it).
     """
 
     def __init__(
@@ -218,14 +273,19 @@ class Experts(nn.Module):
         gen: torch.Generator,
         init_std: float,
         out_std: float,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         t = group_size(group)
+        ep = ep or ExpertParallel()
+        if n_experts % ep.size:
+            raise ValueError(f"{n_experts} experts do not split over ep {ep.size}")
+        held = ep.mine(n_experts)
         if ffn % t:
             raise ValueError(f"the experts' width {ffn} does not split over tp {t}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown expert activation {activation!r}")
-        self.activation, self.n_experts = activation, n_experts
+        self.activation, self.n_experts = activation, len(held)
         rank = group_rank(group)
 
         def drawn(shape: tuple[int, ...], std: float, dim: int) -> nn.Parameter:
@@ -234,7 +294,8 @@ class Experts(nn.Module):
                 full.normal_(0.0, std, generator=gen)
             else:
                 full.zero_()
-            param = nn.Parameter(shard_of(full, dim, 1, rank, t).contiguous())
+            part = shard_of(full, dim, 1, rank, t)[held.start : held.stop]
+            param = nn.Parameter(part.contiguous())
             mark_split(param, dim=dim)
             return param
 
@@ -356,8 +417,10 @@ class MoE(nn.Module):
         shared_ffn: int = 0,
         shared_gate: bool = False,
         sequence_parallel: bool = False,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
+        self.ep = ep or ExpertParallel()
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; one of {', '.join(ROUTERS)}")
         if not 1 <= top_k <= n_experts:
@@ -382,6 +445,7 @@ class MoE(nn.Module):
             gen=gen,
             init_std=init_std,
             out_std=out_std,
+            ep=self.ep,
         )
         # A shared expert every token goes through (Qwen-MoE, DeepSeek), drawn after the
         # routed ones, optionally scaled by a sigmoid gate of the token.
@@ -443,6 +507,37 @@ class MoE(nn.Module):
             dist.all_reduce(x, group=self.group)
         return x
 
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Return the experts' outputs for ``rows``, grouped by expert as ``counts`` (E,) says,
+        in the same order: here, or at ep > 1 on the ranks holding them (:meth:`_sent`)."""
+        if self.ep.size == 1:
+            return self.experts(rows, counts, self.grouped)
+        return self._sent(rows, counts)
+
+    @torch.compiler.disable
+    def _sent(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Send each row to the ep rank holding its expert, run the experts there, send the
+        outputs back: two all-to-alls, the counts exchanged first (split sizes are host
+        values, so this part runs eagerly under ``torch.compile``)."""
+        ep, all_to_all = self.ep.size, self.ep.all_to_all
+        if all_to_all is None:
+            raise RuntimeError("expert parallelism needs the engine's all-to-all (none was set)")
+        per = self.n_experts // ep
+        # received[j, i]: how many rows rank j sends for this rank's local expert i.
+        received = all_to_all(counts.contiguous(), [per] * ep, [per] * ep).view(ep, per)
+        send = counts.view(ep, per).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        got = exchange(rows, send, recv, all_to_all)  # by source rank, then local expert
+        # Group the rows by local expert (then source), as the experts take them.
+        blocks = torch.arange(ep * per, device=rows.device).view(ep, per)
+        key = blocks.remainder(per) * ep + blocks.div(per, rounding_mode="floor")
+        order = torch.repeat_interleave(key.flatten(), received.flatten(), output_size=got.shape[0])
+        perm = torch.sort(order, stable=True).indices
+        out = self.experts(got[perm], received.sum(0), self.grouped)
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        return exchange(out[back], recv, send, all_to_all)
+
     def forward(self, x: torch.Tensor, add_bias: bool = False) -> tuple[torch.Tensor, None]:
         """Return (output, None): the bias, if any, is added here."""
         b, s, h = x.shape
@@ -467,7 +562,7 @@ class MoE(nn.Module):
         capacity = capacity_of(self.capacity_factor, self.top_k, tokens, self.n_experts)
         keep = kept(experts, weights, self.n_experts, capacity, self.drop_policy)
         plan = dispatch(experts, keep, self.n_experts)
-        out = self.experts(inputs[plan.tokens], plan.counts, self.grouped)
+        out = self._run_experts(inputs[plan.tokens], plan.counts)
         scale = weights.flatten()[plan.slots].unsqueeze(1)
         y = inputs.new_zeros(inputs.shape[0], h, dtype=out.dtype)
         y = y.index_add(0, plan.tokens, out * scale.to(out.dtype))

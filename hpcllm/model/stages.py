@@ -61,8 +61,10 @@ def build_chunks(
     seed: int,
     sequence_parallel: bool,
     layers: Sequence[int] | None = None,
+    ep: Any = None,
 ) -> nn.ModuleList:
-    """Return this pipeline rank's v model chunks (chunk c is stage c·p + rank)."""
+    """Return this pipeline rank's v model chunks (chunk c is stage c·p + rank), holding the
+    experts ``ep`` (an :class:`~hpcllm.model.moe.ExpertParallel`) gives this rank."""
     stages = p * v
     split = split_layers(cfg.n_layer, stages, layers)
     family = families.get(cfg.arch)
@@ -78,6 +80,7 @@ def build_chunks(
             layers=split[stage],
             pre=stage == 0,
             post=stage == stages - 1,
+            ep=ep,
         )
         part.stage = stage
         if (part.pre or part.post) and p > 1 and family.ties(cfg):

@@ -59,6 +59,8 @@ class TensorRole:
     padded: bool = False  # its rows are the vocabulary, padded to a multiple of 128·t
     sums: tuple[str, ...] = field(default=())  # GRADIENT_KINDS its gradient takes
     stage_copy: bool = False  # the last stage's copy of a tied tensor: the first counts it
+    experts: int = 1  # ep ranks that split it by expert (dim 0); its gradient averages over
+    # the expert-data-parallel group and its norm sums over the ep group
 
     @property
     def counted(self) -> bool:
@@ -67,7 +69,9 @@ class TensorRole:
 
     def whole_numel(self, numel: int, t: int) -> int:
         """Return the elements of the whole tensor this rank's ``numel`` stand for: a slice
-        times the distinct slices over t ranks, a whole tensor once."""
+        times the distinct slices over t ranks (and over the ep ranks for experts), a whole
+        tensor once."""
+        numel *= self.experts
         return numel * (t // self.replicas) if self.split is not None else numel
 
 
@@ -91,10 +95,13 @@ def assign_roles(
     sequence_parallel: bool,
     kv_heads: int,
     buffers: Iterable[tuple[str, torch.Tensor]] = (),
+    ep: int = 1,
 ) -> None:
     """Give each parameter (by whole-model name) the role its family's rule says at this
     layout; a ValueError where a rule's split is not the one its layer made
     (``param.partition``, which the tensor-parallel layers set).
+
+    ``ep``: the expert-parallel size the routed experts are split over (their rules' ``experts``).
 
     ``buffers``: the persistent buffers (:func:`persistent_buffers`), which a checkpoint
     saves and the re-cut cuts by their rule: checked the same way, given no role (a buffer is
@@ -116,6 +123,7 @@ def assign_roles(
             replica=tp_rank % count,
             padded=rule.padded,
             sums=(rule.grad,) if needed else (),
+            experts=ep if rule.experts else 1,
         )
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from hpcllm.config import Config
 from hpcllm.errors import UserError
+from hpcllm.model.moe import ExpertParallel
 from hpcllm.model.stages import build_chunks, split_layers
 from hpcllm.parallel.data.builder import build_engine
 from hpcllm.parallel.data.engine import Engine
@@ -218,6 +219,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     tp_group = grid.groups.tp if parallel.tp > 1 else None
 
     seed_streams(train.seed, grid.tp_rank, grid.pp_rank, device)
+    ep = ExpertParallel(grid.ep, grid.ep_rank)
 
     chunks = build_chunks(
         cfg.model,
@@ -229,6 +231,7 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
         seed=train.seed,
         sequence_parallel=parallel.sequence_parallel,
         layers=parallel.pipeline_layers,
+        ep=ep,
     ).to(device)
 
     schedule = parallel.schedule if parallel.pp > 1 else "1f1b"
@@ -248,6 +251,8 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     compile_chunks(chunks, compiled_how(cfg, device, grid.world_size), cfg.model.compile_mode)
     engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
+    if grid.ep > 1:
+        ep.all_to_all = engine.all_to_all()  # the MoE layers send tokens with the engine's
 
     optimizer = engine.build_optimizer(
         build_optimizer(chunks, train, device),

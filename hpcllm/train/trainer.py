@@ -87,6 +87,7 @@ class Trainer:
             pp=parallel.pp,
             dp=parallel.dp,
             vpp=parallel.vpp,
+            ep=parallel.ep,
             # Until the first step is done the groups wait as long as start-up may take (it
             # compiles), so that a stall there is the start-up watcher's to name, first.
             timeout_s=watchdog.backstop_s(max(cfg.run.timeout_s, cfg.run.startup_timeout_s)),

@@ -2,7 +2,9 @@
 
 Gradients are all-reduced in buckets while backward is still running (overlap); forwards run
 under ``no_sync`` and the backward that ends a chunk's step arms the reducer, so gradient
-accumulation and pipeline schedules reduce once per step.
+accumulation and pipeline schedules reduce once per step. At ep > 1 the experts' tensors are
+left out of DDP and averaged over their expert-dp group after the backward
+(:mod:`hpcllm.parallel.data.experts`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.experts import is_expert, reduce_expert_grads
 from hpcllm.topology import Grid
 
 
@@ -108,6 +111,11 @@ class DDPEngine(Engine):
         }[self.compression]
         self.wrapped = []
         for module in modules:
+            # Expert tensors (ep > 1) differ by ep rank: DDP neither broadcasts nor reduces
+            # them; reduce_grads averages them over their expert-dp group.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                module, [name for name, p in module.named_parameters() if is_expert(p)]
+            )
             ddp = DistributedDataParallel(
                 module,
                 device_ids=[self.grid.device] if self.grid.device.type == "cuda" else None,
@@ -139,6 +147,10 @@ class DDPEngine(Engine):
         waited = self.timer.exposed_wait()
         self.comm_wait_s += waited
         self.backward_wait_s += waited
+        if self.grid.ep > 1:
+            started = time.perf_counter()
+            reduce_expert_grads(self.parameters, self.grid.groups.expert_dp, self.grid.dp)
+            self.comm_wait_s += time.perf_counter() - started
 
     def reset_timers(self) -> None:
         super().reset_timers()

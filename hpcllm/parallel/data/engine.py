@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from hpcllm.parallel.data.experts import AllToAll, split_experts, torch_all_to_all
 from hpcllm.parallel.data.finalize import finalize_model_grads
 from hpcllm.parallel.data.flat import broadcast_parameters
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
@@ -86,10 +87,20 @@ class Engine:
     def from_first_replica(self, params: Sequence[torch.Tensor]) -> None:
         """Give every replica dp rank 0's values of ``params`` (nothing with one replica):
         where every engine but DDP and Horovod starts its replicas, and where ps-async's
-        workers take the server's weights."""
+        workers take the server's weights. Expert tensors (ep > 1) come from the first rank
+        holding the same experts."""
         if self.grid.dp > 1:
+            dense, experts = split_experts(params)
             root = self.grid.layout.dp_group(self.grid.rank)[0]
-            broadcast_parameters(params, root, self.grid.groups.dp)
+            broadcast_parameters(dense, root, self.grid.groups.dp)
+            if experts and self.grid.dp > self.grid.ep:
+                root = self.grid.layout.expert_dp_group(self.grid.rank)[0]
+                broadcast_parameters(experts, root, self.grid.groups.expert_dp)
+
+    def all_to_all(self) -> AllToAll:
+        """Return the all-to-all over this rank's expert-parallel group that the MoE layers
+        send tokens with (torch.distributed's; Horovod's engine gives its own)."""
+        return torch_all_to_all(self.grid.groups.ep)
 
     def build_optimizer(
         self,

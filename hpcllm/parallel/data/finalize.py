@@ -111,9 +111,13 @@ def finalize_model_grads(params: Sequence[nn.Parameter], groups: ProcessGroups) 
 
 
 def global_grad_norm(
-    parameters: Sequence[torch.Tensor], tp_group: Any = None, pp_group: Any = None
+    parameters: Sequence[torch.Tensor],
+    tp_group: Any = None,
+    pp_group: Any = None,
+    ep_group: Any = None,
 ) -> torch.Tensor:
-    """Return the L2 norm of the whole model's gradient, across tp slices and pp stages.
+    """Return the L2 norm of the whole model's gradient, across tp slices, pp stages and the
+    experts split over the ep ranks (their squares summed over ``ep_group``).
 
     Sliced parameters contribute their squares from every tp rank (an all-reduce); whole
     ones (LayerNorm, row-parallel biases, positions) hold the same gradient on every tp rank
@@ -122,13 +126,24 @@ def global_grad_norm(
     the tied embedding on the first stage, a key/value head on the first rank holding it.
     """
     counted = [p for p in parameters if p.grad is not None and role(p).counted]
-    if not counted and group_size(tp_group) == 1 and group_size(pp_group) == 1:
+    ep = group_size(ep_group) > 1
+    if not counted and group_size(tp_group) == 1 and group_size(pp_group) == 1 and not ep:
         return torch.zeros(())
     device = counted[0].grad.device if counted else parameters[0].device
     # With one tp rank every parameter is whole; otherwise split and whole ones sum apart.
     tp = group_size(tp_group) > 1
+    experts = [p for p in counted if role(p).experts > 1]
+    counted = [p for p in counted if role(p).experts == 1]
     split = _squared_norm([p.grad for p in counted if tp and role(p).split], device)
     whole = _squared_norm([p.grad for p in counted if not (tp and role(p).split)], device)
+    if ep:
+        # Each ep rank holds other experts (every one of them split over t, or whole at t = 1).
+        held = _squared_norm([p.grad for p in experts], device)
+        dist.all_reduce(held, group=ep_group)
+        if tp:
+            split = split + held
+        else:
+            whole = whole + held
     if tp:
         dist.all_reduce(split, group=tp_group)
     total = split + whole
@@ -155,9 +170,13 @@ def clip_to_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm: torc
 
 
 def clip_grad_norm(
-    parameters: Sequence[torch.Tensor], max_norm: float, tp_group: Any = None, pp_group: Any = None
+    parameters: Sequence[torch.Tensor],
+    max_norm: float,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    ep_group: Any = None,
 ) -> torch.Tensor:
     """Clip gradients to ``max_norm`` (0: no clipping) by the global norm; return that norm."""
-    norm = global_grad_norm(parameters, tp_group, pp_group)
+    norm = global_grad_norm(parameters, tp_group, pp_group, ep_group)
     clip_to_norm(parameters, max_norm, norm)
     return norm

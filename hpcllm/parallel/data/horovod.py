@@ -4,9 +4,13 @@ Horovod starts on the grid's data-parallel MPI communicator, so each model shard
 has its own Horovod world. Its gradient hooks all-reduce each parameter once it has
 accumulated a step's backwards (tensor fusion batches them); :meth:`HorovodEngine.
 reduce_grads` waits for them, and the optimizer then steps without synchronising a second
-time. The ``parallel.horovod_*`` keys, the ``HOROVOD_*`` variables and hpcllm's tuned defaults
-resolve here (:func:`horovod_settings`), for the engine, the distributed optimizer's Horovod
-collectives, local SGD's averaging and ``bench dp``/``bench collectives``.
+time. At ep > 1 the experts differ by rank: Horovod's optimizer is not used, the dense gradients
+are averaged over d and the experts' over their expert-dp process set after the backward, and
+the MoE layers send tokens with Horovod's ``alltoall`` on the ep process set (both sets declared
+when Horovod starts). The ``parallel.horovod_*`` keys, the ``HOROVOD_*`` variables and
+hpcllm's tuned defaults resolve here (:func:`horovod_settings`), for the engine, the
+distributed optimizer's Horovod collectives, local SGD's averaging and ``bench dp``/``bench
+collectives``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from hpcllm.config import ParallelConfig
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.experts import AllToAll, is_expert
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 
@@ -163,13 +168,55 @@ def start_horovod(grid: Grid, parallel: ParallelConfig | None) -> tuple[Any, dic
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(warn))
         shutdown = max(warn + 1, round(grid.timeout_s))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(shutdown))
-    hvd.init(comm=grid.groups.dp_comm)
+    sets = [] if hvd.is_initialized() else expert_process_sets(hvd, grid)
+    hvd.init(comm=grid.groups.dp_comm, process_sets=sets)
+    _DECLARED.update({tuple(ps.ranks): ps for ps in sets})
     if hvd.size() != grid.dp:
         raise UserError(
             f"Horovod sees {hvd.size()} ranks in the data-parallel group, "
             f"the grid has d = {grid.dp}"
         )
     return hvd, settings
+
+
+def expert_sets(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Return the Horovod ranks (the dp ranks) of every expert-parallel group and every
+    expert-data-parallel group of a d = ``dp`` world with ``ep`` ranks splitting the experts,
+    leaving out what Horovod has already (the whole world) or needs not (one rank)."""
+    if ep == 1:
+        return [], []
+    ep_sets = [[g * ep + e for e in range(ep)] for g in range(dp // ep)]
+    edp_sets = [[e + ep * g for g in range(dp // ep)] for e in range(ep)]
+    keep = lambda sets: [s for s in sets if 1 < len(s) < dp]  # noqa: E731
+    return keep(ep_sets), keep(edp_sets)
+
+
+# The process sets this process declared to Horovod, by their ranks: hvd.init declares them
+# once, and a later init in the same process (several runs in one launch) declares none.
+_DECLARED: dict[tuple[int, ...], Any] = {}
+
+
+def expert_process_sets(hvd: Any, grid: Grid) -> list[Any]:
+    """Return the process sets expert parallelism needs (:func:`expert_sets`), declared to
+    ``hvd.init`` by every rank alike; none at ep = 1."""
+    ep_sets, edp_sets = expert_sets(grid.dp, grid.ep)
+    return [hvd.ProcessSet(ranks) for ranks in (*ep_sets, *edp_sets)]
+
+
+def process_set(hvd: Any, ranks: list[int]) -> Any:
+    """Return the process set of ``ranks`` (Horovod ranks): the global set for the whole world,
+    None for one rank, else the one declared when Horovod started."""
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == hvd.size():
+        return hvd.global_process_set
+    found = _DECLARED.get(tuple(ranks))
+    if found is None:
+        raise UserError(
+            f"Horovod was started in this process without a process set of ranks {ranks}; "
+            "expert parallelism under horovod needs its own launch"
+        )
+    return found
 
 
 def horovod_transport(grid: Grid, hvd: Any) -> str:
@@ -204,6 +251,27 @@ class HorovodEngine(Engine):
         # fp16 or none: config.check refuses bf16, which Horovod does not compress to.
         self.compression = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         self.compression_name = compression
+        # At ep > 1: the process sets of this rank's ep and expert-dp groups (Horovod ranks
+        # are dp ranks).
+        self.ep_set = self.expert_dp_set = None
+        if grid.ep > 1:
+            layout = grid.layout
+            dp_rank = lambda world: layout.coords(world)[2]  # noqa: E731
+            self.ep_set = process_set(hvd, [dp_rank(r) for r in layout.ep_group(grid.rank)])
+            self.expert_dp_set = process_set(
+                hvd, [dp_rank(r) for r in layout.expert_dp_group(grid.rank)]
+            )
+
+    def all_to_all(self) -> AllToAll:
+        """Return Horovod's all-to-all over this rank's ep process set."""
+        hvd, ps = self.hvd, self.ep_set
+
+        def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+            splits = torch.tensor(send, dtype=torch.int32)
+            out, _ = hvd.alltoall(x, splits=splits, process_set=ps)
+            return out
+
+        return run
 
     def describe(self) -> str:
         mpi = describe_mpi(self.grid.device.type == "cuda")
@@ -219,6 +287,13 @@ class HorovodEngine(Engine):
         clip: float,
         accumulation: int,
     ) -> MixedPrecisionOptimizer:
+        if self.grid.ep > 1:
+            # Horovod's optimizer averages every parameter over its world; the experts differ
+            # by ep rank, so reduce_grads reduces the two kinds apart, after the backward.
+            self.optimizer = MixedPrecisionOptimizer(
+                inner, scaler, clip, self.grid.groups, self.parameters
+            )
+            return self.optimizer
         # Horovod's optimizer is a new object of the same class and groups: checkpointed state
         # loads into it. Its gradient hooks all-reduce each parameter once it has accumulated
         # ``accumulation`` backward passes.
@@ -235,6 +310,12 @@ class HorovodEngine(Engine):
         return self.optimizer
 
     def broadcast_state(self) -> None:
+        if self.grid.ep > 1:
+            # Every rank loaded its own experts and their state: the dense weights come from
+            # dp rank 0, the experts from the first rank holding them; the optimizer state
+            # each rank read stays.
+            self._broadcast_by_kind()
+            return
         # Every replica starts from rank 0's weights, whatever the init, as Horovod users
         # expect.
         state = {
@@ -247,8 +328,49 @@ class HorovodEngine(Engine):
             # stepping with zero gradients, which would apply AdamW's weight decay once.
             self.hvd.broadcast_optimizer_state(self.optimizer.inner, root_rank=0)
 
+    def _broadcast_by_kind(self) -> None:
+        hvd, layout, rank = self.hvd, self.grid.layout, self.grid.rank
+        for name, p in self.named_parameters():
+            if is_expert(p):
+                if self.expert_dp_set is None:
+                    continue
+                root = layout.coords(layout.expert_dp_group(rank)[0])[2]
+                hvd.broadcast_(p.data, root, name=f"experts.{name}", process_set=self.expert_dp_set)
+            else:
+                hvd.broadcast_(p.data, 0, name=name)
+
     def reduce_grads(self) -> None:
         assert self.optimizer is not None
         started = time.perf_counter()
-        self.optimizer.inner.synchronize()  # type: ignore[attr-defined]
+        if self.grid.ep > 1:
+            self._reduce_by_kind()
+        else:
+            self.optimizer.inner.synchronize()  # type: ignore[attr-defined]
         self.comm_wait_s += time.perf_counter() - started
+
+    def _reduce_by_kind(self) -> None:
+        """Average the dense gradients over d and the experts' over their expert-dp set
+        (divided by d: :mod:`hpcllm.parallel.data.experts`), in one grouped all-reduce each."""
+        hvd = self.hvd
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        dense = [(n, p) for n, p in named if not is_expert(p)]
+        experts = [(n, p) for n, p in named if is_expert(p)]
+        for kind, group, op, ps in (
+            ("dense", dense, hvd.Average, hvd.global_process_set),
+            ("experts", experts, hvd.Sum, self.expert_dp_set),
+        ):
+            if not group:
+                continue
+            grads = [p.grad for _, p in group]
+            if ps is not None:
+                packed = [self.compression.compress(g) for g in grads]
+                reduced = hvd.grouped_allreduce(
+                    [t for t, _ in packed], name=f"grads.{kind}", op=op, process_set=ps
+                )
+                for g, r, (_, ctx) in zip(grads, reduced, packed, strict=True):
+                    g.copy_(self.compression.decompress(r, ctx))
+            if kind == "experts":
+                torch._foreach_div_(grads, self.grid.dp)

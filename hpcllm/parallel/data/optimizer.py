@@ -88,7 +88,7 @@ class MixedPrecisionOptimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """Return the global norm of the gradients to step with (scaled, under fp16)."""
-        return global_grad_norm(self.params, self.groups.tp, self.groups.pp)
+        return global_grad_norm(self.params, self.groups.tp, self.groups.pp, self.groups.ep)
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, clip, step and update the scaler; return (grad norm, step skipped).

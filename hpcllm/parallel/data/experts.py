@@ -1,0 +1,76 @@
+"""What the data-parallel engines do for expert parallelism (``parallel.ep`` > 1).
+
+The ep ranks of d hold different experts, so the engines' assumption that every rank of d
+holds the same tensors holds for the dense parameters only. For the routed experts' tensors
+(their role's ``experts`` > 1):
+
+- the gradient is averaged over the expert-data-parallel group (the d/ep ranks holding the
+  same experts) and divided by ep as well: each expert's gradient already sums the tokens of
+  its ep group's ranks (the all-to-all's backward brought them), so the sum over the
+  expert-dp group covers all d ranks' tokens, and dividing by d gives the one-process
+  gradient of the global batch's mean loss, as the dense average does;
+- a replica's start and a broadcast come from the first rank of the expert-dp group;
+- the global gradient norm adds their squares over the ep group (each expert counted once;
+  :func:`hpcllm.parallel.data.finalize.global_grad_norm`).
+
+Megatron-Core does the same with its expert-data-parallel group; pytorch/pytorch#160285 shows
+what a missing 1/ep does (gradients exactly ep times too large, losses that look right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcllm.parallel.roles import role
+from hpcllm.parallel.tensor.mappings import group_size
+
+# (x, rows sent to each rank, rows received from each rank) -> the rows received, by source.
+AllToAll = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Return whether ``param`` is a routed expert tensor split over ep > 1 ranks."""
+    return role(param).experts > 1
+
+
+def split_experts(
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Return (dense, experts): ``params`` held alike by every rank of d, and the others."""
+    dense = [p for p in params if not is_expert(p)]
+    return dense, [p for p in params if is_expert(p)]
+
+
+def reduce_expert_grads(params: Sequence[torch.Tensor], group: Any, d: int) -> None:
+    """Sum the expert tensors' gradients over ``group`` (expert-dp) and divide them by ``d``,
+    in one flat all-reduce (a missing gradient, an expert that got no token, counts as 0)."""
+    experts = [p for p in params if is_expert(p)]
+    if not experts:
+        return
+    for p in experts:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in experts]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    if group_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat.div_(d)
+    for grad, reduced in zip(
+        grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+    ):
+        grad.copy_(reduced)
+
+
+def torch_all_to_all(group: Any) -> AllToAll:
+    """Return the all-to-all over ``group`` through torch.distributed (gloo or NCCL)."""
+
+    def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    return run
