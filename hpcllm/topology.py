@@ -620,6 +620,12 @@ def render_grid(report: dict[str, Any]) -> str:
         )
         for r in report["ranks"]
     ]
+    if report.get("ep", 1) > 1:
+        head = (*head, "ep", "ep_group", "expert_dp_group")
+        rows = [
+            (*row, str(r["ep_rank"]), _members(r["ep_group"]), _members(r["expert_dp_group"]))
+            for row, r in zip(rows, report["ranks"], strict=True)
+        ]
     widths = [max(len(cell) for cell in column) for column in zip(head, *rows, strict=True)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
     vpp = f", {report['vpp']} virtual stages per rank" if report["vpp"] > 1 else ""

@@ -49,18 +49,27 @@ for var in $(compgen -e | sort); do
   esac
 done
 
-# The tensor-parallel size, if the arguments give it: its groups must not span nodes.
+# The tensor- and expert-parallel sizes, if the arguments give them: a tensor-parallel group
+# must not span nodes, and an expert-parallel group's all-to-all (t·ep consecutive ranks)
+# should not either.
 tp=1
+ep=1
 words=("$@")
 for i in "${!words[@]}"; do
   case "${words[$i]}" in
     --tp) tp=${words[$((i + 1))]:-1} ;;
     --tp=*) tp=${words[$i]#--tp=} ;;
     parallel.tp=*) tp=${words[$i]#parallel.tp=} ;;
+    --ep) ep=${words[$((i + 1))]:-1} ;;
+    --ep=*) ep=${words[$i]#--ep=} ;;
+    parallel.ep=*) ep=${words[$i]#parallel.ep=} ;;
   esac
 done
 if [[ "$tp" =~ ^[1-9][0-9]*$ ]] && ((GPUS_PER_NODE % tp)); then
   echo "hpcllm: warning: GPUS_PER_NODE=$GPUS_PER_NODE is not a multiple of tp=$tp: tensor-parallel groups will span nodes" >&2
+fi
+if [[ "$tp" =~ ^[1-9][0-9]*$ && "$ep" =~ ^[1-9][0-9]*$ ]] && ((tp * ep > GPUS_PER_NODE)); then
+  echo "hpcllm: warning: tp*ep = $((tp * ep)) exceeds GPUS_PER_NODE=$GPUS_PER_NODE: expert-parallel all-to-alls will cross nodes" >&2
 fi
 
 if [ "${DRY_RUN:-0}" = 1 ]; then

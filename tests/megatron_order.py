@@ -32,6 +32,23 @@ def megatron_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
     }
 
 
+def megatron_expert_groups(tp: int, pp: int, dp: int, ep: int) -> dict[str, list[list[int]]]:
+    """Return the expert-parallel and expert-data-parallel groups of Megatron-Core's order
+    tp-cp-ep-dp-pp (cp = 1, experts split over tp as the dense layers are): a stage's data-
+    parallel ranks of one tp index, taken ep consecutive at a time (ep), or every ep-th
+    (expert-dp)."""
+    world = tp * pp * dp
+    per_stage = world // pp
+    ep_groups, edp_groups = [], []
+    for stage in range(pp):
+        start, end = stage * per_stage, (stage + 1) * per_stage
+        for j in range(tp):
+            replicas = list(range(start + j, end, tp))
+            ep_groups += [replicas[k : k + ep] for k in range(0, dp, ep)]
+            edp_groups += [replicas[k::ep] for k in range(ep)]
+    return {"ep": ep_groups, "expert_dp": edp_groups}
+
+
 def group_of(groups: list[list[int]], rank: int) -> list[int]:
     """Return the one group in ``groups`` that holds ``rank``."""
     (found,) = [g for g in groups if rank in g]
@@ -39,3 +56,5 @@ def group_of(groups: list[list[int]], rank: int) -> list[int]:
 
 
 LAYOUTS_8 = [(1, 1, 8), (2, 2, 2), (2, 4, 1), (8, 1, 1), (1, 8, 1), (4, 1, 2)]
+# With expert parallelism inside d: (tp, pp, dp, ep).
+LAYOUTS_8_EP = [(1, 1, 8, 2), (2, 2, 2, 2), (1, 2, 4, 4), (2, 1, 4, 2)]

@@ -115,6 +115,12 @@ def test_dry_run_warns_of_groups_across_nodes_and_refuses_too_few_hosts(tmp_path
     )
     assert across.returncode == 0
     assert "tensor-parallel groups will span nodes" in across.stderr
+    assert "all-to-alls" not in across.stderr
+    # t·ep past a node: the expert-parallel all-to-all crosses nodes (both spellings).
+    for args in (["topo", "--tp", "2", "--ep", "8"], ["train", "--set", "parallel.ep=8",
+                 "--set", "parallel.tp=2"]):  # fmt: skip
+        wide = _dry_run(tmp_path, args, NP="16", GPUS_PER_NODE="8", HOSTFILE=str(hostfile))
+        assert wide.returncode == 0 and "tp*ep = 16 exceeds GPUS_PER_NODE=8" in wide.stderr, args
     short = _dry_run(tmp_path, ["topo"], NP="24", GPUS_PER_NODE="8", HOSTFILE=str(hostfile))
     assert short.returncode == 2
     assert short.stderr.strip() == (

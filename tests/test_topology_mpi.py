@@ -4,7 +4,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from megatron_order import LAYOUTS_8, group_of, megatron_groups
+from megatron_order import (
+    LAYOUTS_8,
+    LAYOUTS_8_EP,
+    group_of,
+    megatron_expert_groups,
+    megatron_groups,
+)
 from mpirun import REPO, mpi_env, python, run_mpi
 
 from hpcllm.topology import Layout
@@ -17,15 +23,25 @@ def _json_lines(text):
 
 
 def test_grid_groups_under_mpirun_8_ranks():
-    specs = [",".join(map(str, sizes)) for sizes in LAYOUTS_8]
+    specs = [",".join(map(str, sizes)) for sizes in [*LAYOUTS_8, *LAYOUTS_8_EP]]
     result = run_mpi(8, python("tests/mpi_scripts/check_grid.py", *specs), timeout=240).check()
     assert sorted(result.rank_stdout) == list(range(8))
     for rank in range(8):
         reports = _json_lines(result.rank_stdout[rank])
-        assert [tuple(r["layout"]) for r in reports] == LAYOUTS_8
+        assert [tuple(r["layout"]) for r in reports] == [*LAYOUTS_8, *LAYOUTS_8_EP]
         for report in reports:
-            tp, pp, dp = report["layout"]
+            tp, pp, dp, *ep = report["layout"]
             oracle = megatron_groups(tp, pp, dp)
+            if ep:
+                # Expert parallelism moves no rank: the groups above, and two more.
+                oracle |= megatron_expert_groups(tp, pp, dp, ep[0])
+                for axis in ("ep", "expert_dp"):
+                    members = group_of(oracle[axis], rank)
+                    assert report["torch"][axis] == members, (axis, report)
+                    assert report["mpi"][axis] == members, (axis, report)
+                    assert report["sum"][axis] == sum(m + 1 for m in members), (axis, report)
+            else:
+                assert "ep" not in report["torch"], report
             assert report["rank"] == rank
             # Megatron: tp fastest, then dp, then pp.
             assert report["coords"] == [rank % tp, rank // (tp * dp), (rank // tp) % dp]
@@ -65,16 +81,20 @@ def test_topo_json_under_mpirun():
         assert row["dp_group"] == layout.dp_group(rank)
         pipeline = layout.pp_group(rank)
         assert row["embedding_group"] == [pipeline[0], pipeline[-1]]
-        assert row["later_axes"] == {"cp": None, "ep": None, "expert_dp": None}
+        assert row["later_axes"] == {"cp": None}
+        assert row["ep_group"] == [rank] and row["expert_dp_group"] == row["dp_group"]
         assert row["local_rank"] == rank and row["device"] == "cpu" and row["host"]
 
 
-def test_topo_table_under_mpirun():
-    result = run_mpi(4, python("-m", "hpcllm", "topo", "--tp", "2"), timeout=120).check()
-    text = result.rank_stdout[0]
-    assert "world 4 = tp 2 x pp 1 x dp 2" in text
+def test_topo_table_under_mpirun_with_experts_split_over_d():
+    command = python("-m", "hpcllm", "topo", "--tp", "2", "--ep", "2")
+    text = run_mpi(4, command, timeout=120).check().rank_stdout[0]
+    assert "world 4 = tp 2 x pp 1 x dp 2, ep 2 inside dp" in text
     assert "stage 0:  dp 0: [0 1]   dp 1: [2 3]" in text
-    assert "slots for later axes, empty in this layout: cp, ep, expert_dp" in text
+    assert "slots for later axes, empty in this layout: cp" in text
+    # Rank 1 (tp 1, dp 0) splits the experts with rank 3 (tp 1, dp 1) and holds its own.
+    row = next(line.split() for line in text.splitlines() if line.startswith("1 "))
+    assert row[-3:] == ["0", "[1", "3]"] or row[-4:] == ["0", "[1", "3]", "[1]"], row
 
 
 @pytest.mark.parametrize(

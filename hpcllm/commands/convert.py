@@ -19,7 +19,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         help="re-cut a checkpoint for another layout; Hugging Face GPT-2 and Llama in and out",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Re-cut: --checkpoint RUN_DIR --out NEW_RUN with any of --tp, --pp, --vpp, "
-        "--dp, --schedule writes the checkpoint (weights, optimizer state, data position, "
+        "--dp, --ep, --schedule writes the checkpoint (weights, optimizer state, data position, "
         "random states) for that layout; `hpcllm train --config NEW_RUN/config.yaml` resumes "
         "it. "
         "Axes not given keep the checkpoint's.\n"
@@ -56,6 +56,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         type=positive,
         metavar="D",
         help="new data-parallel size (the global batch is kept) [default: world / (t*p)]",
+    )
+    conv.add_argument(
+        "--ep",
+        type=positive,
+        metavar="E",
+        help="new expert-parallel size (ranks of d splitting the experts; checkpoints hold "
+        "them whole, so only the config changes) [default: the checkpoint's]",
     )
     conv.add_argument(
         "--schedule",
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from hpcllm import convert
     from hpcllm.errors import UserError
 
-    axes = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "dp", "schedule")}
+    axes = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "dp", "ep", "schedule")}
     recut = any(v is not None for v in axes.values())
     if args.from_hf is not None:
         if (
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--dtype and --tokenizer go with --to-hf or --from-hf")
         if not recut:
             raise UserError(
-                "say what to convert: --tp/--pp/--vpp/--dp/--schedule (re-cut), --to-hf DIR "
+                "say what to convert: --tp/--pp/--vpp/--dp/--ep/--schedule (re-cut), --to-hf DIR "
                 "or --from-hf DIR"
             )
         if args.checkpoint is None or args.out is None:

@@ -42,6 +42,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         help="virtual pipeline stages per rank for the interleaved schedule [default: 1]",
     )
     topo.add_argument(
+        "--ep",
+        type=positive,
+        default=1,
+        help="expert-parallel size: ranks of d that split each MoE layer's experts (the "
+        "fast-varying part of the dp rank); must divide d [default: 1]",
+    )
+    topo.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the table"
     )
     topo.set_defaults(run=run)
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the grid as a job would and print it on rank 0."""
     from hpcllm import topology
 
-    grid = topology.init(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp)
+    grid = topology.init(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep)
     report = topology.describe_grid(grid)
     if grid.rank == 0:
         print(json.dumps(report) if args.json else topology.render_grid(report), flush=True)

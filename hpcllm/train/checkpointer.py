@@ -38,6 +38,14 @@ from hpcllm.datasets.tokenizer import CONFIG_FILE
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
+from hpcllm.parallel.data.experts import (
+    expert_indices,
+    gather_whole,
+    is_expert,
+    own_optimizer_state,
+    own_part,
+    whole_optimizer_state,
+)
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 from hpcllm.train import checkpoint, reshard
@@ -64,15 +72,30 @@ class _Part:
 
 class ModelChunks:
     """This rank's model chunks as a named part: weights and persistent buffers, keyed as
-    checkpoints hold them (:func:`hpcllm.model.stages.chunks_state_dict`)."""
+    checkpoints hold them (:func:`hpcllm.model.stages.chunks_state_dict`). At ep > 1 the
+    experts are saved whole (gathered over ``grid``'s ep group) and loaded by part
+    (:mod:`hpcllm.parallel.data.experts`)."""
 
-    def __init__(self, chunks: nn.ModuleList, pp: int) -> None:
-        self.chunks, self.pp = chunks, pp
+    def __init__(self, chunks: nn.ModuleList, pp: int, grid: Any = None) -> None:
+        self.chunks, self.pp, self.grid = chunks, pp, grid
+        ep = grid.ep if grid is not None else 1
+        named = chunks[0].named_parameters() if pp == 1 else chunks.named_parameters()
+        # In module order, the same on every rank (the gather is a collective per tensor).
+        self.experts = [name for name, p in named if is_expert(p)] if ep > 1 else []
 
     def state_dict(self) -> dict[str, Any]:
-        return chunks_state_dict(self.chunks, self.pp)
+        state = chunks_state_dict(self.chunks, self.pp)
+        if self.experts:
+            mine = {key: state[key] for key in self.experts}
+            state.update(gather_whole(mine, self.grid.groups.ep))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.experts:
+            g = self.grid
+            state = dict(state)
+            for key in self.experts:
+                state[key] = own_part(state[key], g.ep, g.ep_rank)
         load_chunks_state_dict(self.chunks, self.pp, state)
 
 
@@ -81,14 +104,21 @@ class OptimizerState:
     None) leaves the fresh optimizer, and settings that are not state are not restored
     (:func:`hpcllm.train.optim.load_optimizer_state`)."""
 
-    def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: MixedPrecisionOptimizer, grid: Any = None) -> None:
+        self.optimizer, self.grid = optimizer, grid
+        ep = grid.ep if grid is not None else 1
+        self.experts = expert_indices(optimizer.inner) if ep > 1 else set()
 
     def state_dict(self) -> Any:
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if self.experts:
+            state = whole_optimizer_state(state, self.experts, self.grid.groups.ep)
+        return state
 
     def load_state_dict(self, state: Any) -> None:
         if state is not None:
+            if self.experts:
+                state = own_optimizer_state(state, self.experts, self.grid.ep, self.grid.ep_rank)
             load_optimizer_state(self.optimizer, state)
 
     @property
@@ -273,8 +303,9 @@ class Checkpointer:
         before_save: Callable[[], None],
     ) -> None:
         """Name the parts every run has: its model chunks, optimizer, scaler, random states."""
-        self.track("model", ModelChunks(chunks, self.grid.pp))
-        self.track("optimizer", OptimizerState(optimizer), optional=True)  # none: an import
+        self.track("model", ModelChunks(chunks, self.grid.pp, self.grid))
+        # None: an import.
+        self.track("optimizer", OptimizerState(optimizer, self.grid), optional=True)
         self.track("scaler", ScalerState(scaler), optional=True)
         # A re-cut rank whose saved stage started elsewhere keeps its fresh streams.
         self.track("rng", checkpoint.RandomStates(self.grid.device), optional=True)

@@ -19,9 +19,10 @@ Re-cutting goes through the names of the whole model:
 
 The optimizer step, loss scale, data position, skipped-step count and the random states
 carry over, and so does every other named part of the checkpoint (the same on every rank:
-tp rank 0, pp rank 0's). Data parallelism needs no re-cut: the d replicas hold the same
-state (dp rank 0 saved it), and a run resumed at another d reads the same global batches as
-long as the global batch is the same.
+tp rank 0, pp rank 0's). Expert parallelism needs none either: a checkpoint holds every
+expert whole (:mod:`hpcllm.parallel.data.experts`). Data parallelism needs no re-cut: the d
+replicas hold the same state (dp rank 0 saved it), and a run resumed at another d reads the
+same global batches as long as the global batch is the same.
 
 Why not ``torch.distributed.checkpoint``: its planners re-cut tensors that are contiguous
 chunks of a global tensor (DTensor, ShardedTensor). Ours are not: the q|k|v projection's
@@ -421,9 +422,19 @@ def _target_config(
     vpp: int | None,
     dp: int | None,
     schedule: str | None,
+    ep: int | None = None,
 ) -> Config:
     """Return the saved config with the new layout, the rest (batch, data) kept."""
     parallel = cfg.parallel
+    if ep is not None:
+        experts = cfg.model.moe_experts
+        if ep > 1 and (not experts or experts % ep):
+            raise UserError(
+                f"--ep {ep} must divide the model's experts (model.moe_experts {experts})"
+            )
+        if dp is not None and dp % ep:
+            raise UserError(f"--ep {ep} must divide --dp {dp}")
+        parallel.ep = ep
     old_stages = parallel.pp * parallel.vpp
     parallel.tp = tp or parallel.tp
     new_pp = pp or parallel.pp
@@ -467,6 +478,7 @@ def convert(
     schedule: str | None = None,
     step: int | None = None,
     allow_unverified: bool = False,
+    ep: int | None = None,
 ) -> Path:
     """Write a run's checkpoint (the latest, or ``step``) re-cut for another layout; return it.
 
@@ -480,7 +492,14 @@ def convert(
     folder = select(run_dir, step, allow_unverified)
     saved = SavedState(folder, verified=True)
     cfg = _target_config(
-        checkpoint_config(folder), saved.meta, tp=tp, pp=pp, vpp=vpp, dp=dp, schedule=schedule
+        checkpoint_config(folder),
+        saved.meta,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        dp=dp,
+        schedule=schedule,
+        ep=ep,
     )
     layout = Cut.of(cfg)
     cfg.run.dir = str(out_dir.resolve())  # resumes from wherever training starts

@@ -1,4 +1,5 @@
-"""Under mpirun: build the grid for each layout given and report what every group holds.
+"""Under mpirun: build the grid for each layout given (tp,pp,dp or tp,pp,dp,ep) and report what
+every group holds.
 
 Usage: mpirun -np N python check_grid.py T,P,D [T,P,D ...]
 
@@ -17,10 +18,10 @@ import torch.distributed as dist
 from hpcllm import topology
 
 
-def report(tp: int, pp: int, dp: int) -> dict:
-    grid = topology.init(tp=tp, pp=pp, dp=dp)
+def report(tp: int, pp: int, dp: int, ep: int = 1) -> dict:
+    grid = topology.init(tp=tp, pp=pp, dp=dp, ep=ep)
     out = {
-        "layout": [tp, pp, dp],
+        "layout": [tp, pp, dp] + ([ep] if ep > 1 else []),
         "rank": grid.rank,
         "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
         "pp_prev": grid.pp_prev,
@@ -29,10 +30,10 @@ def report(tp: int, pp: int, dp: int) -> dict:
         "mpi": {},
         "sum": {},
     }
-    for axis in ("tp", "pp", "dp", "mp", "embedding"):
+    for axis in ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp"):
         group = getattr(grid.groups, axis)
         comm = getattr(grid.groups, f"{axis}_comm")
-        if group is None:  # a middle stage, or p = 1: no embedding group
+        if group is None:  # a middle stage, or p = 1: no embedding group; ep = 1: no ep
             assert comm is None, axis
             continue
         out["torch"][axis] = dist.get_process_group_ranks(group)
@@ -46,8 +47,7 @@ def report(tp: int, pp: int, dp: int) -> dict:
 
 def main() -> None:
     for spec in sys.argv[1:]:
-        tp, pp, dp = (int(x) for x in spec.split(","))
-        print(json.dumps(report(tp, pp, dp)), flush=True)
+        print(json.dumps(report(*(int(x) for x in spec.split(",")))), flush=True)
     topology.shutdown()
 
 

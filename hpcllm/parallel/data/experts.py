@@ -74,3 +74,68 @@ def torch_all_to_all(group: Any) -> AllToAll:
         return out
 
     return run
+
+
+# -- checkpoints --------------------------------------------------------------------------
+#
+# A checkpoint holds every expert whole, as at ep = 1: at save the ep ranks gather their
+# experts (each saved file is the one ep = 1 writes), at load each rank keeps its own. So a
+# run resumes at another ep, and every reader (convert, load_model, generate) reads it, with
+# no re-cut; the price is the gather at save (the experts of a tp × pp shard on one rank).
+
+
+def gather_whole(tensors: dict[Any, torch.Tensor], group: Any) -> dict[Any, torch.Tensor]:
+    """Return ``tensors`` (this rank's experts, by key) whole: every ep rank's concatenated
+    along dim 0 in ep-rank order (a collective over ``group``; one all-gather per tensor)."""
+    n = group_size(group)
+    whole = {}
+    for key, tensor in tensors.items():
+        parts = [torch.empty_like(tensor) for _ in range(n)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        whole[key] = torch.cat(parts)
+    return whole
+
+
+def own_part(tensor: torch.Tensor, ep: int, ep_rank: int) -> torch.Tensor:
+    """Return ep rank ``ep_rank``'s experts of a whole expert tensor (dim 0), as a copy."""
+    if tensor.shape[0] % ep:
+        raise ValueError(f"{tensor.shape[0]} experts do not split over ep {ep}")
+    per = tensor.shape[0] // ep
+    return tensor[ep_rank * per : (ep_rank + 1) * per].clone()
+
+
+def expert_indices(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Return the optimizer state indices (as ``state_dict`` numbers them) of expert tensors."""
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i for i, p in enumerate(flat) if is_expert(p)}
+
+
+def whole_optimizer_state(state: dict[str, Any], experts: set[int], group: Any) -> dict[str, Any]:
+    """Return an optimizer ``state_dict`` with the experts' moments whole (a collective)."""
+    per_index = state["state"]
+    tensors = {
+        (i, k): v
+        for i in sorted(experts)
+        for k, v in per_index.get(i, {}).items()
+        if torch.is_tensor(v) and v.dim() > 0
+    }
+    whole = gather_whole(tensors, group)
+    out = {i: dict(v) for i, v in per_index.items()}
+    for (i, k), v in whole.items():
+        out[i][k] = v
+    return {**state, "state": out}
+
+
+def own_optimizer_state(
+    state: dict[str, Any], experts: set[int], ep: int, ep_rank: int
+) -> dict[str, Any]:
+    """Return a whole optimizer ``state_dict`` with only this rank's experts' moments."""
+    out = {}
+    for i, entry in state["state"].items():
+        if int(i) in experts:
+            entry = {
+                k: own_part(v, ep, ep_rank) if torch.is_tensor(v) and v.dim() > 0 else v
+                for k, v in entry.items()
+            }
+        out[i] = entry
+    return {**state, "state": out}

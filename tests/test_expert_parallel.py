@@ -1,0 +1,123 @@
+"""Expert parallelism (parallel.ep) trains as ep = 1 does, under every engine that takes it.
+
+Each family's tiny MoE model (4 experts, top-2, dropless; tests/test_moe_training.py's
+settings) trains at ep = 2 inside d = 2 and must log the ep = 1, d = 2 losses and gradient
+norms; after the first step every parameter's gradient (the experts' gathered whole over the
+ep group) equals the ep = 1 gradient. The same at t = 2 (SP) × ep = 2, p = 2 × ep = 2 and
+ep = 2 inside d = 4 (where the expert-dp groups have two ranks and Horovod needs process
+sets). A capacity factor drops the same assignments at any ep; a run re-cut between ep = 2
+and ep = 1 resumes with the uninterrupted losses; bf16 stays near fp32's ep = 1 run.
+Two launches: one of 2 ranks, one of 4 (tests/mpi_scripts/ep_runs.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from family_runs import HOROVOD_OVER_MPI, tiny
+from mpirun import python, run_mpi
+from test_moe_training import MOE
+
+from hpcllm.config import check, load_config
+from hpcllm.errors import UserError
+
+CAPACITY = ["model.moe_capacity_factor=1.0", "model.moe_drop_policy=probs"]
+BF16 = ["train.precision=bf16", "train.steps=20", "train.log_interval=1"]
+
+
+def _runs(np: int, data: Path, scratch: Path, runs: list) -> dict:
+    command = [*python("tests/mpi_scripts/ep_runs.py", str(data), str(scratch)), json.dumps(runs)]
+    result = run_mpi(np, command, env=HOROVOD_OVER_MPI, timeout=900).check()
+    return json.loads(result.rank_stdout[0].splitlines()[-1])
+
+
+def _grads_equal(scratch: Path, name: str, reference: str, ranks: int) -> None:
+    """Assert each rank's first-step gradients of run ``name`` equal ``reference``'s (the
+    largest difference within 1e-6 of the tensor's largest value)."""
+    for rank in range(ranks):
+        got = torch.load(scratch / name / f"grads-rank{rank}.pt")
+        want = torch.load(scratch / reference / f"grads-rank{rank}.pt")
+        assert got.keys() == want.keys() and any("experts" in k for k in got), (name, rank)
+        for key, grad in want.items():
+            worst = (got[key] - grad).abs().max().item()
+            assert worst <= 1e-6 * grad.abs().max().item() + 1e-12, (name, rank, key, worst)
+
+
+def _same(records: list, reference: list, keys: tuple[str, ...], rel: float) -> None:
+    for key in keys:
+        got, want = [r[key] for r in records], [r[key] for r in reference]
+        assert len(got) == len(want) and got == pytest.approx(want, rel=rel), (key, got, want)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resume(
+    arch, stdlib, tmp_path
+):
+    base = [*tiny(arch), *MOE[arch]]
+    ep2 = ["parallel.ep=2"]
+    short = ["train.steps=2", "train.save_interval=1"]
+    two = [
+        ["ep1", "ep1", base],
+        ["ep2", "ep2", [*base, *ep2]],
+        ["ep2-horovod", "ep2-horovod", [*base, *ep2, "parallel.dp_engine=horovod"]],
+        ["ep1-capacity", "ep1-capacity", [*base, *CAPACITY]],
+        ["ep2-capacity", "ep2-capacity", [*base, *CAPACITY, *ep2]],
+        # Stopped after step 2 at one ep, resumed to step 4 at the other.
+        ["from-ep2", "from-ep2", [*base, *ep2, *short]],
+        ["from-ep2", "from-ep2", base],
+        ["from-ep1", "from-ep1", [*base, *short]],
+        ["from-ep1", "from-ep1", [*base, *ep2]],
+        ["ep1-bf16", "ep1-bf16", [*base, *BF16]],
+        ["ep2-bf16", "ep2-bf16", [*base, *BF16, *ep2]],
+    ]
+    logged = _runs(2, stdlib, tmp_path, two)
+    four = [
+        ["d4-ep2-horovod", "d4-ep2-horovod", [*base, *ep2, "parallel.dp_engine=horovod"]],
+        ["d4-ep1", "d4-ep1", base],
+        ["d4-ep2", "d4-ep2", [*base, *ep2]],
+        ["t2-ep1", "t2-ep1", [*base, "parallel.tp=2", "parallel.sequence_parallel=true"]],
+        ["t2-ep2", "t2-ep2", [*base, *ep2, "parallel.tp=2", "parallel.sequence_parallel=true"]],
+        ["p2-ep1", "p2-ep1", [*base, "parallel.pp=2"]],
+        ["p2-ep2", "p2-ep2", [*base, *ep2, "parallel.pp=2"]],
+    ]
+    logged |= _runs(4, stdlib, tmp_path, four)
+
+    reference = logged["ep1"]
+    assert len(reference) == 4
+    for name in ("ep2", "ep2-horovod", "d4-ep2", "d4-ep2-horovod", "t2-ep2", "p2-ep2"):
+        _same(logged[name], reference, ("loss", "grad_norm", "moe_balance_loss"), 1e-5)
+    _grads_equal(tmp_path, "ep2", "ep1", 2)
+    _grads_equal(tmp_path, "ep2-horovod", "ep1", 2)
+    for name, ref in (("d4-ep2", "d4-ep1"), ("d4-ep2-horovod", "d4-ep1"), ("t2-ep2", "t2-ep1"),
+                      ("p2-ep2", "p2-ep1")):  # fmt: skip
+        _grads_equal(tmp_path, name, ref, 4)
+    # A capacity counts one rank's micro-batch, whatever ep: the same drops, the same losses.
+    dropped = [r["moe_dropped"] for r in logged["ep1-capacity"]]
+    assert all(d > 0 for d in dropped), dropped
+    _same(logged["ep2-capacity"], logged["ep1-capacity"], ("loss", "moe_dropped"), 1e-5)
+    # Re-cut both ways on resume: the uninterrupted run's losses.
+    for name in ("from-ep2", "from-ep1"):
+        _same(logged[name], reference, ("loss", "grad_norm"), 1e-5)
+    # bf16: within 2 % of ep = 1 over 20 steps.
+    _same(logged["ep2-bf16"], logged["ep1-bf16"], ("loss",), 2e-2)
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (["parallel.ep=2"], "model.moe_experts is 0"),
+        (["model.moe_experts=4", "parallel.ep=3"], "does not divide model.moe_experts 4"),
+        (["model.moe_experts=4", "parallel.ep=2", "parallel.dp=3"], "must divide the data"),
+        (["model.moe_experts=4", "parallel.ep=2", "parallel.dp_engine=ps"], "use ddp or horovod"),
+        (["model.moe_experts=4", "parallel.ep=2", "parallel.dp_engine=local-sgd"], "local-sgd"),
+        (["model.moe_experts=4", "parallel.ep=2", "parallel.distributed_optimizer=true"], "ZeRO"),
+    ],
+)
+def test_an_expert_parallel_size_that_cannot_work_is_refused_in_one_line(sets, says):
+    with pytest.raises(UserError) as err:
+        check(load_config(None, sets))
+    assert says in str(err.value) and "\n" not in str(err.value)
