@@ -304,3 +304,35 @@ def test_the_recorded_fuzz_cases_end_as_they_did(config_path: Path) -> None:
         if got != case["messages"] and index not in MOVED:
             changed.append(f"case {index} {case['overrides']}: {case['messages']} -> {got}")
     assert not changed, f"{len(changed)} cases changed:\n" + "\n".join(changed[:20])
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    experts=st.sampled_from(["4", "8", "0", "1", "2", "3", "6"]),
+    ep=st.sampled_from(["2", "2", "4", "1", "3", "8", "-1", "0", "null", "two", "2.5"]),
+    dp=st.sampled_from(["null", "null", "2", "4", "1", "3", "8"]),
+    tp=st.sampled_from(["1", "1", "2"]),
+    engine=st.sampled_from(["ddp", "horovod", *choices("parallel", "dp_engine")]),
+    zero=st.sampled_from([False, False, True]),
+)
+def test_expert_parallel_sizes_end_in_a_config_or_one_user_error(
+    experts: str, ep: str, dp: str, tp: str, engine: str, zero: bool
+) -> None:
+    # Drawn together, so that the few combinations that work are reached: ep divides the
+    # experts and d, under an engine that takes it.
+    overrides = [
+        f"model.moe_experts={experts}",
+        f"parallel.ep={ep}",
+        f"parallel.dp={dp}",
+        f"parallel.tp={tp}",
+        f"parallel.dp_engine={engine}",
+        f"parallel.distributed_optimizer={str(zero).lower()}",
+    ]
+    messages = _run(None, overrides)
+    for world_size, message in enumerate(messages if len(messages) == 8 else [], start=1):
+        if message is None and ep not in ("1", "null"):
+            size = int(ep)
+            d = world_size // int(tp)
+            assert int(experts) % size == 0 and d % size == 0, (overrides, world_size)
+            assert engine in ("ddp", "horovod") and not zero, overrides

@@ -65,6 +65,12 @@ KINDS = {
                     "model.moe_capacity_factor=1.0",
                 ],
             ),
+            # Expert parallelism: the ranks swap tokens by all-to-all inside every forward
+            # and backward, and a checkpoint gathers the experts over them.
+            (
+                "ep",
+                ["parallel.dp_engine=ddp", "model.moe_experts=4", "parallel.ep=2"],
+            ),
         ]
     )
 }

@@ -25,8 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcllm import watchdog
 from hpcllm.parallel.roles import role
 from hpcllm.parallel.tensor.mappings import group_size
+
+# What the watchdog names a rank waiting in the MoE layers' all-to-all.
+ALL_TO_ALL = "MoE token all-to-all"
 
 # (x, rows sent to each rank, rows received from each rank) -> the rows received, by source.
 AllToAll = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
@@ -70,7 +74,8 @@ def torch_all_to_all(group: Any) -> AllToAll:
 
     def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        with watchdog.waiting(ALL_TO_ALL, axis="ep"):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
         return out
 
     return run

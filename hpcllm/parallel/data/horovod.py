@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from hpcllm import watchdog
 from hpcllm.config import ParallelConfig
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
-from hpcllm.parallel.data.experts import AllToAll, is_expert
+from hpcllm.parallel.data.experts import ALL_TO_ALL, AllToAll, is_expert
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 
@@ -268,7 +269,8 @@ class HorovodEngine(Engine):
 
         def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
             splits = torch.tensor(send, dtype=torch.int32)
-            out, _ = hvd.alltoall(x, splits=splits, process_set=ps)
+            with watchdog.waiting(ALL_TO_ALL, axis="ep"):
+                out, _ = hvd.alltoall(x, splits=splits, process_set=ps)
             return out
 
         return run
