@@ -139,7 +139,11 @@ def test_the_engine_hands_horovod_its_settings_before_init(monkeypatch):
     if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute first
         monkeypatch.setattr(sys.modules["horovod"], "torch", fake, raising=False)
     grid = SimpleNamespace(
-        groups=SimpleNamespace(dp_comm=object()), dp=2, timeout_s=None, device=torch.device("cpu")
+        groups=SimpleNamespace(dp_comm=object()),
+        dp=2,
+        ep=1,
+        timeout_s=None,
+        device=torch.device("cpu"),
     )
     engine = HorovodEngine(grid, ParallelConfig(horovod_fusion_mb=1.0))
     assert seen == {

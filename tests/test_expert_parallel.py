@@ -19,11 +19,25 @@ import pytest
 import torch
 from family_runs import HOROVOD_OVER_MPI, tiny
 from mpirun import python, run_mpi
-from test_moe_training import MOE
 
 from hpcllm.config import check, load_config
 from hpcllm.errors import UserError
 
+# test_moe_training.py's MoE settings (not imported: that module imports Triton through
+# hpcllm, which test_kernels must set up first).
+MOE = {
+    "gpt2": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_z_loss=0.001"],
+    "llama": [
+        "model.moe_experts=4",
+        "model.moe_top_k=2",
+        "model.moe_every=2",
+        "model.moe_ffn_size=64",
+        "model.moe_shared_ffn_size=32",
+        "model.moe_shared_gate=true",
+        "model.moe_renormalize=true",
+        "model.moe_z_loss=0.001",
+    ],
+}
 CAPACITY = ["model.moe_capacity_factor=1.0", "model.moe_drop_policy=probs"]
 BF16 = ["train.precision=bf16", "train.steps=20", "train.log_interval=1"]
 

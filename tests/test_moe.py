@@ -316,3 +316,85 @@ def test_the_grouped_gemm_and_the_loop_over_experts_agree(activation):
         results.append([y.detach(), *(p.grad.clone() for p in layer.parameters())])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_the_grouped_gemm_probe_inside_a_recomputed_forward_leaves_the_checkpoint_whole():
+    # The first forward ever asks whether the grouped GEMM runs; asked inside a checkpointed
+    # forward, the probe's saved tensors once made the recomputation's count differ.
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layer("softmax-topk").float()
+    x = torch.randn(2, 6, H, requires_grad=True)
+    moe._GROUPED.clear()
+    out = checkpoint(lambda t: layer(t)[0], x, use_reentrant=False)
+    out.sum().backward()
+    assert x.grad is not None and moe._GROUPED
+
+
+def _two_ranks(layers: list[MoE], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run two MoE layers (ep ranks 0 and 1) at once in threads, their all-to-all a swap
+    through shared slots; return each one's output."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    slots: dict[tuple[int, int], torch.Tensor] = {}
+
+    def all_to_all_of(rank: int):
+        def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+            for dest, part in enumerate(torch.split(x, send)):
+                slots[rank, dest] = part.clone()
+            barrier.wait()
+            got = [slots[source, rank] for source in range(2)]
+            assert [len(g) for g in got] == recv
+            barrier.wait()
+            return torch.cat(got)
+
+        return run
+
+    outs: list = [None, None]
+
+    def work(rank: int) -> None:
+        layers[rank].ep.all_to_all = all_to_all_of(rank)
+        y = layers[rank](xs[rank])[0]
+        y.pow(2).sum().backward()
+        outs[rank] = y
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_experts_split_over_two_ep_ranks_give_the_whole_layers_outputs_and_gradients(activation):
+    # Each rank holds two of the four experts, drawn as the whole layer draws them; the
+    # tokens travel to them and back in their order, and each expert's gradient sums both
+    # ranks' tokens (what the engine then averages over expert-dp).
+    whole = _layer("softmax-topk", activation)
+    parts = [_layer("softmax-topk", activation, ep=moe.ExpertParallel(2, r)) for r in range(2)]
+    if activation == "gelu":  # _layer's random biases, as the whole layer has them
+        with torch.no_grad():
+            for r, part in enumerate(parts):
+                part.experts.fc_bias.copy_(whole.experts.fc_bias[2 * r : 2 * r + 2])
+                part.experts.proj_bias.copy_(whole.experts.proj_bias)
+    for r, part in enumerate(parts):
+        for name in ("gate", "up", "fc", "fc_bias", "proj"):
+            if getattr(whole.experts, name) is not None:
+                mine = getattr(whole.experts, name)[2 * r : 2 * r + 2]
+                assert torch.equal(getattr(part.experts, name), mine), (r, name)
+    xs = [torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+          for r in range(2)]  # fmt: skip
+    outs = _two_ranks(parts, [x.clone().requires_grad_() for x in xs])
+    for r in range(2):
+        y = whole(xs[r])[0]
+        torch.testing.assert_close(outs[r], y, rtol=1e-12, atol=1e-12)
+        y.pow(2).sum().backward()  # the whole layer's gradient: both ranks' tokens summed
+    for r, part in enumerate(parts):
+        for name, p in part.experts.named_parameters():
+            if name == "proj_bias":  # whole on every rank: its gradient is each rank's tokens'
+                continue
+            torch.testing.assert_close(
+                p.grad, getattr(whole.experts, name).grad[2 * r : 2 * r + 2], rtol=1e-10, atol=1e-12
+            )

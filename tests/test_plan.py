@@ -255,6 +255,17 @@ def test_the_command_ranks_gpt2_1_3b_on_64_gpus_in_seconds(tmp_path):
             ["--gpus", "8", "--software", "megatron-2021", "--distributed-optimizer"],
             "--distributed-optimizer: megatron-2021 had none",
         ),
+        # Expert parallelism splits the experts of MoE blocks, whole experts on each rank.
+        (
+            ["--gpus", "8", "--set", "model.moe_experts=4", "--ep", "3"],
+            "--ep 3 does not divide the model's 4 experts",
+        ),
+        (["--gpus", "8", "--ep", "2"], "--ep 2 splits the experts of MoE blocks, but this model"),
+        (
+            ["--gpus", "8", "--set", "model.moe_experts=4", "--ep", "4", "--tp", "4"],
+            "--gpus 8 is not divisible by tp x pp x ep = 16",
+        ),
+        (["--gpus", "8", "--set", "train.lr=1"], "--set train.lr=1: hpcllm plan takes model.*"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -697,3 +708,151 @@ def test_the_llama_spec_prices_gqa_swiglu_and_an_untied_head():
     assert gqa.step_time_s < mha.step_time_s
     # Untied: no embedding gradient crosses the pipeline; tied: it does.
     assert tied.time_parts_s["pp"] > gqa.time_parts_s["pp"]
+
+
+# -- mixtures of experts and expert parallelism -------------------------------------------------
+
+
+def _moe_config(arch: str) -> object:
+    """Return the tiny model config of family ``arch`` with the MoE training tests' experts."""
+    from family_runs import TINY
+    from test_moe_training import MOE
+
+    from hpcllm.config import load_config
+
+    return load_config(None, [f"model.arch={arch}", *TINY[arch], *MOE[arch]]).model
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_parameters_are_those_hpcllm_builds(arch, ep):
+    # GPT-2's GeLU experts with biases in every block; Llama's SwiGLU ones in every other
+    # block, narrower than its MLP, with a gated shared expert. The whole model at ep = 1, a
+    # rank's share at ep = 2 (its experts, the rest whole), against the modules built.
+    from hpcllm import families
+    from hpcllm.model import build
+    from hpcllm.model.moe import ExpertParallel
+    from hpcllm.plan.costs import rank_parameters_by_kind
+
+    cfg = _moe_config(arch)
+    built = build(cfg, 256, ep=ExpertParallel(ep, 0))
+    family = families.get(arch)
+    routed = sum(p.numel() for n, p in built.named_parameters() if family.rule(n).experts)
+    total = sum(p.numel() for p in built.parameters())
+    model = Model.from_config(cfg, 256)
+    assert rank_parameters_by_kind(model, Layout(1, 1, 2, ep=ep)) == (total - routed, routed)
+    if ep == 1:
+        assert model.parameters() == total
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_moe_flops_are_the_trainers(arch):
+    from hpcllm.flops import model_step_flops
+
+    cfg = _moe_config(arch)
+    model = Model.from_config(cfg, 256)
+    for recompute in ("none", "full"):
+        assert model.step_flops(8, recompute) == model_step_flops(cfg, 8, 256, recompute)
+    dense = Model(model.arch, model.shape)
+    assert model.step_flops(8, "none") != dense.step_flops(8, "none")
+
+
+def _moe_model(experts: int = 8) -> Model:
+    from hpcllm.config import load_config
+
+    sets = ["model.arch=gpt2", "model.preset=gpt2-1.3b", f"model.moe_experts={experts}"]
+    return Model.from_config(load_config(None, sets).model, 51200)
+
+
+def test_expert_memory_halves_from_ep_1_to_ep_2_and_the_rest_stays():
+    model, cluster = _moe_model(), load_cluster(DGX_A100)
+    one, two = (
+        estimate(model, Layout(1, 1, 8, ep=ep), cluster, Software(), 64).memory_parts_gb
+        for ep in (1, 2)
+    )
+    assert two["experts"] == pytest.approx(one["experts"] / 2, rel=1e-12)
+    assert (two["weights"], two["activations"]) == (one["weights"], one["activations"])
+    # ZeRO-1 shards the routed experts' Adam state (8 bytes a parameter, beside 4 + 4 of fp32
+    # weights and gradients) over their d/ep replicas, the rest's over d: at ep = 2 a rank
+    # holds half the experts and 2/d of their state.
+    zero1 = Software(distributed_optimizer=True)
+    one, two = (
+        estimate(model, Layout(1, 1, 8, ep=ep), cluster, zero1, 64).memory_parts_gb for ep in (1, 2)
+    )
+    held = one["experts"] / (4 + 4 + 8 / 8)  # the routed experts' parameters at ep = 1, in G
+    assert two["experts"] == pytest.approx(held / 2 * (4 + 4 + 8 / 4), rel=1e-9)
+    assert two["optimizer"] == pytest.approx(two["weights"] * 8 / 4 / 8, rel=1e-9)
+
+
+def test_the_all_to_all_is_free_at_ep_1_and_costs_at_ep_2():
+    model, cluster = _moe_model(), load_cluster(DGX_A100)
+    one, two = (estimate(model, Layout(1, 1, 8, ep=ep), cluster, Software(), 64) for ep in (1, 2))
+    assert one.time_parts_s["ep"] == 0.0 and two.time_parts_s["ep"] > 0.0
+    assert "no intra_node all_to_all table" in two.all_to_all_pricing
+    # A dense model's estimate has no ep part and no pricing.
+    dense = estimate(Model(model.arch, model.shape), Layout(1, 1, 8), cluster, Software(), 64)
+    assert "ep" not in dense.time_parts_s and dense.all_to_all_pricing is None
+
+
+def test_the_all_to_all_is_priced_from_a_table_and_crosses_nodes_past_one():
+    from hpcllm.plan.costs import all_to_all_s
+
+    raw = _dgx_raw()
+    constant = cluster_from_dict(raw)
+    measured = cluster_from_dict(
+        {**raw, "comm_tables": {"intra_node": {"all_to_all": {1 << 20: 50.0, 1 << 30: 100.0}}}}
+    )
+    nbytes = 1 << 30
+    inside, how = all_to_all_s(constant, nbytes, 2, 4)  # t·ep = 8: one node
+    assert inside == pytest.approx(3 / 4 * nbytes / (constant.intra_node_gbps * 1e9) + 3 * 8e-6)
+    assert "priced as an all-gather at intra_node_gbps" in how
+    table, how = all_to_all_s(measured, nbytes, 2, 4)
+    assert table == pytest.approx(3 / 4 * nbytes / 100e9) and "all_to_all table" in how
+    across, how = all_to_all_s(constant, nbytes, 4, 4)  # t·ep = 16: over each GPU's adapter
+    assert across == pytest.approx(3 / 4 * nbytes / (constant.inter_node_gbps * 1e9) + 3 * 12e-6)
+    assert "inter_node" in how
+    assert all_to_all_s(constant, nbytes, 1, 1)[0] == 0.0
+
+
+def test_a_dense_model_is_planned_at_ep_1_only_and_an_moe_one_searches_ep():
+    dense = Model.of("gpt2", 24, 2048, 16, 2048, 51200)
+    assert {lay.ep for lay in layouts(dense, 64, 512, Fixed())} == {1}
+    assert {lay.ep for lay in layouts(dense, 64, 512, Fixed(ep=1))} == {1}
+    moe = _moe_model(8)
+    seen = {(lay.dp, lay.ep) for lay in layouts(moe, 64, 512, Fixed(tp=2, pp=2))}
+    assert seen == {(16, 1), (16, 2), (16, 4), (16, 8)}  # the divisors of d that divide E
+    plan = search(moe, 16, 128, load_cluster(DGX_A100), Software(), Fixed(recompute="none"))
+    assert {e.layout.ep for e in plan.ranked} > {1}
+    held = search(moe, 16, 128, load_cluster(DGX_A100), Software(), Fixed(tp=1, ep=4))
+    assert {e.layout.ep for e in held.ranked} == {4}
+
+
+def test_the_written_config_of_an_moe_plan_loads_back_as_the_planned_model(tmp_path):
+    from hpcllm.config import load_config
+    from hpcllm.plan.search import write_config
+
+    model = Model.from_config(_moe_config("llama"), 256)
+    plan = search(model, 4, 8, load_cluster(CPU), Software.named("hpcllm", "fp32"), Fixed(ep=2))
+    cfg = load_config(write_config(plan, tmp_path / "planned.yaml", None))
+    assert Model.from_config(cfg.model, 256) == model
+    assert (cfg.parallel.ep, cfg.parallel.dp % 2) == (2, 0)
+
+
+@pytest.mark.slow
+def test_the_moe_example_prints_what_docs_plan_md_shows_with_ep_and_the_all_to_all():
+    section = PLAN_MD.read_text().split("## Mixtures of experts")[1]
+    command = section.split("```bash\n")[1].split("\n```")[0].replace("\\\n", " ").split()
+    shown = section.split("prints\n\n```\n")[1].split("\n```")[0]
+    assert command[:2] == ["hpcllm", "plan"]
+    text = _plan(*command[2:])
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.rstrip("\n") == shown
+    assert "8 experts (top 2, MLP 8192) in 12 of 24 blocks" in shown
+    assert " ep " in shown.splitlines()[2] and "a2a s" in shown.splitlines()[2]
+    assert "#1 expert all-to-all:" in shown and "priced as an all-gather" in shown
+    best = json.loads(_plan(*command[2:], "--json", "--top", "1").stdout)["layouts"][0]
+    assert best["ep"] > 1 and best["time_parts_s"]["ep"] > 0
+    assert best["memory_parts_gb"]["experts"] > 0 and "all_to_all_pricing" in best
+    dense = [word for word in command[2:] if not word.startswith(("--set", "model.moe"))]
+    record = json.loads(_plan(*dense, "--json", "--top", "1").stdout)["layouts"][0]
+    assert "ep" not in record and "ep" not in record["time_parts_s"]

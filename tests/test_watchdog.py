@@ -237,7 +237,7 @@ def test_horovod_stall_check_follows_the_grid_timeout(monkeypatch, timeout_s, pr
     if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute first
         monkeypatch.setattr(sys.modules["horovod"], "torch", fake, raising=False)
     HorovodEngine(
-        SimpleNamespace(groups=SimpleNamespace(dp_comm=object()), dp=2, timeout_s=timeout_s)
+        SimpleNamespace(groups=SimpleNamespace(dp_comm=object()), dp=2, ep=1, timeout_s=timeout_s)
     )
     assert (seen[names[0]], seen[names[1]]) == expected
 

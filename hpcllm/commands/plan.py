@@ -1,4 +1,4 @@
-"""``hpcllm plan``: choose t, p, d, micro-batch, schedule and recomputation for a cluster."""
+"""``hpcllm plan``: choose t, p, d, ep, micro-batch, schedule and recomputation for a cluster."""
 
 from __future__ import annotations
 
@@ -15,17 +15,20 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     """Add the command's parser to ``verbs``."""
     plan = verbs.add_parser(
         "plan",
-        help="choose t, p, d, micro-batch, schedule and recomputation for a cluster",
+        help="choose t, p, d, ep, micro-batch, schedule and recomputation for a cluster",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Estimate every layout of a GPT on N GPUs of a cluster (memory per GPU, "
         "step time by part) and print the fastest that fit, with why the others lost. "
-        "Choices given (--tp, --pp, ...) are held; the rest are searched. The model and its "
+        "Choices given (--tp, --pp, ...) are held; the rest are searched, the expert-parallel "
+        "size ep too for a mixture of experts (--set model.moe_experts=E). The model and its "
         "validation against the SC21 paper: docs/plan.md.\n\n"
         "examples:\n"
         "  hpcllm plan --model gpt2-1.3b --gpus 64 --cluster jobs/clusters/dgx-a100.yaml "
         "--global-batch 512\n"
         "  hpcllm plan --layers 96 --hidden 12288 --heads 96 --seq 2048 --gpus 1536 "
-        "--global-batch 2304 --cluster jobs/clusters/dgx-a100.yaml --recompute full --json",
+        "--global-batch 2304 --cluster jobs/clusters/dgx-a100.yaml --recompute full --json\n"
+        "  hpcllm plan --model gpt2-1.3b --set model.moe_experts=8 --gpus 64 "
+        "--global-batch 512 --cluster jobs/clusters/dgx-h100.yaml --ep 8",
     )
     plan.add_argument(
         "--model",
@@ -37,6 +40,15 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--hidden", type=positive, metavar="H", help="hidden size")
     plan.add_argument("--heads", type=positive, metavar="A", help="attention heads")
     plan.add_argument("--seq", type=positive, metavar="S", help="sequence length")
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="model.KEY=VALUE",
+        help="a model key as train's --set takes it, e.g. model.moe_experts=8 for a mixture of "
+        "experts (docs/moe.md); repeatable",
+    )
     plan.add_argument(
         "--vocab",
         type=positive,
@@ -57,6 +69,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--tp", type=positive, metavar="T")
     plan.add_argument("--pp", type=positive, metavar="P")
     plan.add_argument("--vpp", type=positive, metavar="V")
+    plan.add_argument(
+        "--ep",
+        type=positive,
+        metavar="E",
+        help="expert-parallel size, ranks of d that split each MoE block's experts [default: "
+        "searched, every divisor of d that divides the experts; 1 for a dense model]",
+    )
     plan.add_argument("--micro-batch", type=positive, metavar="B")
     plan.add_argument("--recompute", choices=("none", "selective", "full"))
     plan.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
@@ -97,8 +116,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 def _model(args: argparse.Namespace) -> Any:
     """Return the planner's Model: a preset of any registered family, its sizes overridden by
-    --layers ... --seq, or those sizes alone (the default model.arch's); its shape the
-    family's of that config, with the vocabulary --vocab, else the preset's, else 51,200."""
+    --set model.KEY=VALUE and --layers ... --seq, or those sizes alone (the default
+    model.arch's); its shape the family's of that config, with the vocabulary --vocab, else
+    the preset's, else 51,200; its experts those of the config's model.moe_* keys."""
     from hpcllm import families
     from hpcllm.config import load_config
     from hpcllm.errors import UserError
@@ -111,6 +131,9 @@ def _model(args: argparse.Namespace) -> Any:
         "seq": ("seq_len", args.seq),
     }
     given = [f"model.{key}={value}" for key, value in sizes.values() if value is not None]
+    for item in args.overrides:
+        if not item.startswith("model."):
+            raise UserError(f"--set {item}: hpcllm plan takes model.* keys only")
     if args.model is None:
         missing = [flag for flag, (_, value) in sizes.items() if value is None]
         if missing:
@@ -122,9 +145,9 @@ def _model(args: argparse.Namespace) -> Any:
             known = ", ".join(families.presets())
             raise UserError(f"unknown --model {args.model}; presets: {known}")
         chosen = [f"model.arch={arch}", f"model.preset={args.model}"]
-    model = load_config(None, [*chosen, *given]).model
+    model = load_config(None, [*chosen, *args.overrides, *given]).model
     vocab = args.vocab or model.vocab_size or 51200
-    return Model(model.arch, families.shape(model, vocab))
+    return Model.from_config(model, vocab)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         tp=args.tp,
         pp=args.pp,
         vpp=args.vpp,
+        ep=args.ep,
         micro_batch=args.micro_batch,
         schedule=args.schedule,
         recompute=args.recompute,

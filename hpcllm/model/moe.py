@@ -239,16 +239,26 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _GROUPED:
         works = hasattr(torch, "_grouped_mm")
         if works:
-            try:
-                x = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
-                w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
-                y = torch._grouped_mm(x, w, offs=offs)
-                torch.autograd.grad(y, (x, w), torch.ones_like(y))
-            except (RuntimeError, NotImplementedError, TypeError):
-                works = False
+            # Asked inside a recomputed block's first forward, the probe's own saved tensors
+            # must not reach the checkpoint's count (the recomputation asks nothing): identity
+            # hooks of its own keep them.
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                works = _probe_grouped_mm(device, dtype)
         _GROUPED[key] = works
     return _GROUPED[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Return whether a small grouped GEMM runs forward and backward."""
+    try:
+        x = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+        y = torch._grouped_mm(x, w, offs=offs)
+        torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 class Experts(nn.Module):
@@ -475,6 +485,10 @@ class MoE(nn.Module):
             self.register_buffer("bias", torch.zeros(n_experts))
         else:
             self.bias = None
+        if self.ep.size > 1:
+            # Wrapped here, when the model is built (never while tracing), and only at ep > 1:
+            # torch.compiler.disable imports the compiler, which a dense model never needs.
+            self._sent_eagerly = torch.compiler.disable(self._sent)
         self.block: int | None = None  # the model's block index (the Block sets it)
         self.grouped = True  # the experts' grouped GEMM where it runs (False: the loop)
         self.aux: torch.Tensor | None = None  # the last training forward's auxiliary loss
@@ -512,9 +526,8 @@ class MoE(nn.Module):
         in the same order: here, or at ep > 1 on the ranks holding them (:meth:`_sent`)."""
         if self.ep.size == 1:
             return self.experts(rows, counts, self.grouped)
-        return self._sent(rows, counts)
+        return self._sent_eagerly(rows, counts)
 
-    @torch.compiler.disable
     def _sent(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Send each row to the ep rank holding its expert, run the experts there, send the
         outputs back: two all-to-alls, the counts exchanged first (split sizes are host

@@ -46,18 +46,32 @@ Also the backward's bias-gradient sums, the loss's passes over the logits, the t
 embedding's gradient summed between the first and the last stage, and the optimizer's passes,
 each in the way the software makes them (:class:`Software`).
 
+Mixtures of experts (:class:`Experts`, from ``model.moe_*``): each MoE block trades its dense
+MLP for a router (h·E, fp32), E expert MLPs of the family's own kind (its ``mlp_matrices`` and
+``biases``: GPT-2's GeLU with biases, Llama's SwiGLU without) and an optional shared expert.
+Every expert counts in the parameters; a token's FLOPs count the router, its top-k experts and
+the shared one (:func:`hpcllm.flops.moe_flops_delta`, the trainer's count). Expert
+parallelism (``Layout.ep``, ranks carved out of d as Megatron-Core orders them: tp, cp, ep,
+dp, pp) gives each rank E/ep of the experts, each split over t; their gradients are
+all-reduced over the d/ep ranks holding the same experts, and the distributed optimizer
+shards their state over those. Each MoE block sends its T·k routed rows to the experts' ranks
+and back (dispatch and combine: two all-to-alls forward, two backward, as Switch Transformer
+and GShard count them), priced by :func:`all_to_all_s`.
+
 Left out: kernel launch overheads, the embedding's gather, imbalance from the embedding stage,
 NCCL's protocol choice, congestion between jobs, and stragglers.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpcllm import families
-from hpcllm.config import BatchPlan, padded_vocab
+from hpcllm.config import BatchPlan, ModelConfig, model_config, moe_layers, padded_vocab
+from hpcllm.flops import moe_flops_delta
 from hpcllm.parallel.pipeline.simulate import theory_bubble
 from hpcllm.plan.hardware import Cluster, bus_factor, gemm_efficiency, latency_steps
 from hpcllm.user_error import UserError
@@ -67,28 +81,114 @@ RECOMPUTE = ("none", "selective", "full")
 SOFTWARE = ("hpcllm", "megatron-2021")
 
 
+def _dense_ffn(shape: families.Shape) -> int:
+    """Return the dense MLP's width (a Shape's None: 4·hidden)."""
+    return shape.ffn or 4 * shape.hidden
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture of experts of a model (``model.moe_*``, docs/moe.md): each of ``blocks``
+    trades its dense MLP for a router, ``count`` expert MLPs of width ``ffn`` of which each
+    token uses ``top_k``, and a shared expert of width ``shared_ffn`` (0: none) that every
+    token uses, gated by the token where ``shared_gate``."""
+
+    count: int
+    top_k: int
+    ffn: int
+    blocks: tuple[int, ...]
+    shared_ffn: int = 0
+    shared_gate: bool = False
+
+    @classmethod
+    def of(cls, model: ModelConfig, shape: families.Shape) -> Experts | None:
+        """Return the experts of a model config (``cfg.model``) of this shape; None for a
+        dense model."""
+        if not model.moe_experts:
+            return None
+        return cls(
+            model.moe_experts,
+            model.moe_top_k,
+            model.moe_ffn_size or _dense_ffn(shape),
+            tuple(moe_layers(model)),
+            model.moe_shared_ffn_size,
+            model.moe_shared_gate,
+        )
+
+    def keys(self, shape: families.Shape) -> dict[str, Any]:
+        """Return the ``model.*`` keys (without the prefix) that give these experts to a model
+        of this shape: every block MoE but those listed dense. The router, its losses and a
+        capacity are not priced, so not written."""
+        dense = [i for i in range(shape.layers) if i not in self.blocks]
+        return {
+            "moe_experts": self.count,
+            "moe_top_k": self.top_k,
+            "moe_ffn_size": None if self.ffn == _dense_ffn(shape) else self.ffn,
+            "moe_every": 1,
+            "moe_first_dense": 0,
+            "moe_dense_layers": dense or None,
+            "moe_shared_ffn_size": self.shared_ffn,
+            "moe_shared_gate": self.shared_gate,
+        }
+
+
 @dataclass(frozen=True)
 class Model:
     """A model to plan: its family (``model.arch``), whose spec prices it (FLOPs, parameters,
-    GEMMs, traffic, activations: :mod:`hpcllm.families`), and its sizes."""
+    GEMMs, traffic, activations: :mod:`hpcllm.families`), its sizes, and its experts if it
+    has MoE blocks."""
 
     arch: str
     shape: families.Shape
+    experts: Experts | None = None
 
     @classmethod
     def of(cls, arch: str, *sizes: int, **named: Any) -> Model:
-        """Return family ``arch``'s model of these sizes (``families.Shape``'s fields, in its
-        order or by name)."""
+        """Return family ``arch``'s dense model of these sizes (``families.Shape``'s fields,
+        in its order or by name)."""
         return cls(arch, families.Shape(*sizes, **named))
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, vocab: int) -> Model:
+        """Return the model of a model config (``cfg.model``) with vocabulary ``vocab``."""
+        shape = families.shape(model, vocab)
+        return cls(model.arch, shape, Experts.of(model, shape))
 
     @property
     def family(self) -> families.Family:
         """Return the family's spec."""
         return families.get(self.arch)
 
+    def config(self) -> ModelConfig:
+        """Return a model config of this model: the sizes every family shares, the family's
+        own keys for the rest of the shape, and the experts' keys."""
+        s = self.shape
+        return model_config(
+            self.arch,
+            preset=None,
+            n_layer=s.layers,
+            n_head=s.heads,
+            d_model=s.hidden,
+            seq_len=s.seq,
+            **self.family.keys_of_shape(s),
+            **(self.experts.keys(s) if self.experts else {}),
+        )
+
     def parameters(self) -> int:
-        """Return the parameter count (the family's)."""
-        return self.family.parameters(self.shape)
+        """Return the parameter count (the family's, with the MoE blocks' experts)."""
+        count = self.family.parameters(self.shape)
+        if self.experts is None:
+            return count
+        rest, routed = moe_block_parameters(self, 1, 1)
+        return round(count + len(self.experts.blocks) * (rest + routed))
+
+    def step_flops(self, batch: int, recompute: str) -> float:
+        """Return one step's FLOPs on ``batch`` sequences: the family's count, and what the MoE
+        blocks change (:func:`hpcllm.flops.moe_flops_delta`, the trainer's count)."""
+        flops = self.family.step_flops(batch, self.shape, recompute)
+        if self.experts is not None:
+            flops += moe_flops_delta(self.config(), batch, recompute)
+        return flops
 
 
 @dataclass(frozen=True)
@@ -104,6 +204,7 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     scatter_gather: bool = True
+    ep: int = 1  # expert-parallel ranks carved out of dp
 
 
 @dataclass(frozen=True)
@@ -222,6 +323,7 @@ class Estimate:
     fits: bool
     time_parts_s: dict[str, float]  # compute, bubble, and each axis's exposed communication
     hidden_comm_s: dict[str, float] = field(default_factory=dict)
+    all_to_all_pricing: str | None = None  # how the experts' all-to-all was priced; None: dense
 
     @property
     def memory_gb(self) -> float:
@@ -230,13 +332,72 @@ class Estimate:
 
 
 def rank_parameters(model: Model, layout: Layout) -> float:
-    """Return the parameters the first pipeline rank holds: its layers (each split over t as
-    the family says), the embeddings, and the final layers when it is also the last."""
+    """Return the parameters the first pipeline rank holds, experts included
+    (:func:`rank_parameters_by_kind`)."""
+    return sum(rank_parameters_by_kind(model, layout))
+
+
+def rank_parameters_by_kind(model: Model, layout: Layout) -> tuple[float, float]:
+    """Return the parameters the first pipeline rank holds: (all but the routed experts,
+    the routed experts). Its layers (each split over t as the family says), the embeddings,
+    the final layers when it is also the last; its MoE blocks as
+    :func:`moe_block_parameters` counts them."""
     t, family, shape = layout.tp, model.family, model.shape
     layers = layout.vpp * math.ceil(shape.layers / (layout.pp * layout.vpp))
     split, whole = family.layer_parameters(shape)
     final = family.last_parameters(shape, t) if layout.pp == 1 else 0
-    return layers * (split / t + whole) + family.first_parameters(shape, t) + final
+    held = layers * (split / t + whole) + family.first_parameters(shape, t) + final
+    blocks = moe_blocks_per_rank(model, layout)
+    if not blocks:
+        return held, 0.0
+    rest, routed = moe_block_parameters(model, t, layout.ep)
+    return held + blocks * rest, blocks * routed
+
+
+def _mlp_parameters(family: families.Family, hidden: int, width: int) -> tuple[int, int]:
+    """Return an MLP of this width as the family builds its MLPs and experts: (split over t,
+    whole on every rank). Its matrices (``mlp_matrices``: GeLU's 2, SwiGLU's 3), and with
+    ``biases`` each matrix's but the last's (split) and the last's (whole)."""
+    m, bias = family.mlp_matrices, int(family.biases)
+    return m * hidden * width + (m - 1) * width * bias, hidden * bias
+
+
+def moe_block_parameters(model: Model, t: int, ep: int) -> tuple[float, float]:
+    """Return what one MoE block holds on a rank at tensor-parallel t and expert-parallel ep
+    beyond a dense block: (the rest, the routed experts).
+
+    The routed experts: E/ep of them (the ep ranks split them in contiguous blocks), each
+    matrix and first bias split over t. The rest, on every rank of the ep group: the router
+    (h·E, fp32), the experts' last biases (whole, added on the token's own rank), the shared
+    expert (split over t as a dense MLP) and its gate, less the dense MLP the block replaces.
+    """
+    experts, family, h = model.experts, model.family, model.shape.hidden
+    if experts is None:
+        return 0.0, 0.0
+    split, whole = _mlp_parameters(family, h, experts.ffn)
+    shared = _mlp_parameters(family, h, experts.shared_ffn) if experts.shared_ffn else (0, 0)
+    dense = _mlp_parameters(family, h, _dense_ffn(model.shape))
+    rest = (
+        experts.count * (h + whole)
+        + shared[0] / t
+        + shared[1]
+        + h * experts.shared_gate
+        - dense[0] / t
+        - dense[1]
+    )
+    return rest, experts.count // ep * split / t
+
+
+def moe_blocks_per_rank(model: Model, layout: Layout) -> int:
+    """Return the most MoE blocks a pipeline rank holds: v chunks of at most ⌈L/(p·v)⌉
+    consecutive blocks, each taken as the run of that length with the most MoE blocks (the
+    stage cut itself, :func:`hpcllm.model.stages.split_layers`, lives with torch)."""
+    if model.experts is None:
+        return 0
+    layers, moe = model.shape.layers, set(model.experts.blocks)
+    run = math.ceil(layers / (layout.pp * layout.vpp))
+    before = [0, *itertools.accumulate(int(i in moe) for i in range(layers))]
+    return layout.vpp * max(before[s + run] - before[s] for s in range(layers - run + 1))
 
 
 def _bytes_per_value(precision: str) -> int:
@@ -278,13 +439,15 @@ def collective_s(
     ``members``: how many GPUs of the group share each node, each with its own network
     adapter, for a group across nodes: the constant is one adapter's bandwidth (times
     ``members``); a table is measured with every GPU of each node in the job (times
-    ``members / gpus_per_node``). A send/recv crosses one adapter either way. ``latency``:
-    the constants' latency per step counted (a table's smallest size holds its own).
+    ``members / gpus_per_node``). A send/recv crosses one adapter either way, and so does an
+    all-to-all: each GPU sends its own bytes over its own adapter, every GPU of a node at once
+    (each tensor-parallel rank's expert-parallel group runs its own). ``latency``: the
+    constants' latency per step counted (a table's smallest size holds its own).
     """
     if ranks <= 1:
         return 0.0
     factor = bus_factor(collective, ranks)
-    shared = link == "inter_node" and collective != "send_recv"
+    shared = link == "inter_node" and collective not in ("send_recv", "all_to_all")
     bus = cluster.bus_time_s(link, collective, nbytes)
     if bus is not None:
         return factor * bus * (cluster.gpus_per_node / members if shared else 1.0)
@@ -310,15 +473,16 @@ class _Layer:
     tp_f: float  # exposed all-reduce time of one forward
     weight_grad: float  # the share of the backward that computes weight (and bias) gradients
     bias_grads: float = 0.0  # the backward's bias-gradient reductions
+    ep_f: float = 0.0  # an MoE block's all-to-alls of one forward (dispatch and combine)
 
     @property
     def forward(self) -> float:
-        return self.gemm_f + self.attention_f + self.elementwise_f + self.tp_f
+        return self.gemm_f + self.attention_f + self.elementwise_f + self.tp_f + self.ep_f
 
     def backward(self, recompute: str) -> float:
         redo = {"none": 0.0, "selective": self.attention_f, "full": self.forward}[recompute]
         own = 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.bias_grads
-        return own + self.tp_f + redo
+        return own + self.tp_f + self.ep_f + redo
 
 
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
@@ -384,6 +548,83 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm + bias_grads, bias_grads)
 
 
+def _mlp_gemms_s(
+    cluster: Cluster, peak: float, rows: int, hidden: int, width: int, t: int, m: int, e: int
+) -> float:
+    """Return the forward GEMMs of an MLP of this width on ``rows`` tokens at t, as the
+    families' ``layer_gemms`` give the dense one: m − 1 up (rows, width/t, hidden), one down
+    (rows, hidden, width/t)."""
+    up = _gemm_s(cluster, peak, rows, width // t, hidden, e)
+    return (m - 1) * up + _gemm_s(cluster, peak, rows, hidden, width // t, e)
+
+
+def all_to_all_bytes(model: Model, layout: Layout, software: Software) -> float:
+    """Return what one of an MoE block's all-to-alls moves from each rank: the T·k rows of
+    the micro-batch's T tokens (whole on every tp rank), each to the rank holding its expert
+    (nccl-tests' size: the rank's own share included)."""
+    if model.experts is None:
+        return 0.0
+    rows = layout.micro_batch * model.shape.seq * model.experts.top_k
+    return rows * model.shape.hidden * _bytes_per_value(software.precision)
+
+
+def all_to_all_s(cluster: Cluster, nbytes: float, t: int, ep: int) -> tuple[float, str]:
+    """Return one all-to-all of ``nbytes`` per rank over an expert-parallel group of ep ranks
+    t apart, and how it was priced.
+
+    The group is the t·ep ranks nearest each other (Megatron-Core's order: tp, cp, ep, dp,
+    pp): inside a node when t·ep ≤ GPUs per node, else across the network. Priced from the
+    cluster's ``all_to_all`` table of that link where it has one, else at the link's constant
+    bandwidth (the cluster file's, an all-reduce's bus bandwidth) as an all-gather's ring:
+    (ep − 1)/ep of the bytes, ep − 1 latencies.
+    """
+    if ep <= 1:
+        return 0.0, "none: at ep = 1 every rank holds every expert"
+    link = "intra_node" if t * ep <= cluster.gpus_per_node else "inter_node"
+    seconds = collective_s(cluster, link, "all_to_all", nbytes, ep)
+    if cluster.bus_time_s(link, "all_to_all", nbytes) is not None:
+        return seconds, f"from the cluster's {link} all_to_all table"
+    gbps = cluster.link(link)[0]
+    return seconds, (
+        f"no {link} all_to_all table: priced as an all-gather at {link}_gbps {gbps:g} GB/s"
+    )
+
+
+def _moe_layer(
+    model: Model,
+    layout: Layout,
+    cluster: Cluster,
+    software: Software,
+    dense: _Layer,
+    exchange: float,
+) -> _Layer:
+    """Return an MoE block's times for one micro-batch: the dense block's, its MLP's GEMMs
+    traded for the router's (fp32), the E/ep local experts' on the ep·T·k/E tokens each gets
+    at balance, and the shared expert's; the T·k rows gathered and scattered back (each read
+    and written); the dispatch's and the combine's all-to-alls (``exchange`` each)."""
+    experts, shape, m = model.experts, model.shape, model.family.mlp_matrices
+    assert experts is not None
+    t, ep, h, rows = layout.tp, layout.ep, shape.hidden, layout.micro_batch * shape.seq
+    peak = cluster.gpu.peak(software.precision)
+    e = _bytes_per_value(software.precision)
+    per_expert = max(1, math.ceil(rows * experts.top_k * ep / experts.count))
+    gemm = (
+        _gemm_s(cluster, cluster.gpu.peak("fp32"), rows, experts.count, h, 4)
+        + experts.count // ep * _mlp_gemms_s(cluster, peak, per_expert, h, experts.ffn, t, m, e)
+        - _mlp_gemms_s(cluster, peak, rows, h, _dense_ffn(shape), t, m, e)
+    )
+    if experts.shared_ffn:
+        gemm += _mlp_gemms_s(cluster, peak, rows, h, experts.shared_ffn, t, m, e)
+    moved = _memory_s(cluster, 2 * 2 * rows * experts.top_k * h * e)
+    return replace(
+        dense,
+        gemm_f=dense.gemm_f + gemm,
+        elementwise_f=dense.elementwise_f + moved,
+        weight_grad=dense.weight_grad + gemm,
+        ep_f=2 * exchange,
+    )
+
+
 def _dp_allreduce_s(cluster: Cluster, nbytes: float, t: int, d: int) -> float:
     """Return the data-parallel all-reduce: a ring over the d replicas of each shard, t ranks
     apart; across nodes each node holds gpus_per_node / t members of the ring, each with its
@@ -417,38 +658,96 @@ def _activation_bytes_per_layer(model: Model, layout: Layout, software: Software
     return sbh * model.family.activation_factor(shape, t, layout.sequence_parallel, flash)
 
 
+def _moe_activation_bytes(model: Model, layout: Layout, software: Software) -> float:
+    """Return what an MoE block stores per micro-batch beyond a dense block.
+
+    Its experts' intermediates: top_k expert MLPs of their width and the shared one in place
+    of the dense MLP, m 16-bit values per token and unit of width (GeLU's input and output,
+    SwiGLU's gate, up and product: the families' count of the dense MLP), split over t; the
+    T·k rows gathered for the experts and the experts' outputs (which the router weights'
+    gradient reads), whole on every tp rank; the router's fp32 logits and probabilities (T·E
+    each).
+    """
+    experts, shape = model.experts, model.shape
+    if experts is None:
+        return 0.0
+    h, t = shape.hidden, layout.tp
+    width = experts.top_k * experts.ffn + experts.shared_ffn - _dense_ffn(shape)
+    factor = 2 * model.family.mlp_matrices * width / (h * t) + 2 * 2 * experts.top_k
+    sbh = shape.seq * layout.micro_batch * h * _bytes_per_value(software.precision) / 2
+    return sbh * factor + shape.seq * layout.micro_batch * experts.count * 2 * 4
+
+
+def _state_bytes(software: Software) -> tuple[int, int, int]:
+    """Return the bytes per parameter of the weights, gradients and optimizer state."""
+    return (2, 4, 12) if software.weights == "mixed" else (4, 4, 8)
+
+
 def memory_parts(
     model: Model, layout: Layout, cluster: Cluster, software: Software, global_batch: int
 ) -> dict[str, float]:
-    """Return the busiest rank's memory in GB by part (weights, gradients, optimizer, ...)."""
+    """Return the busiest rank's memory in GB by part: weights, gradients, optimizer, the
+    routed experts' three together (``experts``, MoE models only), activations, logits.
+
+    The distributed optimizer shards the optimizer state of all but the routed experts over
+    d, and the routed experts' over their d/ep expert-data-parallel replicas.
+    """
     t, p, v = layout.tp, layout.pp, layout.vpp
     m = BatchPlan.of(global_batch, layout.micro_batch, layout.dp, "--global-batch").accumulation
     shape = model.shape
     layers_per_rank = v * math.ceil(shape.layers / (p * v))
-    params = rank_parameters(model, layout)
-    if software.weights == "mixed":
-        weight_b, grad_b, optimizer_b = 2, 4, 12
-    else:
-        weight_b, grad_b, optimizer_b = 4, 4, 8
+    params, routed = rank_parameters_by_kind(model, layout)
+    weight_b, grad_b, optimizer_b = _state_bytes(software)
+    expert_optimizer_b: float = optimizer_b
     if software.distributed_optimizer:
         optimizer_b /= layout.dp
+        expert_optimizer_b /= layout.dp // layout.ep
     per_layer = _activation_bytes_per_layer(model, layout, software)
+    moe_blocks = moe_blocks_per_rank(model, layout)
+    per_moe = _moe_activation_bytes(model, layout, software)
     e = _bytes_per_value(software.precision)
     s, b, h = shape.seq, layout.micro_batch, shape.hidden
     if layout.recompute == "full":
         inputs = s * b * h * e / (t if layout.sequence_parallel else 1)
-        activations = inputs * layers_per_rank * _in_flight(layout, m) + per_layer
+        activations = inputs * layers_per_rank * _in_flight(layout, m) + per_layer + per_moe
     else:
         # _in_flight counts the rank's whole stage (all v chunks) per micro-batch held.
-        activations = per_layer * layers_per_rank * _in_flight(layout, m)
+        stored = per_layer * layers_per_rank + moe_blocks * per_moe
+        activations = stored * _in_flight(layout, m)
     logits = 2 * s * b * shape.vocab / t * 4  # fp32 logits and their gradient, one micro-batch
-    return {
+    parts = {
         "weights": params * weight_b / 1e9,
         "gradients": params * grad_b / 1e9,
         "optimizer": params * optimizer_b / 1e9,
-        "activations": activations / 1e9,
-        "logits": logits / 1e9,
     }
+    if model.experts is not None:
+        parts["experts"] = routed * (weight_b + grad_b + expert_optimizer_b) / 1e9
+    return {**parts, "activations": activations / 1e9, "logits": logits / 1e9}
+
+
+def _gradient_sync_s(
+    cluster: Cluster, software: Software, layout: Layout, params: float, routed: float
+) -> float:
+    """Return the step's data-parallel all-reduces: the gradients of all but the routed
+    experts over the d replicas of each shard (t ranks apart), the routed experts' over their
+    d/ep expert-data-parallel replicas (t·ep ranks apart)."""
+    t, d, ep = layout.tp, layout.dp, layout.ep
+    seconds = _dp_allreduce_s(cluster, params * software.grad_bytes, t, d) if d > 1 else 0.0
+    if routed and d // ep > 1:
+        seconds += _dp_allreduce_s(cluster, routed * software.grad_bytes, t * ep, d // ep)
+    return seconds
+
+
+def _optimizer_s(
+    cluster: Cluster, software: Software, layout: Layout, params: float, routed: float
+) -> float:
+    """Return the step after the backward at HBM speed: its passes over the state this rank
+    updates (with the distributed optimizer 1/d of it, of the routed experts' 1/(d/ep))."""
+    shards, expert_shards = (1, 1)
+    if software.distributed_optimizer:
+        shards, expert_shards = layout.dp, layout.dp // layout.ep
+    nbytes = software.optimizer_bytes
+    return _memory_s(cluster, params * nbytes / shards + routed * nbytes / expert_shards)
 
 
 def estimate(
@@ -462,14 +761,27 @@ def estimate(
     family, shape = model.family, model.shape
     layer = _layer(model, layout, cluster, software)
     layers_per_rank = v * math.ceil(shape.layers / (p * v))
+    # The rank's MoE blocks run as ``moe``, the rest as ``layer``.
+    moe_blocks = moe_blocks_per_rank(model, layout)
+    moe, pricing = layer, None
+    if model.experts is not None:
+        nbytes = all_to_all_bytes(model, layout, software)
+        exchange, pricing = all_to_all_s(cluster, nbytes, t, layout.ep)
+        moe = _moe_layer(model, layout, cluster, software, layer, exchange)
+    dense_blocks = layers_per_rank - moe_blocks
     s, h = shape.seq, shape.hidden
     # The output layer (last stage): logits GEMM, the loss over b·s·V/t values.
     head_gemm = _gemm_s(cluster, peak, b * s, shape.vocab // t, h, e)
     logits = b * s * shape.vocab / t
     loss_f, loss_b = (_memory_s(cluster, logits * n) for n in software.loss_bytes)
-    stage_f = layers_per_rank * layer.forward + head_gemm + loss_f
-    stage_b = layers_per_rank * layer.backward(layout.recompute) + 2 * head_gemm + loss_b
-    stage_w = layers_per_rank * layer.weight_grad + head_gemm
+    stage_f = dense_blocks * layer.forward + moe_blocks * moe.forward + head_gemm + loss_f
+    stage_b = (
+        dense_blocks * layer.backward(layout.recompute)
+        + moe_blocks * moe.backward(layout.recompute)
+        + 2 * head_gemm
+        + loss_b
+    )
+    stage_w = dense_blocks * layer.weight_grad + moe_blocks * moe.weight_grad + head_gemm
     # Pipeline point-to-point: an activation forward and its gradient back per chunk boundary.
     p2p = 0.0
     if p > 1:
@@ -481,8 +793,8 @@ def estimate(
             one += collective_s(cluster, "intra_node", "all_gather", nbytes, t, latency=False)
         p2p = 2 * v * one
     # Each micro-batch's weight gradients are added into the step's (read both, write one).
-    params = rank_parameters(model, layout)
-    stage_b += _memory_s(cluster, params * software.grad_accumulation_bytes)
+    params, routed = rank_parameters_by_kind(model, layout)
+    stage_b += _memory_s(cluster, (params + routed) * software.grad_accumulation_bytes)
     compute = m * (stage_f + stage_b)
     if p > 1:
         if layout.schedule == "zb-h1":
@@ -505,22 +817,24 @@ def estimate(
             padded_vocab(shape.vocab, t) * h / t * software.grad_bytes,
             2,
         )
-    # Data parallelism: a ring over the d replicas of each shard, t ranks apart.
-    dp_time = 0.0
-    if d > 1:
-        dp_time = _dp_allreduce_s(cluster, params * software.grad_bytes, t, d)
+    dp_time = _gradient_sync_s(cluster, software, layout, params, routed)
     hidden_dp = min(dp_time, stage_b) if software.dp_overlap else 0.0
     dp_exposed = dp_time - hidden_dp
-    optimizer = _memory_s(
-        cluster, params * software.optimizer_bytes / (d if software.distributed_optimizer else 1)
-    )
-    tp_total = m * layers_per_rank * layer.tp_f * (2 + (layout.recompute == "full"))
+    optimizer = _optimizer_s(cluster, software, layout, params, routed)
+    # The tp and ep collectives of every forward: once more in the backward, and in a full
+    # recomputation's forward.
+    passes = 2 + (layout.recompute == "full")
+    tp_total = m * layers_per_rank * layer.tp_f * passes
+    ep_total = m * moe_blocks * moe.ep_f * passes
     step_time = compute + bubble + pp_exposed + dp_exposed + optimizer
     gpus = t * p * d
-    done = family.step_flops(global_batch, shape, layout.recompute)
-    useful = family.step_flops(global_batch, shape, "none")
+    done = model.step_flops(global_batch, layout.recompute)
+    useful = model.step_flops(global_batch, "none")
     parts = memory_parts(model, layout, cluster, software, global_batch)
     usable = cluster.gpu.memory_gb * cluster.usable_memory_fraction
+    time_parts = {"compute": compute - tp_total - ep_total, "tp": tp_total}
+    if model.experts is not None:
+        time_parts["ep"] = ep_total
     return Estimate(
         layout=layout,
         step_time_s=step_time,
@@ -531,12 +845,12 @@ def estimate(
         memory_parts_gb=parts,
         fits=sum(parts.values()) <= usable,
         time_parts_s={
-            "compute": compute - tp_total,
-            "tp": tp_total,
+            **time_parts,
             "bubble": bubble,
             "pp": pp_exposed,
             "dp": dp_exposed,
             "optimizer": optimizer,
         },
         hidden_comm_s={"dp": hidden_dp},
+        all_to_all_pricing=pricing,
     )

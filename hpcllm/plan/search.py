@@ -1,4 +1,9 @@
-"""Every valid layout of a model on N GPUs, estimated, ranked, and why each loser lost."""
+"""Every valid layout of a model on N GPUs, estimated, ranked, and why each loser lost.
+
+A model with MoE blocks adds one dimension, the expert-parallel size ep: every divisor of d
+that divides the experts (Megatron-Core carves the ep ranks out of d). A dense model is
+planned at ep = 1 only.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any
 
 from hpcllm import families
 from hpcllm.config import BatchPlan, load_config
-from hpcllm.plan.costs import Estimate, Layout, Model, Software, estimate
+from hpcllm.plan.costs import Estimate, Layout, Model, Software, all_to_all_bytes, estimate
 from hpcllm.plan.hardware import Cluster
 from hpcllm.user_error import UserError
 
@@ -29,6 +34,7 @@ class Fixed:
     schedule: str | None = None
     recompute: str | None = None
     sequence_parallel: bool | None = None
+    ep: int | None = None
 
 
 @dataclass
@@ -72,6 +78,7 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
             f"--gpus {gpus} is not divisible by tp x pp = {grid}; choose t and p whose product "
             f"divides {gpus}"
         )
+    _check_experts(model, gpus, grid, fixed)
     if fixed.pp and fixed.pp * (fixed.vpp or 1) > shape.layers:
         raise UserError(
             f"--pp {fixed.pp} x --vpp {fixed.vpp or 1} stages exceed the model's {shape.layers} "
@@ -83,6 +90,44 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
     if pipelined and fixed.pp == 1:
         what = f"--vpp {fixed.vpp}" if (fixed.vpp or 1) > 1 else f"--schedule {fixed.schedule}"
         raise UserError(f"{what} needs a pipeline (--pp > 1)")
+
+
+def _check_experts(model: Model, gpus: int, grid: int, fixed: Fixed) -> None:
+    """Refuse, in one line, a fixed ep or t the model's experts cannot take."""
+    experts, ep = model.experts, fixed.ep
+    if experts is None:
+        if ep and ep > 1:
+            raise UserError(
+                f"--ep {ep} splits the experts of MoE blocks, but this model is dense (give "
+                "--set model.moe_experts=E for a mixture of experts)"
+            )
+        return
+    if ep and experts.count % ep:
+        raise UserError(f"--ep {ep} does not divide the model's {experts.count} experts")
+    if ep and gpus % (grid * ep):
+        raise UserError(
+            f"--gpus {gpus} is not divisible by tp x pp x ep = {grid * ep} (the ep ranks are "
+            "carved out of d)"
+        )
+    for name, width in (("moe_ffn_size", experts.ffn), ("moe_shared_ffn_size", experts.shared_ffn)):
+        if fixed.tp and width % fixed.tp:
+            raise UserError(f"--tp {fixed.tp} does not divide the experts' width {width} ({name})")
+
+
+def _splits_experts(model: Model, t: int) -> bool:
+    """Return whether t splits the widths of the model's experts (a dense model: always)."""
+    experts = model.experts
+    return experts is None or (experts.ffn % t == 0 and experts.shared_ffn % t == 0)
+
+
+def _expert_sizes(model: Model, d: int, fixed: Fixed) -> list[int]:
+    """Return the ep sizes to plan at d: 1 for a dense model; else the fixed one where it
+    divides d, or every divisor of d that divides the experts."""
+    if model.experts is None:
+        return [1]
+    if fixed.ep is not None:
+        return [fixed.ep] if d % fixed.ep == 0 else []
+    return [k for k in _divisors(d) if model.experts.count % k == 0]
 
 
 def _schedules(
@@ -112,19 +157,13 @@ def _schedules(
             yield schedule, 1
 
 
-def layouts(
-    model: Model,
-    gpus: int,
-    global_batch: int,
-    fixed: Fixed,
-    software: Software | None = None,
-) -> Iterator[Layout]:
-    """Yield every layout the search considers (the fixed choices held) that the software
-    runs."""
-    software = software or Software()
+def _grids(
+    model: Model, gpus: int, fixed: Fixed, software: Software
+) -> Iterator[tuple[int, int, int, int]]:
+    """Yield every grid (t, p, d, ep) of ``gpus`` the search considers."""
     heads, layers = model.shape.heads, model.shape.layers
     for t in _divisors(gpus) if fixed.tp is None else [fixed.tp]:
-        if heads % t:
+        if heads % t or not _splits_experts(model, t):
             continue
         for p in _divisors(gpus // t) if fixed.pp is None else [fixed.pp]:
             if p > layers or gpus % (t * p):
@@ -135,17 +174,32 @@ def layouts(
             if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
                 continue
             d = gpus // (t * p)
-            for b in MICRO_BATCHES if fixed.micro_batch is None else (fixed.micro_batch,):
-                if not BatchPlan.divides(global_batch, b, d):
-                    continue  # micro-batches of b on d replicas do not make the global batch
-                m = BatchPlan.of(global_batch, b, d).accumulation
-                sp = fixed.sequence_parallel
-                if sp is None:  # it saves memory at no cost in time, where the code has it
-                    sp = t > 1 and software.can_sequence_parallel
-                recomputes = software.recomputes if fixed.recompute is None else (fixed.recompute,)
-                for schedule, v in _schedules(p, m, layers, fixed, software):
-                    for recompute in recomputes:
-                        yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1)
+            for ep in _expert_sizes(model, d, fixed):
+                yield t, p, d, ep
+
+
+def layouts(
+    model: Model,
+    gpus: int,
+    global_batch: int,
+    fixed: Fixed,
+    software: Software | None = None,
+) -> Iterator[Layout]:
+    """Yield every layout the search considers (the fixed choices held) that the software
+    runs."""
+    software = software or Software()
+    for t, p, d, ep in _grids(model, gpus, fixed, software):
+        for b in MICRO_BATCHES if fixed.micro_batch is None else (fixed.micro_batch,):
+            if not BatchPlan.divides(global_batch, b, d):
+                continue  # micro-batches of b on d replicas do not make the global batch
+            m = BatchPlan.of(global_batch, b, d).accumulation
+            sp = fixed.sequence_parallel
+            if sp is None:  # it saves memory at no cost in time, where the code has it
+                sp = t > 1 and software.can_sequence_parallel
+            recomputes = software.recomputes if fixed.recompute is None else (fixed.recompute,)
+            for schedule, v in _schedules(p, m, model.shape.layers, fixed, software):
+                for recompute in recomputes:
+                    yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1, ep=ep)
 
 
 def _why(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
@@ -159,12 +213,14 @@ def _why(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
     names = {
         "compute": "compute (micro-batch size, recomputation)",
         "tp": "tensor-parallel all-reduces",
+        "ep": "expert all-to-alls",
         "bubble": "pipeline bubble",
         "pp": "pipeline transfers",
         "dp": "data-parallel all-reduce",
         "optimizer": "optimizer step",
     }
-    excess = {k: loser.time_parts_s[k] - best.time_parts_s.get(k, 0.0) for k in names}
+    parts = [k for k in names if k in loser.time_parts_s]  # "ep": MoE models only
+    excess = {k: loser.time_parts_s[k] - best.time_parts_s.get(k, 0.0) for k in parts}
     part = max(excess, key=lambda k: excess[k])
     slower = loser.step_time_s / best.step_time_s - 1
     return f"{slower:+.0%} step time, most from {names[part]} (+{excess[part]:.3g} s)"
@@ -241,12 +297,17 @@ def _check_software_layout(model: Model, fixed: Fixed, software: Software) -> No
 
 
 def layout_record(e: Estimate) -> dict[str, Any]:
-    """Return one layout as the JSON output holds it."""
+    """Return one layout as the JSON output holds it; of an MoE model, with its ep and how
+    its all-to-all was priced (its time is ``time_parts_s["ep"]``, the routed experts' memory
+    ``memory_parts_gb["experts"]``)."""
     lay = e.layout
+    moe = {} if e.all_to_all_pricing is None else {"ep": lay.ep}
+    priced = {} if e.all_to_all_pricing is None else {"all_to_all_pricing": e.all_to_all_pricing}
     return {
         "tp": lay.tp,
         "pp": lay.pp,
         "dp": lay.dp,
+        **moe,
         "vpp": lay.vpp,
         "micro_batch": lay.micro_batch,
         "schedule": lay.schedule,
@@ -261,6 +322,7 @@ def layout_record(e: Estimate) -> dict[str, Any]:
         "bubble": e.bubble,
         "time_parts_s": dict(e.time_parts_s),
         "hidden_comm_s": dict(e.hidden_comm_s),
+        **priced,
         "fits": e.fits,
     }
 
@@ -268,7 +330,7 @@ def layout_record(e: Estimate) -> dict[str, Any]:
 def to_json(plan: Plan, top: int) -> dict[str, Any]:
     """Return the plan as one JSON-ready object, best layout first."""
     return {
-        "model": {"arch": plan.model.arch, **asdict(plan.model.shape)},
+        "model": {"arch": plan.model.arch, **asdict(plan.model.shape), **_experts_record(plan)},
         "gpus": plan.gpus,
         "global_batch": plan.global_batch,
         "cluster": plan.cluster.name,
@@ -291,31 +353,70 @@ def _own_sizes(shape: families.Shape) -> str:
     return extra + ("" if shape.tied else ", untied output layer")
 
 
+def _experts_text(model: Model) -> str:
+    """Return the header's words for the model's experts ("" for a dense model)."""
+    experts = model.experts
+    if experts is None:
+        return ""
+    shared = f", shared expert {experts.shared_ffn}" if experts.shared_ffn else ""
+    return (
+        f", {experts.count} experts (top {experts.top_k}, MLP {experts.ffn}{shared}) in "
+        f"{len(experts.blocks)} of {model.shape.layers} blocks"
+    )
+
+
+def _experts_record(plan: Plan) -> dict[str, Any]:
+    """Return the JSON model's experts entry ({} for a dense model)."""
+    experts = plan.model.experts
+    return {} if experts is None else {"experts": asdict(experts)}
+
+
+def _expert_lines(plan: Plan, best: Estimate) -> list[str]:
+    """Return what the best layout does with the experts: their memory, their all-to-all."""
+    experts = plan.model.experts
+    if experts is None:
+        return []
+    lay = best.layout
+    size = all_to_all_bytes(plan.model, lay, plan.software)
+    return [
+        f"#1 routed experts: {experts.count // lay.ep} of {experts.count} per GPU in each MoE "
+        f"block, {best.memory_parts_gb['experts']:.3g} GB with their gradients and optimizer "
+        "state",
+        f"#1 expert all-to-all: {best.time_parts_s['ep']:.3f} s a step (dispatch and combine, "
+        f"forward and backward, {size / 1e6:.3g} MB from each rank); {best.all_to_all_pricing}",
+    ]
+
+
 def render(plan: Plan, top: int) -> str:
-    """Return the ranked table, the memory of the best, and why the next layouts lost."""
+    """Return the ranked table, the memory of the best, and why the next layouts lost; of an
+    MoE model also ep, the all-to-all's time and the experts' memory."""
     c, shape = plan.cluster, plan.model.shape
+    moe = plan.model.experts is not None
+    # An MoE model's columns: ep after d, the all-to-all's time last.
+    ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a s':>7}") if moe else ("", "")
     lines = [
         f"{plan.model.arch}: {shape.layers} layers, hidden {shape.hidden}, "
-        f"{shape.heads} heads{_own_sizes(shape)}, seq {shape.seq}, vocab {shape.vocab} "
-        f"({plan.model.parameters() / 1e9:.2f} B parameters); global batch "
+        f"{shape.heads} heads{_own_sizes(shape)}{_experts_text(plan.model)}, seq {shape.seq}, "
+        f"vocab {shape.vocab} ({plan.model.parameters() / 1e9:.2f} B parameters); global batch "
         f"{plan.global_batch} on {plan.gpus} x {c.gpu.name} ({c.gpus_per_node} per node, "
         f"{c.name}); {plan.software.precision}, attention {plan.software.attention}",
         "",
-        f"{'#':>2} {'t':>3} {'p':>3} {'d':>5} {'v':>2} {'b':>3} {'schedule':<11} "
+        f"{'#':>2} {'t':>3} {'p':>3} {'d':>5}{ep_head} {'v':>2} {'b':>3} {'schedule':<11} "
         f"{'recompute':<9} {'step s':>9} {'TFLOP/s':>8} {'MFU':>5} {'tokens/s':>10} "
-        f"{'mem GB':>7} {'bubble':>6} {'tp s':>7} {'pp s':>7} {'dp s':>7}",
+        f"{'mem GB':>7} {'bubble':>6} {'tp s':>7} {'pp s':>7} {'dp s':>7}{a2a_head}",
     ]
     if not plan.ranked:
         lines.append("   no layout fits in memory; the closest:")
     shown = plan.ranked[:top] or [e for e, _ in plan.losers[:top]]
     for i, e in enumerate(shown, 1):
         lay, parts = e.layout, e.time_parts_s
+        ep, a2a = (f" {lay.ep:>3}", f" {parts['ep']:>7.3f}") if moe else ("", "")
         lines.append(
-            f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.vpp:>2} {lay.micro_batch:>3} "
+            f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5}{ep} {lay.vpp:>2} {lay.micro_batch:>3} "
             f"{lay.schedule:<11} {lay.recompute:<9} {e.step_time_s:>9.3f} "
             f"{e.tflops_per_gpu:>8.4g} {e.mfu:>5.1%} {e.tokens_per_s:>10.0f} "
             f"{e.memory_gb:>6.3g}{'' if e.fits else '!'} {e.bubble:>6.1%} {parts['tp']:>7.3f} "
-            f"{parts['pp']:>7.3f} {parts['dp']:>7.3f}"
+            f"{parts['pp']:>7.3f} {parts['dp']:>7.3f}{a2a}"
         )
     if shown:
         best = shown[0]
@@ -327,6 +428,7 @@ def render(plan: Plan, top: int) -> str:
             f"{c.usable_memory_fraction:.0%} usable",
             f"#1 data-parallel all-reduce: {best.time_parts_s['dp']:.3f} s exposed, "
             f"{hidden:.3f} s hidden behind the backward",
+            *_expert_lines(plan, best),
             "TFLOP/s counts the FLOPs done, recomputation included (Narayanan et al.); MFU "
             "counts the model's FLOPs only",
         ]
@@ -334,8 +436,9 @@ def render(plan: Plan, top: int) -> str:
         lines += ["", f"why the others lost ({len(plan.losers)} layouts; the closest):"]
         for e, why in plan.losers[: max(top, 5)]:
             lay = e.layout
+            ep = f" ep={lay.ep}" if moe else ""
             lines.append(
-                f"  t={lay.tp} p={lay.pp} d={lay.dp} v={lay.vpp} b={lay.micro_batch} "
+                f"  t={lay.tp} p={lay.pp} d={lay.dp}{ep} v={lay.vpp} b={lay.micro_batch} "
                 f"{lay.schedule} {lay.recompute}: {why}"
             )
     return "\n".join(lines)
@@ -345,14 +448,16 @@ def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | N
     """Write a train config for the best layout (runnable by ``hpcllm train``); return it.
 
     The model is written as ``--set`` would give it: the sizes every family shares and the
-    family's own keys for the rest of its shape (``Family.keys_of_shape``). ``preset`` is
-    named only if the planned shape is that preset's; ``vocab_size`` is written only when
-    given (otherwise the data's tokenizer decides, as in any run).
+    family's own keys for the rest of its shape (``Family.keys_of_shape``), and an MoE
+    model's experts (:meth:`Experts.keys`). ``preset`` is named only if the planned shape is
+    that preset's; ``vocab_size`` is written only when given (otherwise the data's tokenizer
+    decides, as in any run).
     """
     if not plan.ranked:
         raise UserError("no layout fits in memory: there is no config to write")
     lay = plan.ranked[0].layout
     model, shape = plan.model, plan.model.shape
+    experts = model.experts.keys(shape) if model.experts else {}
     keys = {
         "model.arch": model.arch,
         "model.preset": preset if _is_preset(model, preset) else None,
@@ -361,11 +466,13 @@ def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | N
         "model.d_model": shape.hidden,
         "model.seq_len": shape.seq,
         **{f"model.{key}": value for key, value in model.family.keys_of_shape(shape).items()},
+        **{f"model.{key}": value for key, value in experts.items()},
         "model.vocab_size": vocab_size,
         "model.recompute": lay.recompute,
         "parallel.tp": lay.tp,
         "parallel.pp": lay.pp,
         "parallel.dp": lay.dp,
+        "parallel.ep": lay.ep,
         "parallel.vpp": lay.vpp,
         "parallel.schedule": lay.schedule,
         "parallel.sequence_parallel": lay.sequence_parallel,
@@ -404,9 +511,10 @@ def draw(plan: Plan, path: Path, top: int) -> Path:
         raise UserError("no layout fits in memory: nothing to draw")
     parts = list(shown[0].time_parts_s)
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(shown) + 1.5))
+    moe = plan.model.experts is not None
     labels = [
-        f"t{e.layout.tp} p{e.layout.pp} d{e.layout.dp} v{e.layout.vpp} b{e.layout.micro_batch} "
-        f"{e.layout.schedule} {e.layout.recompute}"
+        f"t{e.layout.tp} p{e.layout.pp} d{e.layout.dp}{f' ep{e.layout.ep}' if moe else ''} "
+        f"v{e.layout.vpp} b{e.layout.micro_batch} {e.layout.schedule} {e.layout.recompute}"
         for e in shown
     ]
     left = [0.0] * len(shown)

@@ -29,7 +29,6 @@ from torch import nn
 
 from hpcllm.config import Config
 from hpcllm.errors import UserError
-from hpcllm.model.moe import ExpertParallel
 from hpcllm.model.stages import build_chunks, split_layers
 from hpcllm.parallel.data.builder import build_engine
 from hpcllm.parallel.data.engine import Engine
@@ -219,6 +218,10 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     tp_group = grid.groups.tp if parallel.tp > 1 else None
 
     seed_streams(train.seed, grid.tp_rank, grid.pp_rank, device)
+    # Here, not at the top: the model's modules import the kernels (and Triton), which
+    # preflight, importing this module, must not.
+    from hpcllm.model.moe import ExpertParallel
+
     ep = ExpertParallel(grid.ep, grid.ep_rank)
 
     chunks = build_chunks(

@@ -169,8 +169,11 @@ def start_horovod(grid: Grid, parallel: ParallelConfig | None) -> tuple[Any, dic
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(warn))
         shutdown = max(warn + 1, round(grid.timeout_s))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(shutdown))
-    sets = [] if hvd.is_initialized() else expert_process_sets(hvd, grid)
-    hvd.init(comm=grid.groups.dp_comm, process_sets=sets)
+    sets = expert_process_sets(hvd, grid) if grid.ep > 1 and not hvd.is_initialized() else []
+    if sets:
+        hvd.init(comm=grid.groups.dp_comm, process_sets=sets)
+    else:
+        hvd.init(comm=grid.groups.dp_comm)
     _DECLARED.update({tuple(ps.ranks): ps for ps in sets})
     if hvd.size() != grid.dp:
         raise UserError(
