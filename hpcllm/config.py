@@ -1071,12 +1071,6 @@ def _check_ep(cfg: Config) -> None:
             f"parallel.ep {parallel.ep} must divide the data-parallel size d = {parallel.dp} "
             "(the expert-parallel ranks are carved out of d)"
         )
-    if parallel.distributed_optimizer:
-        raise UserError(
-            f"parallel.distributed_optimizer cuts its buckets over the whole of d, but at "
-            f"parallel.ep {parallel.ep} the ranks of d hold different experts; set "
-            "parallel.distributed_optimizer: false (ZeRO-1 over expert-dp is not built yet)"
-        )
     if parallel.dp_engine in ("ps", "ps-async", "local-sgd"):
         raise UserError(
             f"parallel.dp_engine {parallel.dp_engine} averages every parameter over d, but at "

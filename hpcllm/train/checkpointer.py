@@ -107,7 +107,7 @@ class OptimizerState:
     def __init__(self, optimizer: MixedPrecisionOptimizer, grid: Any = None) -> None:
         self.optimizer, self.grid = optimizer, grid
         ep = grid.ep if grid is not None else 1
-        self.experts = expert_indices(optimizer.inner) if ep > 1 else set()
+        self.experts = expert_indices(optimizer.state_params()) if ep > 1 else set()
 
     def state_dict(self) -> Any:
         state = self.optimizer.state_dict()

@@ -18,6 +18,10 @@ distributed optimizer cuts its buckets. Then, each step:
 3. the updated parts are all-gathered back into the buckets' memory and copied into the
    parameters (the gradient buffer is free again then: it is zeroed for the next step).
 
+At ep > 1 the routed experts' tensors (which differ by ep rank) get buckets of their own, cut
+over the expert-data-parallel group instead (:class:`ExpertCut`), and a checkpoint holds the
+plain state (:meth:`ZeroState.plain_state`).
+
 Reduce-scatter + all-gather move the bytes of one all-reduce. torch collectives for ``ddp``
 (``reduce_scatter_single``/``all_gather_single`` on the dp group), Horovod's
 ``reducescatter``/``allgather`` on the dp communicator for ``horovod``.
@@ -42,10 +46,13 @@ from torch import nn
 from hpcllm.config import ParallelConfig
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.experts import AllToAll, is_expert
 from hpcllm.parallel.data.finalize import finalize_model_grads
 from hpcllm.parallel.data.horovod import (
     describe_horovod,
     describe_mpi,
+    expert_process_sets_of,
+    horovod_all_to_all,
     horovod_transport,
     start_horovod,
 )
@@ -74,11 +81,34 @@ class Bucket:
     pending: int = 0
     work: Any = None
     launched: bool = False
+    # The ranks the bucket is cut over and this rank's place among them: d and the dp rank,
+    # or, for expert tensors at ep > 1, d/ep and the expert-dp rank.
+    cut: int = 1
+    cut_rank: int = 0
+    expert: bool = False
 
     def part(self, dp: int, rank: int) -> slice:
         """Return dp rank ``rank``'s part of the bucket."""
         n = self.size // dp
         return slice(rank * n, (rank + 1) * n)
+
+    def mine(self) -> slice:
+        """Return this rank's part of the bucket."""
+        return self.part(self.cut, self.cut_rank)
+
+
+@dataclass
+class ExpertCut:
+    """How ZeRO-1 cuts the routed experts' buckets at ep > 1: over the expert-dp group (the
+    d/ep ranks holding the same experts), reduced there and divided by ep as well, so that
+    each expert's gradient is the one-process gradient (:mod:`hpcllm.parallel.data.experts`)."""
+
+    params: set[int]  # id() of the expert tensors
+    ranks: int  # d / ep
+    rank: int  # this rank's expert-dp rank
+    ep: int
+    collectives: Collectives
+    group: Any  # the torch expert-dp group (the state's gather at save)
 
 
 def plan_buckets(
@@ -86,13 +116,16 @@ def plan_buckets(
     chunk_of: dict[int, int],
     late: set[int],
     bucket_numel: int,
-) -> list[tuple[int, int, bool, list[int]]]:
-    """Return the buckets as (group, chunk, late, indices into the flat parameter list).
+    experts: set[int] | frozenset[int] = frozenset(),
+) -> list[tuple[int, int, bool, bool, list[int]]]:
+    """Return the buckets as (group, chunk, late, expert, indices into the flat parameter
+    list).
 
     Per group and chunk, parameters in reverse order (the order their gradients are ready in)
     fill buckets of up to ``bucket_numel`` elements; a parameter larger than that has a
-    bucket of its own. Late parameters get buckets of their own. Every rank of the dp group
-    plans the same buckets: they depend on the parameters' order and sizes only.
+    bucket of its own. Late parameters, and expert tensors (``experts``, cut over another
+    group), get buckets of their own. Every rank of the dp group plans the same buckets: they
+    depend on the parameters' order and sizes only.
     """
     flat = [p for g in groups for p in g]
     index = {id(p): i for i, p in enumerate(flat)}
@@ -100,22 +133,24 @@ def plan_buckets(
     for g, params in enumerate(groups):
         chunks = sorted({chunk_of[id(p)] for p in params})
         for chunk in chunks:
-            for is_late in (False, True):
+            for is_late, of_experts in ((False, False), (True, False), (False, True)):
                 mine = [
                     p
                     for p in reversed(params)
-                    if chunk_of[id(p)] == chunk and (id(p) in late) == is_late
+                    if chunk_of[id(p)] == chunk
+                    and (id(p) in late) == is_late
+                    and (id(p) in experts) == of_experts
                 ]
                 current: list[int] = []
                 filled = 0
                 for p in mine:
                     if current and filled + p.numel() > bucket_numel:
-                        plan.append((g, chunk, is_late, current))
+                        plan.append((g, chunk, is_late, of_experts, current))
                         current, filled = [], 0
                     current.append(index[id(p)])
                     filled += p.numel()
                 if current:
-                    plan.append((g, chunk, is_late, current))
+                    plan.append((g, chunk, is_late, of_experts, current))
     return plan
 
 
@@ -163,19 +198,23 @@ class HorovodCollectives(Collectives):
     """Horovod's reducescatter and allgather on the dp communicator it was started on (they
     return new tensors, copied back into the bucket)."""
 
-    def __init__(self, hvd: Any) -> None:
+    def __init__(self, hvd: Any, process_set: Any = None) -> None:
         self.hvd = hvd
+        # None: Horovod's whole world (the dp communicator); else a declared process set.
+        self.on = {} if process_set is None else {"process_set": process_set}
+        self.prefix = "" if process_set is None else "experts."
 
     # Horovod matches the ranks' requests by name, whatever order they come in: one name per
     # bucket and collective (each is in flight once at a time).
 
     def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int, key: int) -> Any:
-        name = f"hpcllm.zero.reducescatter.{key}"
-        handle = self.hvd.reducescatter_async(flat, name=name, op=self.hvd.Average)
+        name = f"hpcllm.zero.{self.prefix}reducescatter.{key}"
+        handle = self.hvd.reducescatter_async(flat, name=name, op=self.hvd.Average, **self.on)
         return (handle, lambda result: flat[part].copy_(result))
 
     def all_gather(self, flat: torch.Tensor, part: slice, key: int) -> Any:
-        handle = self.hvd.allgather_async(flat[part], name=f"hpcllm.zero.allgather.{key}")
+        name = f"hpcllm.zero.{self.prefix}allgather.{key}"
+        handle = self.hvd.allgather_async(flat[part], name=name, **self.on)
         return (handle, lambda result: flat.copy_(result))
 
     def wait(self, work: Any) -> None:
@@ -231,8 +270,10 @@ class ZeroState:
         dp_group: Any,
         tp_split: Callable[[nn.Parameter], bool],
         dtype: torch.dtype = torch.float32,
+        experts: ExpertCut | None = None,
     ) -> None:
         self.dp, self.dp_rank, self.collectives = dp, dp_rank, collectives
+        self.experts = experts
         self.dp_group = dp_group
         self.dtype = dtype
         self.flat_params = [p for g in groups for p in g]
@@ -242,17 +283,22 @@ class ZeroState:
         # With 16-bit weights, fp32 master copies of this rank's parts, from the fp32 values
         # the model was built with.
         self.masters: dict[int, torch.Tensor] = {}
-        plan = plan_buckets(groups, chunk_of, late, bucket_numel)
+        plan = plan_buckets(
+            groups, chunk_of, late, bucket_numel, experts.params if experts else frozenset()
+        )
         # Optimizer slots: group by group, buckets in plan order within a group.
         slots = sorted(range(len(plan)), key=lambda k: (plan[k][0], k))
         slot_of = {k: slot for slot, k in enumerate(slots)}
-        for k, (g, chunk, is_late, indices) in enumerate(plan):
+        for k, (g, chunk, is_late, of_experts, indices) in enumerate(plan):
             params = [self.flat_params[i] for i in indices]
             offsets, total = [], 0
             for p in params:
                 offsets.append(total)
                 total += p.numel()
-            size = -(-total // dp) * dp
+            cut, cut_rank = (dp, dp_rank)
+            if of_experts and experts is not None:
+                cut, cut_rank = experts.ranks, experts.rank
+            size = -(-total // cut) * cut
             exact = torch.zeros(size, dtype=torch.float32, device=device)
             with torch.no_grad():
                 for p, off in zip(params, offsets, strict=True):
@@ -263,10 +309,11 @@ class ZeroState:
                 p.data = data[off : off + p.numel()].view_as(p)
                 p.grad = grad[off : off + p.numel()].view_as(p)
             bucket = Bucket(
-                g, chunk, is_late, params, indices, offsets, size, slot_of[k], data, grad
-            )
+                g, chunk, is_late, params, indices, offsets, size, slot_of[k], data, grad,
+                cut=cut, cut_rank=cut_rank, expert=of_experts,
+            )  # fmt: skip
             if dtype != torch.float32:
-                master = exact[bucket.part(dp, dp_rank)].clone()
+                master = exact[bucket.mine()].clone()
                 master.grad = torch.zeros_like(master)
                 self.masters[bucket.slot] = master
             self.buckets.append(bucket)
@@ -274,7 +321,7 @@ class ZeroState:
         # master copy), else the fp32 master of that part.
         self.parts: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
         for bucket in self.buckets:
-            mine = bucket.part(dp, dp_rank)
+            mine = bucket.mine()
             if bucket.slot in self.masters:
                 self.parts[bucket.slot] = self.masters[bucket.slot]
             else:
@@ -285,8 +332,10 @@ class ZeroState:
         # group), whole (the same on every tp rank: counted once), or nothing (the last
         # stage's copy of the tied embedding, which the first stage counts; the padding).
         self.segments: list[list[tuple[slice, str]]] = [[] for _ in self.buckets]
+        # Summed over the dp group, expert parts count each expert once: the ep ranks hold
+        # other experts, the expert-dp ranks other parts of the same ones.
         for bucket in self.buckets:
-            mine = bucket.part(dp, dp_rank)
+            mine = bucket.mine()
             for p, off in zip(bucket.params, bucket.offsets, strict=True):
                 lo, hi = max(off, mine.start), min(off + p.numel(), mine.stop)
                 if lo >= hi or not role(p).counted:  # another stage or tp rank counts it
@@ -334,11 +383,15 @@ class ZeroState:
         if bucket.pending == 0:
             self._launch(bucket)
 
+    def _collectives(self, bucket: Bucket) -> Collectives:
+        return self.experts.collectives if bucket.expert and self.experts else self.collectives
+
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
-        if self.dp > 1:
-            part = bucket.part(self.dp, self.dp_rank)
-            bucket.work = self.collectives.reduce_scatter(bucket.grad, part, self.dp, bucket.slot)
+        if bucket.cut > 1:
+            bucket.work = self._collectives(bucket).reduce_scatter(
+                bucket.grad, bucket.mine(), bucket.cut, bucket.slot
+            )
 
     def finish(self) -> float:
         """Start the late buckets and any not started, wait for every reduce-scatter; return
@@ -349,11 +402,13 @@ class ZeroState:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                self.collectives.wait(bucket.work)
+                self._collectives(bucket).wait(bucket.work)
                 bucket.work = None
+            if bucket.expert and self.experts:
+                # Averaged over expert-dp; the tokens of the ep group summed already: / ep.
+                bucket.grad[bucket.mine()].div_(self.experts.ep)
             if bucket.slot in self.masters:
-                mine = bucket.part(self.dp, self.dp_rank)
-                self.masters[bucket.slot].grad.copy_(bucket.grad[mine])
+                self.masters[bucket.slot].grad.copy_(bucket.grad[bucket.mine()])
         return time.perf_counter() - started
 
     # -- the step ----------------------------------------------------------------------
@@ -384,14 +439,14 @@ class ZeroState:
         started = time.perf_counter()
         for bucket in self.buckets:
             if bucket.slot in self.masters:
-                bucket.data[bucket.part(self.dp, self.dp_rank)].copy_(self.masters[bucket.slot])
+                bucket.data[bucket.mine()].copy_(self.masters[bucket.slot])
         works = [
-            self.collectives.all_gather(b.data, b.part(self.dp, self.dp_rank), b.slot)
+            (b, self._collectives(b).all_gather(b.data, b.mine(), b.slot))
             for b in self.buckets
-            if self.dp > 1
+            if b.cut > 1
         ]
-        for work in works:
-            self.collectives.wait(work)
+        for bucket, work in works:
+            self._collectives(bucket).wait(work)
         for bucket in self.buckets:
             bucket.grad.zero_()
             bucket.launched = False
@@ -419,7 +474,11 @@ class ZeroState:
 
     def shard_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Return ``state`` (the parts' optimizer state) as this rank's checkpoint shard; with
-        16-bit weights each part's state also holds its fp32 ``master_weight``."""
+        16-bit weights each part's state also holds its fp32 ``master_weight``.
+
+        At ep > 1 the ranks of d hold different experts, which the dp-rank shards cannot
+        describe: the state is then this rank's parameters' plain state instead
+        (:meth:`plain_state`, a collective), as the other engines save it."""
         if self.masters:
             state = {
                 **state,
@@ -428,7 +487,40 @@ class ZeroState:
                     for slot, entry in state["state"].items()
                 },
             }
+        if self.experts is not None:
+            return self.plain_state(state)
         return {"format": FORMAT, "dp_rank": self.dp_rank, "layout": self.layout(), **state}
+
+    def plain_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Return the plain AdamW ``state_dict`` of this rank's parameters from the parts'
+        ``state`` (their ``master_weight`` included): each bucket's parts all-gathered over
+        the ranks it is cut over, in bucket order on every rank (a collective)."""
+        per_slot = state["state"]
+        plain: dict[int, dict[str, Any]] = {}
+        for bucket in self.buckets if per_slot else []:
+            entry = per_slot[bucket.slot]
+            group = self.experts.group if bucket.expert and self.experts else self.dp_group
+            step = entry["step"]
+            for name in ("exp_avg", "exp_avg_sq", "master_weight"):
+                if name not in entry:
+                    continue
+                flat = entry[name].contiguous()
+                if bucket.cut > 1:
+                    parts = [torch.empty_like(flat) for _ in range(bucket.cut)]
+                    dist.all_gather(parts, flat, group=group)
+                    flat = torch.cat(parts)
+                for i, off in zip(bucket.indices, bucket.offsets, strict=True):
+                    p = self.flat_params[i]
+                    out = plain.setdefault(
+                        i, {"step": step.clone() if torch.is_tensor(step) else step}
+                    )
+                    out[name] = flat[off : off + p.numel()].reshape(p.shape).clone()
+        param_groups, start = [], 0
+        for g, size in enumerate(self.group_sizes):
+            settings = {k: v for k, v in state["param_groups"][g].items() if k != "params"}
+            param_groups.append({**settings, "params": list(range(start, start + size))})
+            start += size
+        return {"state": dict(sorted(plain.items())), "param_groups": param_groups}
 
     def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Return the parts' optimizer state for this rank from a plain or a shard state.
@@ -463,7 +555,7 @@ class ZeroState:
             for bucket in self.buckets:
                 master = self.masters.get(bucket.slot)
                 if master is not None:
-                    mine = bucket.data[bucket.part(self.dp, self.dp_rank)]
+                    mine = bucket.data[bucket.mine()]
                     if not torch.equal(master.to(mine.dtype), mine):
                         master.copy_(mine)
 
@@ -484,7 +576,7 @@ class ZeroState:
             if saved_masters and self.masters:
                 names.append("master_weight")
             for bucket in self.buckets:
-                mine = bucket.part(self.dp, self.dp_rank)
+                mine = bucket.mine()
                 entry: dict[str, Any] = {}
                 for name in names:
                     flat = torch.zeros(mine.stop - mine.start, dtype=torch.float32)
@@ -534,6 +626,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     def grad_norm(self) -> torch.Tensor:
         return self.zero.grad_norm(self.groups.tp, self.groups.pp)
 
+    def state_params(self) -> list[torch.Tensor]:
+        return list(self.zero.flat_params)
+
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         result = super().step()
         self.engine.comm_wait_s += self.zero.gather_params()
@@ -560,6 +655,11 @@ class DistributedOptimizerEngine(Engine):
         else:
             self.collectives = TorchCollectives(grid.groups.dp)
 
+    def all_to_all(self) -> AllToAll:
+        if self.name == "horovod":
+            return horovod_all_to_all(self.hvd, expert_process_sets_of(self.hvd, self.grid)[0])
+        return super().all_to_all()
+
     def describe(self) -> str:
         mpi = describe_mpi(self.grid.device.type == "cuda")
         how = (
@@ -577,6 +677,11 @@ class DistributedOptimizerEngine(Engine):
         return (
             f"distributed optimizer (ZeRO-1): {how} in {buckets} buckets of up to "
             f"{self.bucket_mb:g} MB; {weights}, 1/{self.grid.dp} of the optimizer per rank"
+            + (
+                f" (of its experts' 1/{self.grid.dp // self.grid.ep}, cut over expert-dp)"
+                if self.grid.ep > 1
+                else ""
+            )
         )
 
     def master_bytes(self) -> int:
@@ -610,6 +715,23 @@ class DistributedOptimizerEngine(Engine):
         # A gradient summed beyond d (its role's sums) is reduced once those sums are done.
         late = {id(p) for g in groups for p in g if role(p).sums}
         tp_split = (lambda p: role(p).split is not None) if self.grid.tp > 1 else (lambda p: False)
+        experts = None
+        if self.grid.ep > 1:
+            grid = self.grid
+            cut = grid.dp // grid.ep
+            if self.name == "horovod":
+                _, on = expert_process_sets_of(self.hvd, grid)
+                collectives: Collectives = HorovodCollectives(self.hvd, on)
+            else:
+                collectives = TorchCollectives(grid.groups.expert_dp)
+            experts = ExpertCut(
+                {id(p) for g in groups for p in g if is_expert(p)},
+                cut,
+                grid.expert_dp_rank,
+                grid.ep,
+                collectives,
+                grid.groups.expert_dp,
+            )
         self.zero = ZeroState(
             groups,
             chunk_of,
@@ -621,6 +743,7 @@ class DistributedOptimizerEngine(Engine):
             self.grid.groups.dp,
             tp_split,
             self.param_dtype,
+            experts,
         )
         self.optimizer = ShardedOptimizer(self, DistributedAdamW(self.zero, inner), scaler, clip)
         return self.optimizer

@@ -109,10 +109,10 @@ def own_part(tensor: torch.Tensor, ep: int, ep_rank: int) -> torch.Tensor:
     return tensor[ep_rank * per : (ep_rank + 1) * per].clone()
 
 
-def expert_indices(optimizer: torch.optim.Optimizer) -> set[int]:
-    """Return the optimizer state indices (as ``state_dict`` numbers them) of expert tensors."""
-    flat = [p for group in optimizer.param_groups for p in group["params"]]
-    return {i for i, p in enumerate(flat) if is_expert(p)}
+def expert_indices(params: Sequence[torch.Tensor]) -> set[int]:
+    """Return the indices of the expert tensors among ``params`` (a plain optimizer state's
+    parameters, in its order)."""
+    return {i for i, p in enumerate(params) if is_expert(p)}
 
 
 def whole_optimizer_state(state: dict[str, Any], experts: set[int], group: Any) -> dict[str, Any]:

@@ -223,6 +223,30 @@ def process_set(hvd: Any, ranks: list[int]) -> Any:
     return found
 
 
+def expert_process_sets_of(hvd: Any, grid: Grid) -> tuple[Any, Any]:
+    """Return (ep set, expert-dp set) of this rank at ep > 1 (:func:`process_set`'s; None
+    for a group of one rank), or (None, None) at ep = 1. Horovod ranks are dp ranks."""
+    if grid.ep == 1:
+        return None, None
+    layout = grid.layout
+    dp_rank = lambda world: layout.coords(world)[2]  # noqa: E731
+    ep_set = process_set(hvd, [dp_rank(r) for r in layout.ep_group(grid.rank)])
+    edp_set = process_set(hvd, [dp_rank(r) for r in layout.expert_dp_group(grid.rank)])
+    return ep_set, edp_set
+
+
+def horovod_all_to_all(hvd: Any, ep_set: Any) -> AllToAll:
+    """Return Horovod's all-to-all over the ep process set ``ep_set``."""
+
+    def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        splits = torch.tensor(send, dtype=torch.int32)
+        with watchdog.waiting(ALL_TO_ALL, axis="ep"):
+            out, _ = hvd.alltoall(x, splits=splits, process_set=ep_set)
+        return out
+
+    return run
+
+
 def horovod_transport(grid: Grid, hvd: Any) -> str:
     """Return what carries Horovod's collectives of this grid's tensors."""
     return "NCCL" if grid.device.type == "cuda" and hvd.nccl_built() else "MPI"
@@ -257,26 +281,11 @@ class HorovodEngine(Engine):
         self.compression_name = compression
         # At ep > 1: the process sets of this rank's ep and expert-dp groups (Horovod ranks
         # are dp ranks).
-        self.ep_set = self.expert_dp_set = None
-        if grid.ep > 1:
-            layout = grid.layout
-            dp_rank = lambda world: layout.coords(world)[2]  # noqa: E731
-            self.ep_set = process_set(hvd, [dp_rank(r) for r in layout.ep_group(grid.rank)])
-            self.expert_dp_set = process_set(
-                hvd, [dp_rank(r) for r in layout.expert_dp_group(grid.rank)]
-            )
+        self.ep_set, self.expert_dp_set = expert_process_sets_of(hvd, grid)
 
     def all_to_all(self) -> AllToAll:
         """Return Horovod's all-to-all over this rank's ep process set."""
-        hvd, ps = self.hvd, self.ep_set
-
-        def run(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-            splits = torch.tensor(send, dtype=torch.int32)
-            with watchdog.waiting(ALL_TO_ALL, axis="ep"):
-                out, _ = hvd.alltoall(x, splits=splits, process_set=ps)
-            return out
-
-        return run
+        return horovod_all_to_all(self.hvd, self.ep_set)
 
     def describe(self) -> str:
         mpi = describe_mpi(self.grid.device.type == "cuda")

@@ -79,6 +79,10 @@ class MixedPrecisionOptimizer:
         """Drop the gradients for the next step."""
         self.inner.zero_grad()
 
+    def state_params(self) -> list[torch.Tensor]:
+        """Return the parameters in the order :meth:`state_dict`'s plain state numbers them."""
+        return [p for group in self.inner.param_groups for p in group["params"]]
+
     def main_grads(self) -> list[torch.Tensor]:
         """Return the gradients :meth:`step` steps with, as tensors it reads (with the
         distributed optimizer, this rank's part of the reduced gradient)."""
