@@ -996,7 +996,7 @@ def check(cfg: Config) -> None:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {parallel.tp}")
     _check_family(m, parallel.tp)
     _check_moe(m, parallel.tp)
-    _check_ep(cfg)
+    check_ep(cfg)
     if parallel.sequence_parallel and parallel.tp > 1 and m.seq_len % parallel.tp:
         raise UserError(
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
@@ -1052,7 +1052,7 @@ def check(cfg: Config) -> None:
     check_folder("run.dir", cfg.run.dir)
 
 
-def _check_ep(cfg: Config) -> None:
+def check_ep(cfg: Config) -> None:
     """Refuse an expert-parallel size that cannot work, in one line (nothing at ep = 1)."""
     m, parallel = cfg.model, cfg.parallel
     if parallel.ep == 1:

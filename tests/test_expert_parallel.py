@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_runs import HOROVOD_OVER_MPI, tiny
+from family_runs import HOROVOD_OVER_MPI, cli, tiny
 from mpirun import python, run_mpi
 
 from hpcllm.config import check, load_config
@@ -145,6 +145,17 @@ def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resu
     _same(logged["ep2-more"], logged["ep1-more"], ("loss", "grad_norm"), 1e-5)
     # bf16: within 2 % of ep = 1 over 20 steps.
     _same(logged["ep2-bf16"], logged["ep1-bf16"], ("loss",), 2e-2)
+    if arch == "gpt2":  # convert's --ep, once: the config it writes, and its refusals
+        out = tmp_path / "converted"
+        cli("convert", "--checkpoint", str(tmp_path / "ep2"), "--out", str(out), "--ep", "1",
+            check=True)  # fmt: skip
+        assert load_config(out / "config.yaml", []).parallel.ep == 1
+        for args, says in ((["--dp", "1"], "must divide the data-parallel size d = 1"),
+                           (["--ep", "3"], "does not divide model.moe_experts 4")):  # fmt: skip
+            done = cli("convert", "--checkpoint", str(tmp_path / "ep2"), "--out",
+                       str(tmp_path / "refused"), *args)  # fmt: skip
+            assert done.returncode == 2 and says in done.stderr, done.stderr
+            assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     # The checkpoint holds every expert whole: read as any MoE run's, the ep = 1 model.
     import hpcllm  # here: importing it at collection would import Triton before test_kernels
 

@@ -336,7 +336,7 @@ def _two_ranks(layers: list[MoE], xs: list[torch.Tensor]) -> list[torch.Tensor]:
     through shared slots; return each one's output."""
     import threading
 
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(2, timeout=30)  # a rank skipping an all-to-all: an error
     slots: dict[tuple[int, int], torch.Tensor] = {}
 
     def all_to_all_of(rank: int):
@@ -352,9 +352,16 @@ def _two_ranks(layers: list[MoE], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run
 
     outs: list = [None, None]
+    calls = [0, 0]
 
     def work(rank: int) -> None:
-        layers[rank].ep.all_to_all = all_to_all_of(rank)
+        inner = all_to_all_of(rank)
+
+        def counted(*args: object) -> torch.Tensor:
+            calls[rank] += 1
+            return inner(*args)
+
+        layers[rank].ep.all_to_all = counted
         y = layers[rank](xs[rank])[0]
         y.pow(2).sum().backward()
         outs[rank] = y
@@ -364,6 +371,8 @@ def _two_ranks(layers: list[MoE], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         t.start()
     for t in threads:
         t.join()
+    # The counts, the rows there and back, and the two backwards: alike on both ranks.
+    assert calls == [5, 5], calls
     return outs
 
 
@@ -398,3 +407,27 @@ def test_experts_split_over_two_ep_ranks_give_the_whole_layers_outputs_and_gradi
             torch.testing.assert_close(
                 p.grad, getattr(whole.experts, name).grad[2 * r : 2 * r + 2], rtol=1e-10, atol=1e-12
             )
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_an_ep_rank_whose_experts_get_no_token_still_runs_the_backwards_all_to_alls(grouped):
+    # The sigmoid router's balancing bias sends every token to experts 0 and 1, both on ep
+    # rank 0: rank 1 receives no row, and (in the loop) makes no expert output at all.
+    def biased(layer: MoE) -> MoE:
+        layer.grouped = grouped
+        layer.bias.copy_(torch.tensor([50.0, 50.0, -50.0, -50.0], dtype=layer.bias.dtype))
+        return layer
+
+    whole = biased(_layer("sigmoid", renormalize=True))
+    parts = [biased(_layer("sigmoid", renormalize=True, ep=moe.ExpertParallel(2, r)))
+             for r in range(2)]  # fmt: skip
+    xs = [torch.randn(2, 5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+          for r in range(2)]  # fmt: skip
+    inputs = [x.clone().requires_grad_() for x in xs]
+    outs = _two_ranks(parts, inputs)
+    for r in range(2):
+        x = xs[r].clone().requires_grad_()
+        y = whole(x)[0]
+        y.pow(2).sum().backward()
+        torch.testing.assert_close(outs[r], y, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(inputs[r].grad, x.grad, rtol=1e-10, atol=1e-12)

@@ -547,6 +547,10 @@ class MoE(nn.Module):
         order = torch.repeat_interleave(key.flatten(), received.flatten(), output_size=got.shape[0])
         perm = torch.sort(order, stable=True).indices
         out = self.experts(got[perm], received.sum(0), self.grouped)
+        if got.requires_grad and not out.requires_grad:
+            # No row came here (the experts' loop made a fresh empty tensor): tie it to what
+            # arrived, so this rank's backward runs both all-to-alls as its peers' do.
+            out = out + got.sum().to(out.dtype) * 0
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=perm.device)
         return exchange(out[back], recv, send, all_to_all)

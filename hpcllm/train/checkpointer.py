@@ -82,12 +82,15 @@ class ModelChunks:
         named = chunks[0].named_parameters() if pp == 1 else chunks.named_parameters()
         # In module order, the same on every rank (the gather is a collective per tensor).
         self.experts = [name for name, p in named if is_expert(p)] if ep > 1 else []
+        # Only the ep group that writes the model file gathers: the one of expert-dp rank 0
+        # (dp rank 0's), the same answer on every rank of an ep group.
+        self.gathers = bool(self.experts) and grid.expert_dp_rank == 0
 
     def state_dict(self) -> dict[str, Any]:
         state = chunks_state_dict(self.chunks, self.pp)
-        if self.experts:
+        if self.gathers:
             mine = {key: state[key] for key in self.experts}
-            state.update(gather_whole(mine, self.grid.groups.ep))
+            state.update(gather_whole(mine, self.grid.groups.ep, to_host=True))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -108,10 +111,11 @@ class OptimizerState:
         self.optimizer, self.grid = optimizer, grid
         ep = grid.ep if grid is not None else 1
         self.experts = expert_indices(optimizer.state_params()) if ep > 1 else set()
+        self.gathers = bool(self.experts) and grid.expert_dp_rank == 0  # as ModelChunks
 
     def state_dict(self) -> Any:
         state = self.optimizer.state_dict()
-        if self.experts:
+        if self.gathers:
             state = whole_optimizer_state(state, self.experts, self.grid.groups.ep)
         return state
 

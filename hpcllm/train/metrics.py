@@ -150,7 +150,7 @@ class Metrics:
             f"hpcllm {__version__}, torch {torch.__version__}, launcher {g.launch.launcher}, "
             f"device {g.device.type}",
             f"grid t={g.tp} p={g.pp} d={g.dp} v={cfg.parallel.vpp}"
-            + (f" ep={g.ep} (inside d: {g.dp // g.ep} replicas of each expert)" if g.ep > 1 else "")
+            + (f" ep={g.ep} (inside d; each expert on {g.dp // g.ep} of d)" if g.ep > 1 else "")
             + f", world size {g.world_size}",
             f"memory per rank (the largest): {memory_line}",
             f"data parallel {engine.name}: {engine.describe()}"

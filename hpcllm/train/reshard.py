@@ -46,6 +46,7 @@ from hpcllm.config import (
     BatchPlan,
     Config,
     ModelConfig,
+    check_ep,
     config_from_dict,
     load_yaml,
     padded_vocab,
@@ -427,13 +428,6 @@ def _target_config(
     """Return the saved config with the new layout, the rest (batch, data) kept."""
     parallel = cfg.parallel
     if ep is not None:
-        experts = cfg.model.moe_experts
-        if ep > 1 and (not experts or experts % ep):
-            raise UserError(
-                f"--ep {ep} must divide the model's experts (model.moe_experts {experts})"
-            )
-        if dp is not None and dp % ep:
-            raise UserError(f"--ep {ep} must divide --dp {dp}")
         parallel.ep = ep
     old_stages = parallel.pp * parallel.vpp
     parallel.tp = tp or parallel.tp
@@ -463,6 +457,7 @@ def _target_config(
     # The run keeps its global batch whatever d becomes, or its data position would slip.
     cfg.train.global_batch_size = batch
     parallel.dp = dp
+    check_ep(cfg)  # the new ep (or the saved one) against the experts, the new d, the engine
     check_pipeline(cfg, accumulation)  # the schedule, v and the stage cut; m once d is known
     return cfg
 

@@ -83,21 +83,28 @@ def torch_all_to_all(group: Any) -> AllToAll:
 
 # -- checkpoints --------------------------------------------------------------------------
 #
-# A checkpoint holds every expert whole, as at ep = 1: at save the ep ranks gather their
-# experts (each saved file is the one ep = 1 writes), at load each rank keeps its own. So a
-# run resumes at another ep, and every reader (convert, load_model, generate) reads it, with
-# no re-cut; the price is the gather at save (the experts of a tp × pp shard on one rank).
+# A checkpoint holds every expert whole, as at ep = 1: at save the ep group that writes (the
+# one holding dp rank 0, the first replica) gathers its experts onto the host (each saved
+# file is the one ep = 1 writes), at load each rank keeps its own. So a run resumes at another
+# ep, and every reader (convert, load_model, generate) reads it, with no re-cut; the price is
+# the gather at save (a tp × pp shard's experts in host memory on the ranks of that group).
 
 
-def gather_whole(tensors: dict[Any, torch.Tensor], group: Any) -> dict[Any, torch.Tensor]:
+def gather_whole(
+    tensors: dict[Any, torch.Tensor], group: Any, to_host: bool = False
+) -> dict[Any, torch.Tensor]:
     """Return ``tensors`` (this rank's experts, by key) whole: every ep rank's concatenated
-    along dim 0 in ep-rank order (a collective over ``group``; one all-gather per tensor)."""
+    along dim 0 in ep-rank order (a collective over ``group``; one all-gather per tensor, so
+    that at most one tensor's parts are on the device at once). ``to_host``: each whole
+    tensor is moved to the host as soon as it is made."""
     n = group_size(group)
     whole = {}
     for key, tensor in tensors.items():
         parts = [torch.empty_like(tensor) for _ in range(n)]
         dist.all_gather(parts, tensor.contiguous(), group=group)
-        whole[key] = torch.cat(parts)
+        joined = torch.cat(parts)
+        del parts
+        whole[key] = joined.cpu() if to_host else joined
     return whole
 
 
@@ -116,7 +123,8 @@ def expert_indices(params: Sequence[torch.Tensor]) -> set[int]:
 
 
 def whole_optimizer_state(state: dict[str, Any], experts: set[int], group: Any) -> dict[str, Any]:
-    """Return an optimizer ``state_dict`` with the experts' moments whole (a collective)."""
+    """Return an optimizer ``state_dict`` with the experts' moments whole, on the host (a
+    collective over ``group``)."""
     per_index = state["state"]
     tensors = {
         (i, k): v
@@ -124,7 +132,7 @@ def whole_optimizer_state(state: dict[str, Any], experts: set[int], group: Any) 
         for k, v in per_index.get(i, {}).items()
         if torch.is_tensor(v) and v.dim() > 0
     }
-    whole = gather_whole(tensors, group)
+    whole = gather_whole(tensors, group, to_host=True)
     out = {i: dict(v) for i, v in per_index.items()}
     for (i, k), v in whole.items():
         out[i][k] = v
