@@ -13,13 +13,20 @@ import torch
 from family_runs import HOROVOD_OVER_MPI, SMALL, train
 from mpirun import python, run_mpi
 from overflow_record import check_or_record
+from torch import nn
 
 from hpcllm.config import load_config
 from hpcllm.errors import UserError
 from hpcllm.model.gpt import GPT
 from hpcllm.observe import read_metrics
-from hpcllm.parallel.data.distributed_optimizer import TorchCollectives, ZeroState
+from hpcllm.parallel.data.distributed_optimizer import (
+    Collectives,
+    ExpertCut,
+    TorchCollectives,
+    ZeroState,
+)
 from hpcllm.parallel.data.optimizer_parts import merge_shards
+from hpcllm.parallel.roles import TensorRole
 from hpcllm.train import checkpoint
 from hpcllm.train.optim import build_optimizer
 
@@ -295,3 +302,50 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(data, tmp_path):
     assert outs[0]["scale"] == outs[1]["scale"] < 2.0**16
     # Each step's gradient norm and skip, as logged before the optimizer took the step over.
     check_or_record("zero", tmp_path / "run")
+
+
+class _Recorded(Collectives):
+    """Collectives that record which group started which bucket's reduce-scatter."""
+
+    def __init__(self, group: str, log: list) -> None:
+        self.group, self.log = group, log
+
+    def reduce_scatter(self, flat, part, dp, key):
+        self.log.append((self.group, key))
+        return None
+
+    def all_gather(self, flat, part, key):
+        return None
+
+    def wait(self, work):
+        pass
+
+
+def _launch_order(experts_of_the_last_layer_get_tokens: bool) -> list:
+    torch.manual_seed(0)
+    dense0, dense3 = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    e1, e2 = nn.Parameter(torch.randn(2, 8, 8)), nn.Parameter(torch.randn(2, 8, 8))
+    for e in (e1, e2):
+        e.role = TensorRole(experts=2)
+    params, log = [dense0, e1, dense3, e2], []
+    cut = ExpertCut({id(e1), id(e2)}, 2, 0, 2, _Recorded("expert_dp", log), None)
+    zero = ZeroState([params], {id(p): 0 for p in params}, set(), 4, 0, 64,
+                     _Recorded("dp", log), None, lambda p: False, experts=cut)  # fmt: skip
+    h = torch.randn(3, 8) @ dense0
+    h = (h + h @ e1[0]) @ dense3
+    if experts_of_the_last_layer_get_tokens:  # else (the experts' loop) e2 is never used
+        h = h + h @ e2[1]
+    zero.arm(0)
+    h.sum().backward()
+    zero.disarm(0)
+    return log
+
+
+def test_every_rank_starts_a_groups_reduce_scatters_in_one_order_whatever_gets_a_gradient():
+    # Each tensor in its own bucket. A rank whose last MoE layer's experts got no token never
+    # fires their hooks: its expert buckets once went out in another order than its peers'
+    # (bucket 2 on one rank met bucket 3 on the other: gradients of other tensors summed).
+    busy, idle = _launch_order(True), _launch_order(False)
+    for group in ("dp", "expert_dp"):
+        mine = [key for g, key in busy if g == group]
+        assert mine == [key for g, key in idle if g == group] and len(mine) == 2, (busy, idle)

@@ -345,6 +345,12 @@ class ZeroState:
                 self.segments[bucket.slot].append((seg, kind))
         self._armed: int | None = None
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # Each chunk's buckets that launch during the backward, by the group they reduce
+        # over (dense: dp; experts: expert-dp), in plan order (:meth:`_launch_ready`).
+        self._queues: dict[tuple[int, bool], list[Bucket]] = {}
+        for bucket in self.buckets:
+            if not bucket.late:
+                self._queues.setdefault((bucket.chunk, bucket.expert), []).append(bucket)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.flat_params
         ]
@@ -381,6 +387,21 @@ class ZeroState:
             return
         bucket.pending -= 1
         if bucket.pending == 0:
+            self._launch_ready(self._queues[bucket.chunk, bucket.expert])
+
+    def _launch_ready(self, queue: list[Bucket]) -> None:
+        """Launch the ready buckets at the head of ``queue`` (one group's, in plan order).
+
+        A group's ranks must start its collectives in one order. The order gradients become
+        ready in can differ between them: a rank whose experts got no token never touches
+        their weights (no hook fires), so their buckets wait for disarm there and not on
+        its peers. Launching in plan order, a bucket only after those before it, keeps the
+        order whatever the readiness."""
+        for bucket in queue:
+            if bucket.launched:
+                continue
+            if bucket.pending:
+                return
             self._launch(bucket)
 
     def _collectives(self, bucket: Bucket) -> Collectives:
@@ -493,22 +514,31 @@ class ZeroState:
 
     def plain_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Return the plain AdamW ``state_dict`` of this rank's parameters from the parts'
-        ``state`` (their ``master_weight`` included): each bucket's parts all-gathered over
-        the ranks it is cut over, in bucket order on every rank (a collective)."""
+        ``state`` (their ``master_weight`` included), on the host, where a checkpoint needs
+        it: each bucket's parts gathered to the first rank of the group it is cut over (dp
+        rank 0, which writes, or expert-dp rank 0, whose ep group gathers the experts for it),
+        in bucket order on every rank (a collective). The other ranks' entries for those
+        parameters are left out; nothing they return is written."""
         per_slot = state["state"]
         plain: dict[int, dict[str, Any]] = {}
         for bucket in self.buckets if per_slot else []:
             entry = per_slot[bucket.slot]
             group = self.experts.group if bucket.expert and self.experts else self.dp_group
             step = entry["step"]
+            whole = bucket.cut == 1 or bucket.cut_rank == 0
             for name in ("exp_avg", "exp_avg_sq", "master_weight"):
                 if name not in entry:
                     continue
                 flat = entry[name].contiguous()
                 if bucket.cut > 1:
-                    parts = [torch.empty_like(flat) for _ in range(bucket.cut)]
-                    dist.all_gather(parts, flat, group=group)
+                    root = dist.get_process_group_ranks(group)[0]
+                    parts = [torch.empty_like(flat) for _ in range(bucket.cut)] if whole else None
+                    dist.gather(flat, parts, dst=root, group=group)
+                    if parts is None:
+                        continue
                     flat = torch.cat(parts)
+                    del parts
+                flat = flat.cpu()
                 for i, off in zip(bucket.indices, bucket.offsets, strict=True):
                     p = self.flat_params[i]
                     out = plain.setdefault(
