@@ -280,6 +280,13 @@ def test_bf16_weights_track_fp32_weights_and_resume_exactly(data, tmp_path):
     assert mine["optimizer"] == pytest.approx(theirs["optimizer"] * 1.5, rel=1e-3)
     # The masters are saved: resuming from step 2 logs the uninterrupted losses exactly.
     _in_halves((2, 2), data, tmp_path / "halves", tmp_path / "bf16", whole, rtol=1e-6)
+    # Under Horovod, which moves no bf16: the gradients averaged in fp32, the weights
+    # gathered as their bits (once a traceback on the first reduce-scatter).
+    _train(2, data, tmp_path / "horovod", *bf16, "train.param_dtype=bf16",
+           "parallel.dp_engine=horovod", steps=4)  # fmt: skip
+    torch.testing.assert_close(
+        _losses(tmp_path / "horovod"), _losses(tmp_path / "bf16"), rtol=1e-3, atol=0
+    )
 
 
 @pytest.mark.mpi

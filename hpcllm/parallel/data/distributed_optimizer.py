@@ -207,15 +207,24 @@ class HorovodCollectives(Collectives):
     # Horovod matches the ranks' requests by name, whatever order they come in: one name per
     # bucket and collective (each is in flight once at a time).
 
+    # Horovod 0.28 moves no bf16 (train.param_dtype: bf16): the gradients are averaged in
+    # fp32, and the weights gathered as the same bits in int16.
+
     def reduce_scatter(self, flat: torch.Tensor, part: slice, dp: int, key: int) -> Any:
         name = f"hpcllm.zero.{self.prefix}reducescatter.{key}"
-        handle = self.hvd.reducescatter_async(flat, name=name, op=self.hvd.Average, **self.on)
+        sent = flat.float() if flat.dtype == torch.bfloat16 else flat
+        handle = self.hvd.reducescatter_async(sent, name=name, op=self.hvd.Average, **self.on)
         return (handle, lambda result: flat[part].copy_(result))
 
     def all_gather(self, flat: torch.Tensor, part: slice, key: int) -> Any:
         name = f"hpcllm.zero.{self.prefix}allgather.{key}"
-        handle = self.hvd.allgather_async(flat[part], name=name, **self.on)
-        return (handle, lambda result: flat.copy_(result))
+        bits = flat.dtype == torch.bfloat16
+        sent = flat[part].view(torch.int16) if bits else flat[part]
+        handle = self.hvd.allgather_async(sent, name=name, **self.on)
+        return (
+            handle,
+            lambda result: flat.copy_(result.view(torch.bfloat16) if bits else result),
+        )
 
     def wait(self, work: Any) -> None:
         handle, then = work
