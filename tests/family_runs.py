@@ -84,6 +84,25 @@ SMALL = [
     "run.tensorboard=false",
 ]
 
+# Each family's tiny MoE settings (4 experts, top-2, dropless, a z-loss; on Llama Qwen-MoE's
+# shape: every other block MoE, a gated shared expert, renormalised weights), which the MoE
+# and expert-parallel tests train.
+MOE = {
+    "gpt2": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_z_loss=0.001"],
+    # Qwen-MoE's shape: every other block MoE, a gated shared expert, renormalised weights.
+    "llama": [
+        "model.moe_experts=4",
+        "model.moe_top_k=2",
+        "model.moe_every=2",
+        "model.moe_ffn_size=64",
+        "model.moe_shared_ffn_size=32",
+        "model.moe_shared_gate=true",
+        "model.moe_renormalize=true",
+        "model.moe_z_loss=0.001",
+    ],
+}
+
+
 # Horovod reduces over MPI: under mpirun its gloo transport crashes on these machines.
 HOROVOD_OVER_MPI = {"HOROVOD_CPU_OPERATIONS": "MPI"}
 

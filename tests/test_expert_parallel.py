@@ -1,6 +1,6 @@
 """Expert parallelism (parallel.ep) trains as ep = 1 does, under every engine that takes it.
 
-Each family's tiny MoE model (4 experts, top-2, dropless; tests/test_moe_training.py's
+Each family's tiny MoE model (4 experts, top-2, dropless; tests/family_runs.py's MOE
 settings) trains at ep = 2 inside d = 2 under DDP, Horovod and ZeRO-1 and must log the ep = 1,
 d = 2 losses and gradient norms; after the first step every parameter's gradient (the
 experts' gathered whole over the ep group) equals the ep = 1 gradient. The same at t = 2 (SP)
@@ -19,27 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_runs import HOROVOD_OVER_MPI, cli, tiny
+from family_runs import HOROVOD_OVER_MPI, MOE, cli, tiny
 from mpirun import python, run_mpi
 
 from hpcllm.config import check, load_config
 from hpcllm.errors import UserError
 
-# test_moe_training.py's MoE settings (not imported: that module imports Triton through
-# hpcllm, which test_kernels must set up first).
-MOE = {
-    "gpt2": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_z_loss=0.001"],
-    "llama": [
-        "model.moe_experts=4",
-        "model.moe_top_k=2",
-        "model.moe_every=2",
-        "model.moe_ffn_size=64",
-        "model.moe_shared_ffn_size=32",
-        "model.moe_shared_gate=true",
-        "model.moe_renormalize=true",
-        "model.moe_z_loss=0.001",
-    ],
-}
 HOROVOD = "parallel.dp_engine=horovod"
 # Small buckets, so that the model spans several of each kind.
 ZERO = ["parallel.distributed_optimizer=true", "parallel.ddp_bucket_mb=0.01"]

@@ -11,25 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_runs import SMALLEST, cli, registered, rotate, tiny, train_together
+from family_runs import MOE, SMALLEST, cli, registered, rotate, tiny, train_together
 
 import hpcllm
 from hpcllm.evaluate import evaluate
-
-MOE = {
-    "gpt2": ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_z_loss=0.001"],
-    # Qwen-MoE's shape: every other block MoE, a gated shared expert, renormalised weights.
-    "llama": [
-        "model.moe_experts=4",
-        "model.moe_top_k=2",
-        "model.moe_every=2",
-        "model.moe_ffn_size=64",
-        "model.moe_shared_ffn_size=32",
-        "model.moe_shared_gate=true",
-        "model.moe_renormalize=true",
-        "model.moe_z_loss=0.001",
-    ],
-}
 
 # Every family at these layouts (the acceptance's), against its one-process run.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
