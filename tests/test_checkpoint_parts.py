@@ -125,10 +125,50 @@ def test_a_layout_names_each_file_by_the_axes_that_cut_it_and_one_replica_writes
     meta = {"tp": 2, "pp": 1, "dp": 2, "optimizer_shards": 2}
     assert Layout.of_meta(meta).names() == layout.names()
     assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
-    # A further axis is one more name in the files it cuts, not another format.
-    experts = Layout({"tp": 1, "pp": 1, "ep": 2}, {"model": ("tp", "pp", "ep")})
-    assert experts.names() == {"model_tp00_pp00_ep00.pt", "model_tp00_pp00_ep01.pt"}
-    assert not experts.writes("model", {"tp": 0, "pp": 0, "ep": 1, "dp": 1})
+    # A further axis is one more kind of file, not another format: at ep > 1 the experts'
+    # files, cut by ep and written by each ep rank's first expert-dp replica (ep is the
+    # fast-varying part of dp: dp rank = ep rank + ep · expert-dp rank).
+    grid = type("G", (), {"tp": 1, "pp": 1, "dp": 4, "ep": 2})()
+    experts = Layout.of_grid(grid, optimizer_by_dp=False)
+    assert experts.names() == {
+        "model_tp00_pp00.pt",
+        "experts_tp00_pp00_ep00.pt",
+        "experts_tp00_pp00_ep01.pt",
+    }
+    assert experts.writes("experts", {"tp": 0, "pp": 0, "dp": 1, "ep": 1})
+    assert not experts.writes("experts", {"tp": 0, "pp": 0, "dp": 3, "ep": 1})  # a replica
+    assert not experts.writes("model", {"tp": 0, "pp": 0, "dp": 1, "ep": 1})
+    both = Layout.of_grid(grid, optimizer_by_dp=True)  # a file cut by dp is cut by ep too
+    assert both.writes("optimizer", {"tp": 0, "pp": 0, "dp": 3, "ep": 1})
+    assert Layout.from_json(json.loads(json.dumps(experts.to_json()))) == experts
+    dense = type("G", (), {"tp": 1, "pp": 1, "dp": 4})()
+    assert "ep" not in Layout.of_grid(dense, optimizer_by_dp=False).sizes
+
+
+@pytest.mark.parametrize(("saved", "ep"), [(2, 1), (2, 2), (2, 4), (4, 2), (1, 4), (4, 4)])
+def test_experts_saved_by_one_ep_are_read_cut_for_another(saved: int, ep: int) -> None:
+    from hpcllm.train.checkpoint.read import experts_files, merge_experts
+
+    # 8 experts: each tensor's row e is expert e; the optimizer's entry keeps its step.
+    whole = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    per = 8 // saved
+    files = {
+        j: {
+            "model": {"experts.up": whole[j * per : (j + 1) * per]},
+            "optimizer": {"state": {5: {"exp_avg": -whole[j * per : (j + 1) * per]}}},
+        }
+        for j in range(saved)
+    }
+    for rank in range(ep):
+        wanted = experts_files(saved, ep, rank)
+        shard = {"model": {"wte": torch.ones(2)}, "optimizer": {"state": {5: {"step": 7}}}}
+        merge_experts(shard, {j: files[j] for j in wanted}, saved, ep, rank)
+        mine = whole[rank * 8 // ep : (rank + 1) * 8 // ep]
+        assert torch.equal(shard["model"]["experts.up"], mine), (saved, ep, rank)
+        assert torch.equal(shard["optimizer"]["state"][5]["exp_avg"], -mine)
+        assert shard["optimizer"]["state"][5]["step"] == 7 and "wte" in shard["model"]
+        # Only the files that hold this rank's experts are read.
+        assert len(wanted) == max(1, saved // ep), (saved, ep, rank, wanted)
 
 
 def test_a_manifest_whose_layout_is_broken_fails_verification(stdlib: Path, tmp_path: Path):

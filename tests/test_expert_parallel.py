@@ -7,8 +7,10 @@ experts' gathered whole over the ep group) equals the ep = 1 gradient. The same 
 × ep = 2, p = 2 × ep = 2 and ep = 2 inside d = 4 (where the expert-dp groups have two ranks
 and Horovod needs process sets), and under recomputation. The parts the families share are
 checked by one each: GPT-2's capacity factor drops the same assignments at any ep, its bf16
-stays near ep = 1's, and convert takes --ep; Llama's runs re-cut between ep = 2 and ep = 1
-(from ZeRO-1 too) resume with the uninterrupted losses. Two launches per family: one of 2
+stays near ep = 1's, its compiled blocks log ep = 1's losses, and convert takes --ep; Llama's
+runs resume, with the uninterrupted losses, at another ep (2 to 1, 1 to 2, ZeRO-1's 2 to 4) and
+at the same (ZeRO-1's 2 to 2), each rank reading the experts files that hold its experts. An
+ep = 2 checkpoint's experts are in one file per ep rank. Two launches per family: one of 2
 ranks, one of 4 (tests/mpi_scripts/ep_runs.py).
 """
 
@@ -90,6 +92,8 @@ def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resu
             ["ep2-capacity", "ep2-capacity", [*base, *CAPACITY, *ep2]],
             ["ep1-bf16", "ep1-bf16", [*base, *BF16]],
             ["ep2-bf16", "ep2-bf16", [*base, *BF16, *ep2]],
+            # Compiled blocks: the all-to-alls run eagerly between the compiled parts.
+            ["ep2-compile", "ep2-compile", [*base, *ep2, "model.compile=blocks"]],
         ]
     else:  # stopped after step 2 at one ep, resumed to step 4 at the other
         two += [
@@ -111,10 +115,14 @@ def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resu
         ["d4-ep2-zero", "d4-ep2-zero", [*base, *ep2, *ZERO]],
         ["d4-ep2-zero-horovod", "d4-ep2-zero-horovod", [*base, *ep2, *ZERO, HOROVOD]],
     ]
-    if arch == "llama":  # ZeRO-1's state saved at ep = 2, resumed at ep = 1 by plain AdamW
+    if arch == "llama":
         four += [
+            # ZeRO-1's state saved at ep = 2, resumed at ep = 4 by plain AdamW (each rank
+            # reads half of one saved experts file), and at ep = 2 again (its own file).
             ["zero-from-ep2", "zero-from-ep2", [*base, *ep2, *ZERO, *short]],
-            ["zero-from-ep2", "zero-from-ep2", base],
+            ["zero-from-ep2", "zero-from-ep2", [*base, "parallel.ep=4"]],
+            ["zero-same-ep", "zero-same-ep", [*base, *ep2, *ZERO, *short]],
+            ["zero-same-ep", "zero-same-ep", [*base, *ep2, *ZERO]],
             ["zero-from-ep1", "zero-from-ep1", [*base, *short]],
             ["zero-from-ep1", "zero-from-ep1", [*base, *ep2, *ZERO]],
         ]
@@ -132,13 +140,15 @@ def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resu
         _grads_equal(tmp_path, name, ref, 4)
     _same(logged["ep2-more"], logged["ep1-more"], ("loss", "grad_norm"), 1e-5)
     if arch == "llama":  # re-cut both ways on resume: the uninterrupted run's losses
-        for name in ("from-ep2", "from-ep1", "zero-from-ep2", "zero-from-ep1"):
+        for name in ("from-ep2", "from-ep1", "zero-from-ep2", "zero-same-ep", "zero-from-ep1"):
             _same(logged[name], reference, ("loss", "grad_norm"), 1e-5)
     else:
         # A capacity counts one rank's micro-batch, whatever ep: the same drops and losses.
         dropped = [r["moe_dropped"] for r in logged["ep1-capacity"]]
         assert all(d > 0 for d in dropped), dropped
         _same(logged["ep2-capacity"], logged["ep1-capacity"], ("loss", "moe_dropped"), 1e-5)
+        # Inductor reorders fp32 sums (tests/test_compile.py's bound).
+        _same(logged["ep2-compile"], reference, ("loss", "grad_norm"), 1e-4)
         # bf16: within 2 % of ep = 1 over 20 steps.
         _same(logged["ep2-bf16"], logged["ep1-bf16"], ("loss",), 2e-2)
         # convert's --ep: the config it writes, and its refusals.
@@ -152,7 +162,22 @@ def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resu
                        str(tmp_path / "refused"), *args)  # fmt: skip
             assert done.returncode == 2 and says in done.stderr, done.stderr
             assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    # The checkpoint holds every expert whole: read as any MoE run's, the ep = 1 model.
+    # Each ep rank wrote its own experts; the model file holds the rest. Read whole (as
+    # load_model reads it) the checkpoint is the ep = 1 model.
+    folder = tmp_path / "ep2" / "checkpoints" / "step_00000004"
+    whole = torch.load(folder / "model_tp00_pp00.pt")
+    own = [torch.load(folder / f"experts_tp00_pp00_ep{r:02d}.pt") for r in range(2)]
+    dense = torch.load(tmp_path / "ep1" / "checkpoints" / "step_00000004" / "model_tp00_pp00.pt")
+    from hpcllm import families  # in the body, as hpcllm below
+
+    family = families.get(arch)
+    experts = [key for key in dense["model"] if family.rule(key).experts]
+    assert experts and not any(key in whole["model"] for key in experts)
+    for key in experts:
+        parts = [o["model"][key] for o in own]
+        assert [p.shape[0] for p in parts] == [2, 2], key
+        moments = [o["optimizer"]["state"] for o in own]
+        assert moments[0] and moments[0].keys() == moments[1].keys()
     import hpcllm  # here: importing it at collection would import Triton before test_kernels
 
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))

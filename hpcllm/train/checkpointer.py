@@ -13,7 +13,10 @@ with ``state_dict`` and ``load_state_dict``: the trainer names ``model``, ``opti
 ``scaler`` and ``rng``; another component (a data blend's position, say) adds its own under a
 new name, and each is saved, verified and loaded under it. A part is the same on every
 data-parallel replica of a (tp, pp) shard (the model's weights and persistent buffers, the
-optimizer, whose per-dp parts the format itself splits off, and anything replicated).
+optimizer, whose per-dp parts the format itself splits off, and anything replicated), but
+for what differs by ep rank at ep > 1: a part with a ``by_ep(state)`` method (the model's and
+the optimizer's) splits its routed experts off into the experts file of its ep rank, and
+reads them back cut for the run's ep, whatever ep saved them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 import yaml
 from torch import nn
@@ -38,14 +42,7 @@ from hpcllm.datasets.tokenizer import CONFIG_FILE
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
-from hpcllm.parallel.data.experts import (
-    expert_indices,
-    gather_whole,
-    is_expert,
-    own_optimizer_state,
-    own_part,
-    whole_optimizer_state,
-)
+from hpcllm.parallel.data.experts import expert_indices, is_expert, own_part
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 from hpcllm.train import checkpoint, reshard
@@ -70,60 +67,93 @@ class _Part:
     optional: bool  # a checkpoint without it (written before it existed) leaves it as built
 
 
+def _per_expert(value: Any) -> bool:
+    """Whether an expert's optimizer entry holds ``value`` per expert (its moments, its fp32
+    master), not once (the step)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
 class ModelChunks:
     """This rank's model chunks as a named part: weights and persistent buffers, keyed as
-    checkpoints hold them (:func:`hpcllm.model.stages.chunks_state_dict`). At ep > 1 the
-    experts are saved whole (gathered over ``grid``'s ep group) and loaded by part
-    (:mod:`hpcllm.parallel.data.experts`)."""
+    checkpoints hold them (:func:`hpcllm.model.stages.chunks_state_dict`). At ep > 1 its
+    routed experts differ by ep rank: :meth:`by_ep` splits them off into the experts file."""
 
     def __init__(self, chunks: nn.ModuleList, pp: int, grid: Any = None) -> None:
-        self.chunks, self.pp, self.grid = chunks, pp, grid
+        self.chunks, self.pp = chunks, pp
         ep = grid.ep if grid is not None else 1
+        self.ep_rank = grid.ep_rank if grid is not None else 0
         named = chunks[0].named_parameters() if pp == 1 else chunks.named_parameters()
-        # In module order, the same on every rank (the gather is a collective per tensor).
-        self.experts = [name for name, p in named if is_expert(p)] if ep > 1 else []
-        # Only the ep group that writes the model file gathers: the one of expert-dp rank 0
-        # (dp rank 0's), the same answer on every rank of an ep group.
-        self.gathers = bool(self.experts) and grid.expert_dp_rank == 0
+        self.experts = {name: p.shape[0] for name, p in named if is_expert(p)} if ep > 1 else {}
 
     def state_dict(self) -> dict[str, Any]:
-        state = chunks_state_dict(self.chunks, self.pp)
-        if self.gathers:
-            mine = {key: state[key] for key in self.experts}
-            state.update(gather_whole(mine, self.grid.groups.ep, to_host=True))
-        return state
+        return chunks_state_dict(self.chunks, self.pp)
+
+    def by_ep(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Return (the state without this rank's experts, its experts)."""
+        own = {key: state[key] for key in self.experts}
+        return {k: v for k, v in state.items() if k not in own}, own
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.experts:
-            g = self.grid
             state = dict(state)
-            for key in self.experts:
-                state[key] = own_part(state[key], g.ep, g.ep_rank)
+            for key, mine in self.experts.items():
+                state[key] = self._own(state[key], mine)
         load_chunks_state_dict(self.chunks, self.pp, state)
+
+    def _own(self, tensor: Any, mine: int) -> Any:
+        # A checkpoint's reader cuts the experts for this rank; a re-cut of tp or pp (and a
+        # checkpoint that held them whole) gives them whole.
+        if tensor.shape[0] == mine:
+            return tensor
+        return own_part(tensor, tensor.shape[0] // mine, self.ep_rank)
 
 
 class OptimizerState:
     """The optimizer as a named part; a checkpoint without its state (an imported model:
     None) leaves the fresh optimizer, and settings that are not state are not restored
-    (:func:`hpcllm.train.optim.load_optimizer_state`)."""
+    (:func:`hpcllm.train.optim.load_optimizer_state`). At ep > 1 the moments of the routed
+    experts are split off into the experts file, as :class:`ModelChunks`' weights are."""
 
     def __init__(self, optimizer: MixedPrecisionOptimizer, grid: Any = None) -> None:
-        self.optimizer, self.grid = optimizer, grid
+        self.optimizer = optimizer
         ep = grid.ep if grid is not None else 1
-        self.experts = expert_indices(optimizer.state_params()) if ep > 1 else set()
-        self.gathers = bool(self.experts) and grid.expert_dp_rank == 0  # as ModelChunks
+        params = optimizer.state_params()
+        self.experts = {i: params[i].shape[0] for i in expert_indices(params)} if ep > 1 else {}
+        self.ep_rank = grid.ep_rank if grid is not None else 0
 
     def state_dict(self) -> Any:
-        state = self.optimizer.state_dict()
-        if self.gathers:
-            state = whole_optimizer_state(state, self.experts, self.grid.groups.ep)
-        return state
+        return self.optimizer.state_dict()
+
+    def by_ep(self, state: Any) -> tuple[Any, dict[str, Any]]:
+        """Return (the state without this rank's experts' moments, their moments)."""
+        shared: dict[int, Any] = {}
+        own: dict[int, Any] = {}
+        for i, entry in state["state"].items():
+            if i in self.experts:
+                own[i] = {k: v for k, v in entry.items() if _per_expert(v)}
+                entry = {k: v for k, v in entry.items() if not _per_expert(v)}
+            shared[i] = entry
+        return {**state, "state": shared}, {"state": own}
 
     def load_state_dict(self, state: Any) -> None:
         if state is not None:
             if self.experts:
-                state = own_optimizer_state(state, self.experts, self.grid.ep, self.grid.ep_rank)
+                state = self._own(state)
             load_optimizer_state(self.optimizer, state)
+
+    def _own(self, state: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for i, entry in state["state"].items():
+            mine = self.experts.get(int(i))
+            if mine is not None:
+                entry = {
+                    k: own_part(v, v.shape[0] // mine, self.ep_rank)
+                    if _per_expert(v) and v.shape[0] != mine
+                    else v
+                    for k, v in entry.items()
+                }
+            out[i] = entry
+        return {**state, "state": out}
 
     @property
     def per_replica(self) -> bool:
@@ -335,7 +365,9 @@ class Checkpointer:
         self._check_tracked()
         g = self.grid
         if self.reshard_from is None:
-            shard = checkpoint.load_shard(folder, g.tp_rank, g.pp_rank, g.tp, g.pp, g.dp_rank)
+            shard = checkpoint.load_shard(
+                folder, g.tp_rank, g.pp_rank, g.tp, g.pp, g.dp_rank, ep=g.ep, ep_rank=g.ep_rank
+            )
         else:
             shard = reshard.cut_shard(
                 reshard.SavedState(folder), reshard.Cut.of(self.cfg), g.tp_rank, g.pp_rank
@@ -381,7 +413,12 @@ class Checkpointer:
             return None
         for hook in self._before_save:
             hook()
-        shard = {name: part.obj.state_dict() for name, part in self._parts.items()}
+        shard, by_ep = {}, {}
+        for name, part in self._parts.items():
+            shard[name] = part.obj.state_dict()
+            split = getattr(part.obj, "by_ep", None)
+            if self.grid.ep > 1 and split is not None:
+                shard[name], by_ep[name] = split(shard[name])
         folder = checkpoint.save(
             self.run_dir,
             state.step,
@@ -392,6 +429,7 @@ class Checkpointer:
             on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self.warn,
             per_replica=self._per_replica(),
+            by_ep=by_ep,
         )
         keep = self.cfg.run.keep_checkpoints
         if folder is not None and keep is not None and self.grid.rank == 0:

@@ -498,7 +498,7 @@ def convert(
     )
     layout = Cut.of(cfg)
     cfg.run.dir = str(out_dir.resolve())  # resumes from wherever training starts
-    written_anew = ("tp", "pp", "dp", "step", "format_version")
+    written_anew = ("tp", "pp", "dp", "ep", "step", "format_version")
     meta = {k: v for k, v in saved.meta.items() if k not in written_anew}
     try:
         with new_folder(out_dir) as partial:

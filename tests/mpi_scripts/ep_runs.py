@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hpcllm.config import load_config
 from hpcllm.observe import read_metrics
-from hpcllm.parallel.data.experts import gather_whole, is_expert
+from hpcllm.parallel.data.experts import is_expert
 from hpcllm.train.trainer import Trainer
 
 
@@ -40,7 +40,9 @@ def main() -> None:
                 for key, p in chunk.named_parameters():
                     grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                     if is_expert(p):
-                        grad = gather_whole({0: grad}, grid.groups.ep)[0]
+                        parts = [torch.empty_like(grad) for _ in range(grid.ep)]
+                        dist.all_gather(parts, grad.contiguous(), group=grid.groups.ep)
+                        grad = torch.cat(parts)
                     grads[f"{i}.{key}"] = grad
             out = scratch / name
             out.mkdir(parents=True, exist_ok=True)

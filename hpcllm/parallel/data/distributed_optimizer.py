@@ -525,7 +525,7 @@ class ZeroState:
         """Return the plain AdamW ``state_dict`` of this rank's parameters from the parts'
         ``state`` (their ``master_weight`` included), on the host, where a checkpoint needs
         it: each bucket's parts gathered to the first rank of the group it is cut over (dp
-        rank 0, which writes, or expert-dp rank 0, whose ep group gathers the experts for it),
+        rank 0, which writes the model file, or expert-dp rank 0, which writes its experts' file),
         in bucket order on every rank (a collective). The other ranks' entries for those
         parameters are left out; nothing they return is written."""
         per_slot = state["state"]

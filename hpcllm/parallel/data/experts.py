@@ -83,29 +83,11 @@ def torch_all_to_all(group: Any) -> AllToAll:
 
 # -- checkpoints --------------------------------------------------------------------------
 #
-# A checkpoint holds every expert whole, as at ep = 1: at save the ep group that writes (the
-# one holding dp rank 0, the first replica) gathers its experts onto the host (each saved
-# file is the one ep = 1 writes), at load each rank keeps its own. So a run resumes at another
-# ep, and every reader (convert, load_model, generate) reads it, with no re-cut; the price is
-# the gather at save (a tp × pp shard's experts in host memory on the ranks of that group).
-
-
-def gather_whole(
-    tensors: dict[Any, torch.Tensor], group: Any, to_host: bool = False
-) -> dict[Any, torch.Tensor]:
-    """Return ``tensors`` (this rank's experts, by key) whole: every ep rank's concatenated
-    along dim 0 in ep-rank order (a collective over ``group``; one all-gather per tensor, so
-    that at most one tensor's parts are on the device at once). ``to_host``: each whole
-    tensor is moved to the host as soon as it is made."""
-    n = group_size(group)
-    whole = {}
-    for key, tensor in tensors.items():
-        parts = [torch.empty_like(tensor) for _ in range(n)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        joined = torch.cat(parts)
-        del parts
-        whole[key] = joined.cpu() if to_host else joined
-    return whole
+# Each rank of an ep group holds its own experts, and the first expert-dp replica of each
+# writes them to a file of its own (hpcllm.train.checkpoint: the experts file, cut by tp, pp
+# and ep); a reader joins them along dim 0 and takes the part a rank of any ep holds. A
+# checkpoint read whole (convert, load_model, a re-cut of t or p) gives them whole, and each
+# rank keeps its part.
 
 
 def own_part(tensor: torch.Tensor, ep: int, ep_rank: int) -> torch.Tensor:
@@ -120,35 +102,3 @@ def expert_indices(params: Sequence[torch.Tensor]) -> set[int]:
     """Return the indices of the expert tensors among ``params`` (a plain optimizer state's
     parameters, in its order)."""
     return {i for i, p in enumerate(params) if is_expert(p)}
-
-
-def whole_optimizer_state(state: dict[str, Any], experts: set[int], group: Any) -> dict[str, Any]:
-    """Return an optimizer ``state_dict`` with the experts' moments whole, on the host (a
-    collective over ``group``)."""
-    per_index = state["state"]
-    tensors = {
-        (i, k): v
-        for i in sorted(experts)
-        for k, v in per_index.get(i, {}).items()
-        if torch.is_tensor(v) and v.dim() > 0
-    }
-    whole = gather_whole(tensors, group, to_host=True)
-    out = {i: dict(v) for i, v in per_index.items()}
-    for (i, k), v in whole.items():
-        out[i][k] = v
-    return {**state, "state": out}
-
-
-def own_optimizer_state(
-    state: dict[str, Any], experts: set[int], ep: int, ep_rank: int
-) -> dict[str, Any]:
-    """Return a whole optimizer ``state_dict`` with only this rank's experts' moments."""
-    out = {}
-    for i, entry in state["state"].items():
-        if int(i) in experts:
-            entry = {
-                k: own_part(v, ep, ep_rank) if torch.is_tensor(v) and v.dim() > 0 else v
-                for k, v in entry.items()
-            }
-        out[i] = entry
-    return {**state, "state": out}

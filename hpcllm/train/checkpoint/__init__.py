@@ -8,6 +8,9 @@ RUN_DIR/checkpoints/
     optimizer_tp00_pp00_dp000.pt   with parallel.distributed_optimizer: dp rank 0's part of
                                    that shard's optimizer state (one file per dp rank);
                                    with local-sgd: dp rank 0's own optimizer state
+    experts_tp00_pp00_ep01.pt  at parallel.ep > 1: ep rank 1's routed experts and their
+                               optimizer state (one file per ep rank; the model file holds
+                               the rest of those parts)
     meta.json                  step, consumed samples, grid sizes, format_version
     config.yaml                the run's resolved config
     manifest.json              size and CRC-32 of every file above, the layout and the
@@ -20,12 +23,15 @@ pp, the optimizer's own files by tp, pp and dp) and written by the first of the 
 hold it: data-parallel replicas hold the same model file, so only dp rank 0 of each (tp, pp)
 writes it (under the distributed optimizer every dp rank also writes its part of the optimizer
 state, which :func:`~.read.read_shard` merges back into the plain state, so a checkpoint
-resumes at any d). The manifest records the layout (each axis's size, the axes of each kind of
-file), so the next axis adds a name to the files it cuts, not a format. Every
-file goes into a hidden ``.step_….partial`` folder; each writing rank computes its shard's
-checksum while writing it and the ranks gather those to rank 0, which writes meta.json,
-config.yaml, then manifest.json, and renames the folder. A checkpoint is therefore a folder
-whose manifest vouches for every file in it; one without a valid manifest does not exist.
+resumes at any d). At ep > 1 each ep rank's first expert-dp replica writes the experts it
+holds, and :func:`~.read.read_shard` joins them and cuts them for a rank of any ep, reading
+only the files that hold its experts. The manifest records the layout (each axis's size, the
+axes of each kind of file), so the next axis adds a kind of file or a name to the files it
+cuts, not a format. Every file goes into a hidden ``.step_….partial`` folder; each writing
+rank computes its shard's checksum while writing it and the ranks gather those to rank 0,
+which writes meta.json, config.yaml, then manifest.json, and renames the folder. A checkpoint
+is therefore a folder whose manifest vouches for every file in it; one without a valid
+manifest does not exist.
 
 manifest.json::
 

@@ -35,12 +35,15 @@ REPLICAS_FORMAT = "hpcllm-optimizer-replicas-1"
 
 # The axes that may cut a checkpoint's files, in the order their numbers appear in a file
 # name, with the digits of each number. A new axis is one more entry here (and its size and
-# rank on the grid: ``grid.<axis>``, ``grid.<axis>_rank``).
-AXES: dict[str, int] = {"tp": 2, "pp": 2, "dp": 3}
+# rank on the grid: ``grid.<axis>``, ``grid.<axis>_rank``). ep is the fast-varying part of dp
+# (dp rank = ep rank + ep · expert-dp rank), so its files' replicas are the expert-dp ranks.
+AXES: dict[str, int] = {"tp": 2, "pp": 2, "dp": 3, "ep": 2}
 # The kinds of file: the model file holds every named part of a (tp, pp) shard, the same on
 # its data-parallel replicas; the optimizer file holds one dp rank's optimizer state where it
-# differs by dp rank (the distributed optimizer's part, local SGD's replica).
-MODEL, OPTIMIZER = "model", "optimizer"
+# differs by dp rank (the distributed optimizer's part, local SGD's replica); at ep > 1 the
+# experts file holds what differs by ep rank: its routed experts' weights and their Adam
+# moments (the model file holds the rest of those parts).
+MODEL, OPTIMIZER, EXPERTS = "model", "optimizer", "experts"
 # The named parts of every checkpoint before format 3, which all lived in the model file.
 FORMAT_2_PARTS = ("model", "optimizer", "scaler", "rng")
 
@@ -76,11 +79,15 @@ class Layout:
     @classmethod
     def of_grid(cls, grid: Any, *, optimizer_by_dp: bool) -> Layout:
         """Return the layout a grid saves: the model file cut by tp and pp, the optimizer's
-        own files (``optimizer_by_dp``) by dp as well."""
-        sizes = {axis: int(getattr(grid, axis)) for axis in AXES}
+        own files (``optimizer_by_dp``) by dp as well, the experts' files (ep > 1) by ep."""
+        sizes = {axis: int(getattr(grid, axis, 1)) for axis in AXES}
         files = {MODEL: ("tp", "pp")}
         if optimizer_by_dp:
             files[OPTIMIZER] = ("tp", "pp", "dp")
+        if sizes["ep"] > 1:
+            files[EXPERTS] = ("tp", "pp", "ep")
+        else:
+            del sizes["ep"]  # a layout names the axes that cut something
         return cls(sizes, files)
 
     @classmethod
@@ -127,14 +134,21 @@ class Layout:
     def writes(self, kind: str, ranks: Mapping[str, int]) -> bool:
         """Return whether the rank at ``ranks`` (its rank on every axis) writes its ``kind``
         file: it is the first of the replicas holding it."""
-        return kind in self.files and all(
-            rank == 0 for axis, rank in ranks.items() if axis not in self.files[kind]
-        )
+        if kind not in self.files:
+            return False
+        others = {axis: rank for axis, rank in ranks.items() if axis not in self.files[kind]}
+        # ep is the fast-varying part of dp: a file cut by dp is cut by ep too, and the
+        # replicas of a file cut by ep are the expert-dp ranks (dp rank // ep).
+        if "dp" in self.files[kind]:
+            others.pop("ep", None)
+        elif "ep" in self.files[kind] and "dp" in others:
+            others["dp"] //= self.sizes["ep"]
+        return all(rank == 0 for rank in others.values())
 
 
 def grid_ranks(grid: Any) -> dict[str, int]:
-    """Return a grid's rank on every axis of :data:`AXES`."""
-    return {axis: int(getattr(grid, f"{axis}_rank")) for axis in AXES}
+    """Return a grid's rank on every axis of :data:`AXES` (0 on an axis it lacks)."""
+    return {axis: int(getattr(grid, f"{axis}_rank", 0)) for axis in AXES}
 
 
 def stderr_warning(message: str) -> None:

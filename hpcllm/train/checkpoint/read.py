@@ -16,6 +16,7 @@ from hpcllm.config import Config, config_from_dict, load_yaml, moe_layers
 from hpcllm.errors import UserError
 from hpcllm.parallel.data.optimizer_parts import merge_shards
 from hpcllm.train.checkpoint.format import (
+    EXPERTS,
     MANIFEST,
     MODEL,
     OPTIMIZER,
@@ -49,9 +50,19 @@ def _format_1_globals() -> list[Any]:
 
 
 def load_shard(
-    folder: Path, tp_rank: int, pp_rank: int, tp: int, pp: int, dp_rank: int = 0
+    folder: Path,
+    tp_rank: int,
+    pp_rank: int,
+    tp: int,
+    pp: int,
+    dp_rank: int = 0,
+    *,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, Any]:
     """Return this rank's shard of a checkpoint, after checking its grid and its checksum.
+
+    The routed experts come cut for rank ``ep_rank`` of ``ep``, whatever ep saved them.
 
     Reads with ``weights_only=True``. Raises a one-line :class:`UserError` naming the file if
     it is missing, does not match the manifest, or cannot be unpickled.
@@ -64,7 +75,7 @@ def load_shard(
             f"run has tp={tp}, pp={pp}; set run.reshard=true to re-cut it on load, or "
             "re-cut a copy with hpcllm convert --tp T --pp P"
         )
-    return read_shard(folder, tp_rank, pp_rank, meta, dp_rank=dp_rank)
+    return read_shard(folder, tp_rank, pp_rank, meta, dp_rank=dp_rank, ep=ep, ep_rank=ep_rank)
 
 
 def read_shard(
@@ -76,11 +87,16 @@ def read_shard(
     mmap: bool = False,
     check: bool = True,
     dp_rank: int = 0,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, Any]:
     """Return the (tp_rank, pp_rank) shard of a checkpoint (its named parts), after checking
     its checksum.
 
-    ``dp_rank`` picks the optimizer state of that replica where each saved its own.
+    ``dp_rank`` picks the optimizer state of that replica where each saved its own. Experts
+    saved per ep rank (their own files) come back cut for rank ``ep_rank`` of ``ep``: whole by
+    default, as every reader but a resumed run wants them; only the files that hold those
+    experts are read.
     ``mmap`` maps the file instead of reading it: tensors that are never touched (the Adam
     moments, when only weights are wanted) are never copied into memory. ``check`` False
     skips the checksum, for a folder :func:`~hpcllm.train.checkpoint.find.verify` has just
@@ -110,7 +126,52 @@ def read_shard(
         shard["optimizer"] = _read_file(
             folder, layout.name(OPTIMIZER, **ranks, dp=mine), meta, mmap=mmap, check=check
         )
+    if EXPERTS in layout.files:
+        saved = layout.sizes["ep"]
+        files = {
+            j: _read_file(folder, layout.name(EXPERTS, **ranks, ep=j), meta, mmap=mmap, check=check)
+            for j in experts_files(saved, ep, ep_rank)
+        }
+        merge_experts(shard, files, saved, ep, ep_rank)
     return shard
+
+
+def experts_files(saved: int, ep: int, ep_rank: int) -> range:
+    """Return the saved ep ranks (of ``saved``) whose experts rank ``ep_rank`` of ``ep``
+    holds: saved rank j holds the fraction [j/saved, (j+1)/saved) of every expert tensor."""
+    first = ep_rank * saved // ep
+    last = -(-(ep_rank + 1) * saved // ep)  # ceil
+    return range(first, last)
+
+
+def merge_experts(
+    shard: dict[str, Any], files: dict[int, Any], saved: int, ep: int, ep_rank: int
+) -> None:
+    """Put the experts of ``files`` (saved ep rank -> its experts file, the consecutive ones
+    :func:`experts_files` names) into ``shard``'s parts, cut for rank ``ep_rank`` of ``ep``:
+    each tensor's saved parts joined along dim 0, then this rank's 1/ep taken."""
+    first = min(files)
+
+    def cut(parts: list[Any]) -> Any:
+        if isinstance(parts[0], dict):
+            return {key: cut([p[key] for p in parts]) for key in parts[0]}
+        per = parts[0].shape[0]  # experts per saved rank
+        whole = per * saved
+        if whole % ep:
+            raise UserError(f"{whole} experts do not split over ep {ep}")
+        start = ep_rank * (whole // ep) - first * per
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined[start : start + whole // ep]
+
+    def put(into: dict[Any, Any], new: dict[Any, Any]) -> None:
+        for key, value in new.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                put(into[key], value)
+            else:
+                into[key] = value
+
+    ordered = [files[j] for j in sorted(files)]
+    put(shard, cut(ordered))
 
 
 def _layout(folder: Path, meta: dict[str, Any]) -> Layout:

@@ -21,6 +21,7 @@ from hpcllm.files import atomic_write, durable_replace, fsync_path
 from hpcllm.parallel.data.optimizer_parts import is_shard_state
 from hpcllm.train.checkpoint.find import checkpoints, step_of, verify
 from hpcllm.train.checkpoint.format import (
+    EXPERTS,
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
@@ -136,6 +137,7 @@ def save(
     on_failure: str = "fail",
     warn: Warn = stderr_warning,
     per_replica: bool = False,
+    by_ep: dict[str, Any] | None = None,
 ) -> Path | None:
     """Write the checkpoint of ``step`` (a collective: every rank calls it); return its path.
 
@@ -145,6 +147,9 @@ def save(
     differs by dp rank (the distributed optimizer's part, or each replica's own with
     ``per_replica``: local SGD, which :func:`~hpcllm.train.checkpoint.read.read_shard` gives
     back to the same dp rank) goes into a file of its own that every dp rank writes.
+    ``by_ep`` (ep > 1): what of the named parts differs by ep rank (this rank's experts,
+    nested as in the parts, each tensor's experts along dim 0), which ``shard`` then lacks;
+    it goes into the experts file of this rank's (tp, pp, ep), written by expert-dp rank 0.
 
     If a write fails on any rank, rank 0 removes the partial folder (earlier checkpoints are
     untouched), then with ``on_failure="fail"`` every rank raises the same one-line
@@ -168,6 +173,8 @@ def save(
             else {"format": SHARDS_FORMAT, "shards": grid.dp}
         )
         contents = {MODEL: {**shard, "optimizer": kind}, OPTIMIZER: optimizer}
+    if EXPERTS in layout.files:
+        contents[EXPERTS] = by_ep or {}
     mine = {kind: state for kind, state in contents.items() if layout.writes(kind, ranks)}
     files: dict[str, Any] = {}
 
@@ -185,6 +192,8 @@ def save(
 
     def publish() -> None:
         full_meta = {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+        if EXPERTS in layout.files:
+            full_meta["ep"] = layout.sizes["ep"]
         if by_dp:
             full_meta["optimizer_replicas" if per_replica else "optimizer_shards"] = grid.dp
         _publish(root, step, full_meta, config_yaml, files, layout, list(shard))
