@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,58 +58,113 @@ def _hf_family(cfg: ModelConfig) -> families.Family:
     return family
 
 
-def _names(model: nn.Module) -> list[tuple[str, str, bool]]:
-    """Return (ours, theirs, transpose) for every tensor of a whole model (tp = 1, one stage)
-    that has a Hugging Face name; a tied model's output layer has none of its own."""
+@dataclasses.dataclass(frozen=True)
+class _Link:
+    """One of our tensors (of a whole model: tp = 1, one stage) and the Hugging Face tensors
+    it is made of: one, or one per routed expert (``per_expert``: stacked along dim 0), each
+    stored transposed (``transpose``: the last two dims swapped) or fused with others
+    (``part``: (dim, index, count), ours being chunk ``index`` of ``count`` along ``dim``)."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    transpose: bool = False
+    part: tuple[int, int, int] | None = None
+    per_expert: bool = False
+
+
+def _links(model: nn.Module, available: set[str] | None = None) -> list[_Link]:
+    """Return the link of every tensor of a whole model that has a Hugging Face name (a tied
+    model's output layer has none of its own), in the family's order.
+
+    Where the family names several forms of a tensor, ``available`` (a checkpoint's tensor
+    names) picks the first form it holds whole; without it (an export), or where it holds
+    none, the first form."""
     family = _hf_family(model.cfg)
     present = set(model.state_dict())
-    found = []
+    experts = range(model.cfg.moe_experts)
+    chosen: dict[str, _Link] = {}
     for tensor in family.hf_tensors:
         indices = range(model.cfg.n_layer) if "{i}" in tensor.ours else [None]
         for i in indices:
             ours = tensor.ours.format(i=i)
-            if ours in present:
-                found.append((ours, tensor.theirs.format(i=i), tensor.transpose))
-    return found
+            if ours not in present:
+                continue
+            if tensor.per_expert:
+                theirs = tuple(tensor.theirs.format(i=i, e=e) for e in experts)
+            else:
+                theirs = (tensor.theirs.format(i=i),)
+            link = _Link(ours, theirs, tensor.transpose, tensor.part, tensor.per_expert)
+            if ours not in chosen:
+                if not tensor.alternative:
+                    chosen[ours] = link
+            elif available is not None and not set(chosen[ours].theirs) <= available:
+                if set(theirs) <= available:
+                    chosen[ours] = link
+    return list(chosen.values())
 
 
-def _theirs(model: nn.Module, name: str, value: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """Return our tensor ``name`` as Hugging Face stores it (a view where it can be)."""
-    if _hf_family(model.cfg).rule(name).padded:
+def _stored_shape(link: _Link, ours: tuple[int, ...]) -> tuple[int, ...]:
+    """Return the shape each Hugging Face tensor of ``link`` has, ours being ``ours``."""
+    shape = list(ours[1:] if link.per_expert else ours)
+    if link.transpose:
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    if link.part is not None:
+        shape[link.part[0]] *= link.part[2]
+    return tuple(shape)
+
+
+def _theirs(model: nn.Module, link: _Link, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Return our tensor ``value`` of ``link`` as Hugging Face stores it, by name (views where
+    it can be)."""
+    if link.part is not None:
+        raise ValueError(f"{link.theirs[0]} is a form hpcllm reads, not one it writes")
+    if _hf_family(model.cfg).rule(link.ours).padded:
         value = value[: model.vocab_size]
-    return value.t() if transpose else value
+    values = list(value) if link.per_expert else [value]
+    if link.transpose:
+        values = [v.transpose(-2, -1) for v in values]
+    return dict(zip(link.theirs, values, strict=True))
 
 
 def to_hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return the Hugging Face state dict of a (tp = 1) model, its vocabulary padding dropped."""
     ours = model.state_dict()
     return {
-        theirs: _theirs(model, name, ours[name], transpose).detach().contiguous().clone()
-        for name, theirs, transpose in _names(model)
+        name: value.detach().contiguous().clone()
+        for link in _links(model)
+        for name, value in _theirs(model, link, ours[link.ours]).items()
     }
 
 
 def _ours(
-    model: nn.Module,
-    shapes: dict[str, Any],
-    name: str,
-    value: torch.Tensor,
-    transpose: bool,
-    theirs: str | None = None,
+    model: nn.Module, shapes: dict[str, Any], link: _Link, get: Callable[[str], torch.Tensor]
 ) -> torch.Tensor:
-    """Return a Hugging Face tensor (named ``theirs`` there) as our ``name`` (fp32, padded),
-    checking it has the shape ``shapes[name]`` (or, padded, the vocabulary's rows)."""
-    value = value.t() if transpose else value
-    expected = tuple(shapes[name])
-    padded = _hf_family(model.cfg).rule(name).padded
+    """Return our tensor of ``link`` (fp32, padded) from the Hugging Face tensors ``get``
+    gives, checking each has the shape ``shapes[link.ours]`` implies (padded: the
+    vocabulary's rows)."""
+    expected = tuple(shapes[link.ours])
+    padded = _hf_family(model.cfg).rule(link.ours).padded
     want = (model.vocab_size, *expected[1:]) if padded else expected
-    if tuple(value.shape) != want:
-        shape = tuple(value.t().shape if transpose else value.shape)
-        stored = tuple(reversed(want)) if transpose else want
-        raise UserError(
-            f"tensor {theirs or name}: shape {shape} where the config gives {stored}"
-            + (f" (ours: {name})" if theirs else "")
-        )
+    stored = _stored_shape(link, want)
+    stack = None  # the routed experts' tensor, filled one source tensor at a time
+    for e, name in enumerate(link.theirs):
+        value = get(name)
+        if tuple(value.shape) != stored:
+            named = "" if link.per_expert else f" (ours: {link.ours})"
+            raise UserError(
+                f"tensor {name}: shape {tuple(value.shape)} where the config gives {stored}" + named
+            )
+        if link.part is not None:
+            dim, index, count = link.part
+            value = value.chunk(count, dim)[index]
+        value = value.transpose(-2, -1) if link.transpose else value
+        if link.per_expert:
+            if stack is None:
+                stack = torch.empty((len(link.theirs), *value.shape), dtype=torch.float32)
+            stack[e] = value
+            del value
+    if stack is not None:
+        return stack
     if padded:
         out = torch.zeros(expected, dtype=torch.float32)
         out[: value.shape[0]] = value
@@ -119,7 +175,8 @@ def _ours(
 def from_hf_state(state: dict[str, torch.Tensor], model: nn.Module) -> None:
     """Load a Hugging Face state dict into ``model`` (vocabulary padding rows set to zero)."""
     shapes = {n: v.shape for n, v in model.state_dict().items()}
-    ours = {n: _ours(model, shapes, n, state[theirs], t) for n, theirs, t in _names(model)}
+    links = _links(model, set(state))
+    ours = {link.ours: _ours(model, shapes, link, state.__getitem__) for link in links}
     model.load_state_dict(ours)
 
 
@@ -263,7 +320,8 @@ def import_hf(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -> tup
             model = build(cfg.model, hf["vocab_size"])
         shapes = {n: v.shape for n, v in model.state_dict().items()}
         state = {
-            n: _ours(model, shapes, n, weights.get(t), tr, theirs=t) for n, t, tr in _names(model)
+            link.ours: _ours(model, shapes, link, weights.get)
+            for link in _links(model, set(weights.where))
         }
     model.load_state_dict(state, assign=True)
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
@@ -297,20 +355,21 @@ def _tokenizer(given: Path | None, folder: Path, vocab: int) -> Tokenizer | None
     return tok
 
 
-def _shards(model: nn.Module, dtype: torch.dtype, limit: int) -> list[list[tuple]]:
-    """Return the export's tensors, (ours, theirs, transpose), grouped into files of at most
-    ``limit`` bytes each (a larger tensor alone)."""
+def _shards(model: nn.Module, dtype: torch.dtype, limit: int) -> list[list[_Link]]:
+    """Return the export's links, grouped into files of at most ``limit`` bytes each (a larger
+    tensor alone; a routed experts' stack counts whole)."""
     shapes = {n: v.shape for n, v in model.state_dict().items()}
     size = torch.tensor([], dtype=dtype).element_size()
-    groups: list[list[tuple]] = [[]]
+    groups: list[list[_Link]] = [[]]
     used = 0
-    for name, theirs, transpose in _names(model):
+    for link in _links(model):
+        name = link.ours
         rows = model.vocab_size if _hf_family(model.cfg).rule(name).padded else shapes[name][0]
         nbytes = rows * shapes[name][1:].numel() * size
         if groups[-1] and used + nbytes > limit:
             groups.append([])
             used = 0
-        groups[-1].append((name, theirs, transpose))
+        groups[-1].append(link)
         used += nbytes
     return groups
 
@@ -330,8 +389,9 @@ def write_hf_weights(
     for index, group in enumerate(groups, start=1):
         name = SINGLE if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
         tensors = {
-            theirs: _theirs(model, n, ours[n], t).detach().to(to).contiguous().clone()
-            for n, theirs, t in group
+            theirs: value.detach().to(to).contiguous().clone()
+            for link in group
+            for theirs, value in _theirs(model, link, ours[link.ours]).items()
         }
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         honour_umask(folder / name)

@@ -1,11 +1,14 @@
 """Hugging Face in and out: LlamaForCausalLM through `hpcllm convert` both ways (either rope
-form, tied or not, one file or shards, fp32 or bf16), tokenizer folders with their own BOS and
-EOS (Llama 3's, Mistral's) through prepare, convert and generate, and runs without a tokenizer
-(exported back, sampled from ids). Every reference is transformers' own model, run here."""
+form, tied or not, one file or shards, fp32 or bf16), MixtralForCausalLM (the hub's
+per-expert tensors and transformers' stacked ones, trained at ep = 2 and exported), tokenizer
+folders with their own BOS and EOS (Llama 3's, Mistral's) through prepare, convert and
+generate, and runs without a tokenizer (exported back, sampled from ids). Every reference is
+transformers' own model, run here."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -123,6 +126,144 @@ def test_llama_imports_and_exports_with_transformers_logits(tmp_path, tied):
     assert ("lm_head.weight" in again.state_dict()) and (
         again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
     ) is tied
+
+
+def hf_mixtral(folder) -> torch.nn.Module:
+    """Save a random tiny MixtralForCausalLM (4 experts, top-2, GQA) into ``folder`` in the
+    hub's form (each expert's w1, w2, w3 apart); return it in eval mode."""
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(2)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.slow
+def test_mixtral_imports_in_either_form_exports_and_generates_as_transformers(tmp_path):
+    from safetensors.torch import save_file
+
+    reference = hf_mixtral(tmp_path / "hf")
+    expected = logits(reference, IDS)
+    cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), check=True)
+    model = hpcllm.load_model(tmp_path / "run")
+    assert (model.cfg.arch, model.cfg.moe_experts, model.cfg.moe_top_k) == ("llama", 4, 2)
+    assert model.cfg.moe_router == "topk-softmax" and model.cfg.moe_ffn_size == 48
+    assert_same_logits(logits(model, IDS), expected)
+    # transformers 5's stacked form (gate_up_proj, down_proj, mlp.gate), as a file saved from
+    # its state dict holds it: the same model.
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    state = reference.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
+    (stacked / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    from_hf(stacked, tmp_path / "run-stacked")
+    assert_same_logits(logits(hpcllm.load_model(tmp_path / "run-stacked"), IDS), expected)
+    # Out: a MixtralForCausalLM in the hub's form, which transformers reads back.
+    cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"),
+        check=True)  # fmt: skip
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == "mixtral" and written["num_local_experts"] == 4
+    again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_same_logits(logits(again, IDS), expected)
+    # Greedy generation with the KV cache: transformers' tokens.
+    out = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "5,6,7",
+              "--tokens", "8", "--temperature", "0", check=True).stdout  # fmt: skip
+    greedy = reference.generate(
+        torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False, eos_token_id=2
+    )
+    assert out.strip() == ",".join(map(str, greedy[0].tolist()))
+
+
+def test_mixtral_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
+    from hpcllm import families
+    from hpcllm.config import load_config
+
+    hf_mixtral(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    for key, value, says in (
+        ("sliding_window", 16, "sliding_window 16 (sliding-window attention) is not supported"),
+        ("router_jitter_noise", 0.1, "router_jitter_noise 0.1 (router noise) is not supported"),
+    ):
+        path.write_text(json.dumps({**config, key: value}))
+        with pytest.raises(UserError, match=re.escape(says)):
+            from_hf(tmp_path / "hf", tmp_path / f"run-{key}")
+        assert not (tmp_path / f"run-{key}").exists()
+    # Out: an MoE Llama that is no Mixtral is refused in one line naming why.
+    llama = families.get("llama")
+    base = ["model.arch=llama", "model.preset=llama-tiny", "model.moe_experts=4",
+            "model.moe_router=topk-softmax"]  # fmt: skip
+
+    def config(*sets: str) -> dict:
+        return llama.hf_config(load_config(None, [*base, *sets]).model, VOCAB, {})
+
+    assert config()["model_type"] == "mixtral"
+    for sets, says in (
+        (["model.moe_shared_ffn_size=32"], "Mixtral has no shared expert"),
+        (["model.moe_first_dense=1"], "keeps blocks [0] dense"),
+        (["model.moe_router=sigmoid"], "Mixtral's router is a softmax over the top k"),
+        (["model.moe_router=softmax-topk"], "model.moe_renormalize: true"),
+    ):
+        with pytest.raises(UserError, match=re.escape(says)):
+            config(*sets)
+
+
+@pytest.mark.slow
+def test_the_mixtral_tiny_preset_trains_and_goes_out_as_a_mixtral(tmp_path):
+    run = tmp_path / "run"
+    cli("train", "--no-progress", "--set", "model.arch=llama", "--set", "model.preset=mixtral-tiny",
+        "--set", "data.synthetic=true", "--set", "train.steps=2", "--set", f"run.dir={run}",
+        "--set", "train.eval_interval=0", "--set", "run.tensorboard=false", check=True)  # fmt: skip
+    model = hpcllm.load_model(run)
+    assert (model.cfg.moe_experts, model.cfg.moe_top_k, model.cfg.moe_router) == (
+        4, 2, "topk-softmax"
+    )  # fmt: skip
+    to_hf(run, tmp_path / "out")
+    again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected = logits(model, ids)
+    scale = expected.abs().max().item()
+    assert (logits(again, ids) - expected).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.mpi
+def test_an_imported_mixtral_trained_at_ep2_exports_its_logits(stdlib, tmp_path):
+    from mpirun import python, run_mpi
+
+    hf_mixtral(tmp_path / "hf")
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    sets = [f"data.path={stdlib}", "model.seq_len=32", "train.steps=2", "parallel.ep=2",
+            "train.micro_batch_size=2", "train.eval_interval=0",
+            "run.tensorboard=false"]  # fmt: skip
+    args = ["train", "--config", str(tmp_path / "run" / "config.yaml"), "--no-progress"]
+    for item in sets:
+        args += ["--set", item]
+    run_mpi(2, python("-m", "hpcllm", *args), timeout=300).check()
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert (step / "experts_tp00_pp00_ep01.pt").is_file()  # each ep rank wrote its experts
+    model = hpcllm.load_model(tmp_path / "run")
+    assert model.checkpoint_step == 2
+    to_hf(tmp_path / "run", tmp_path / "out")
+    again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = IDS[:, :32]  # it trained at 32 tokens
+    assert_same_logits(logits(again, ids), logits(model, ids))
 
 
 @pytest.mark.slow

@@ -856,3 +856,16 @@ def test_the_moe_example_prints_what_docs_plan_md_shows_with_ep_and_the_all_to_a
     dense = [word for word in command[2:] if not word.startswith(("--set", "model.moe"))]
     record = json.loads(_plan(*dense, "--json", "--top", "1").stdout)["layouts"][0]
     assert "ep" not in record and "ep" not in record["time_parts_s"]
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_plans_at_its_published_size_with_ep_and_the_all_to_all():
+    text = _plan("--model", "mixtral-8x7b", "--gpus", "64", "--global-batch", "512",
+                 "--cluster", str(REPO / "jobs" / "clusters" / "dgx-h100.yaml"))  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    # 46.7B parameters, 8 experts of 14336 in every block (Jiang et al., 2024).
+    assert "8 experts (top 2, MLP 14336) in 32 of 32 blocks" in lines[0]
+    assert "(46.70 B parameters)" in lines[0]
+    assert " ep " in lines[2] and "a2a s" in lines[2]
+    assert any(line.startswith("#1 expert all-to-all:") for line in lines)

@@ -73,11 +73,24 @@ class TensorRule:
 @dataclass(frozen=True)
 class HFTensor:
     """One tensor's Hugging Face name: ``ours`` and ``theirs`` with ``{i}`` for the block index;
-    ``transpose`` where they store the transpose of ours (GPT-2's Conv1D)."""
+    ``transpose`` where they store the transpose of ours (GPT-2's Conv1D).
+
+    ``{e}`` in ``theirs``: they store one tensor per routed expert where ours stacks them
+    along dim 0 (Mixtral's ``experts.{e}.w1``). ``part`` (dim, index, count): theirs fuses
+    ``count`` of ours along ``dim``, ours being chunk ``index`` (transformers' stacked
+    ``gate_up_proj``). ``alternative``: another form of a tensor named before it, read where a
+    checkpoint lacks the first form's tensors and never written.
+    """
 
     ours: str
     theirs: str
     transpose: bool = False
+    part: tuple[int, int, int] | None = None
+    alternative: bool = False
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.theirs
 
 
 @dataclass(frozen=True)
@@ -128,7 +141,7 @@ class Family:
 
     name: str
     module: str  # "package.module:Class", the torch half
-    presets: Mapping[str, Mapping[str, int]]
+    presets: Mapping[str, Mapping[str, Any]]
     # FLOPs of one step on ``batch`` sequences: (batch, shape, recompute) -> FLOPs.
     step_flops: Callable[[int, Shape, str], float]
     parameters: Callable[[Shape], int]
@@ -149,6 +162,8 @@ class Family:
     mlp_matrices: int = 2
     hf_tensors: tuple[HFTensor, ...] = ()
     hf_model_type: str | None = None  # config.json's model_type
+    # Further model_types the family reads (Llama: Mixtral, its mixture of experts).
+    hf_model_types_also: tuple[str, ...] = ()
     # Hugging Face config.json out: (model config, vocabulary, {"bos_token_id": ...,
     # "eos_token_id": ...}) -> dict; and in: (config.json as a dict, its path for messages)
     # -> model.* keys (a UserError where the family cannot hold that model; a KeyError names
@@ -276,10 +291,10 @@ def get(arch: str) -> Family:
     return _REGISTRY[arch]
 
 
-def presets() -> dict[str, dict[str, int]]:
+def presets() -> dict[str, dict[str, Any]]:
     """Return every family's presets, by name (a name is one family's)."""
     _load_plugins()
-    found: dict[str, dict[str, int]] = {}
+    found: dict[str, dict[str, Any]] = {}
     for family in _REGISTRY.values():
         for name, sizes in family.presets.items():
             found[name] = dict(sizes)
@@ -295,7 +310,12 @@ def preset_family(preset: str) -> str | None:
 def by_hf_model_type() -> dict[str, Family]:
     """Return the families that read Hugging Face checkpoints, by config.json's model_type."""
     _load_plugins()
-    return {f.hf_model_type: f for f in _REGISTRY.values() if f.hf_model_type}
+    found = {}
+    for family in _REGISTRY.values():
+        if family.hf_model_type:
+            for kind in (family.hf_model_type, *family.hf_model_types_also):
+                found[kind] = family
+    return found
 
 
 def shape(model: Any, vocab: int) -> Shape:

@@ -117,6 +117,41 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ffn_size": 28672,
         "tie_embeddings": False,
     },
+    # Mixtral 8x7B (Jiang et al., "Mixtral of Experts", 2024, and its config.json): Mistral
+    # 7B's shape with each MLP 8 experts of the same width, 2 per token (softmax over the
+    # top 2), 46.7B parameters, 12.9B active per token.
+    "mixtral-8x7b": {
+        "n_layer": 32,
+        "n_head": 32,
+        "n_kv_heads": 8,
+        "d_model": 4096,
+        "ffn_size": 14336,
+        "seq_len": 32768,
+        "vocab_size": 32000,
+        "rope_theta": 1000000.0,
+        "layer_norm_eps": 1e-5,
+        "tie_embeddings": False,
+        "moe_experts": 8,
+        "moe_top_k": 2,
+        "moe_ffn_size": 14336,
+        "moe_router": "topk-softmax",
+        "moe_aux_loss": 0.02,
+    },
+    # A CPU-sized Mixtral: llama-tiny's attention, 4 experts of 96, 2 per token.
+    "mixtral-tiny": {
+        "n_layer": 2,
+        "n_head": 4,
+        "n_kv_heads": 2,
+        "d_model": 64,
+        "seq_len": 128,
+        "ffn_size": 96,
+        "rope_theta": 10000.0,
+        "tie_embeddings": False,
+        "moe_experts": 4,
+        "moe_top_k": 2,
+        "moe_ffn_size": 96,
+        "moe_router": "topk-softmax",
+    },
     "llama3.1-405b": {
         **_LLAMA3,
         **_SCALED,
@@ -297,11 +332,103 @@ HF_TENSORS = (
     HFTensor("blocks.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     HFTensor("blocks.{i}.mlp.up.weight", "model.layers.{i}.mlp.up_proj.weight"),
     HFTensor("blocks.{i}.mlp.proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    # MixtralForCausalLM's MoE blocks: the hub's files hold each expert's w1 (gate), w3 (up)
+    # and w2 (down) apart and the router as block_sparse_moe.gate; transformers 5's modules
+    # stack them (gate and up fused in gate_up_proj, gate first), which a file saved from its
+    # state dict holds. Both read; the hub's form written (transformers 5 reads it too).
+    HFTensor("blocks.{i}.mlp.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
+    HFTensor("blocks.{i}.mlp.router.weight", "model.layers.{i}.mlp.gate.weight", alternative=True),
+    HFTensor(
+        "blocks.{i}.mlp.experts.gate", "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"
+    ),
+    HFTensor(
+        "blocks.{i}.mlp.experts.gate",
+        "model.layers.{i}.mlp.experts.gate_up_proj",
+        part=(1, 0, 2),
+        alternative=True,
+    ),
+    HFTensor(
+        "blocks.{i}.mlp.experts.up", "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"
+    ),
+    HFTensor(
+        "blocks.{i}.mlp.experts.up",
+        "model.layers.{i}.mlp.experts.gate_up_proj",
+        part=(1, 1, 2),
+        alternative=True,
+    ),
+    HFTensor(
+        "blocks.{i}.mlp.experts.proj", "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"
+    ),
+    HFTensor(
+        "blocks.{i}.mlp.experts.proj", "model.layers.{i}.mlp.experts.down_proj", alternative=True
+    ),
 )
+
+# What MixtralForCausalLM's config.json says that a Llama's does not, and Mixtral's defaults
+# (transformers' MixtralConfig) where a file leaves them out.
+MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+
+
+def _mixtral_refusal(model: Any) -> str | None:
+    """Return why a Llama with experts is no MixtralForCausalLM, None where it is one."""
+    from hpcllm.config import moe_layers  # the config layer, torch-free
+
+    dense = sorted(set(range(model.n_layer)) - set(moe_layers(model)))
+    if dense:
+        return f"every block of a Mixtral is MoE, and this model keeps blocks {dense} dense"
+    if model.moe_shared_ffn_size:
+        return "Mixtral has no shared expert (model.moe_shared_ffn_size)"
+    if model.moe_router == "sigmoid":
+        return "Mixtral's router is a softmax over the top k (model.moe_router: topk-softmax)"
+    if model.moe_router == "softmax-topk" and not model.moe_renormalize:
+        return (
+            "Mixtral's router weighs the top k by a softmax over them (model.moe_router: "
+            "topk-softmax, or softmax-topk with model.moe_renormalize: true)"
+        )
+    return None
+
+
+def mixtral_config(model: Any, dense: dict[str, Any]) -> dict[str, Any]:
+    """Return the config.json of a Hugging Face MixtralForCausalLM from a Llama's
+    (``dense``); a UserError where the model is no Mixtral."""
+    refusal = _mixtral_refusal(model)
+    if refusal is not None:
+        raise UserError(f"this MoE model has no Hugging Face form: {refusal}")
+    config = {k: v for k, v in dense.items() if k not in ("mlp_bias", "pretraining_tp")}
+    return {
+        **config,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": model.moe_ffn_size or ffn_size(model),
+        "num_local_experts": model.moe_experts,
+        "num_experts_per_tok": model.moe_top_k,
+        "router_aux_loss_coef": model.moe_aux_loss,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+
+
+def _mixtral_keys(hf: dict, where: str) -> dict[str, Any]:
+    """Return the model.moe_* keys of a MixtralForCausalLM config.json; a UserError for what
+    the family cannot hold."""
+    for name, what in (("sliding_window", "sliding-window attention"),
+                       ("router_jitter_noise", "router noise")):  # fmt: skip
+        if hf.get(name):
+            raise UserError(f"{where}: {name} {hf[name]} ({what}) is not supported; set it to null")
+    get = {k: hf.get(k, v) for k, v in MIXTRAL_DEFAULTS.items()}
+    return {
+        "moe_experts": get["num_local_experts"],
+        "moe_top_k": get["num_experts_per_tok"],
+        "moe_ffn_size": hf["intermediate_size"],
+        "moe_router": "topk-softmax",
+        "moe_aux_loss": float(get["router_aux_loss_coef"]),
+    }
 
 
 def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
-    """Return the config.json of a Hugging Face LlamaForCausalLM with ``model``'s shape.
+    """Return the config.json of a Hugging Face LlamaForCausalLM with ``model``'s shape (with
+    experts, a MixtralForCausalLM's: :func:`mixtral_config`).
 
     Rotary settings as ``rope_theta`` + ``rope_scaling`` (transformers 4 writes them so, and
     transformers 5 reads them too); ``special``: its ``bos_token_id`` and ``eos_token_id``.
@@ -315,7 +442,7 @@ def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
             "high_freq_factor": float(model.rope_high_freq_factor),
             "original_max_position_embeddings": int(model.rope_original_seq_len),
         }
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
@@ -340,6 +467,7 @@ def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
         "bos_token_id": special.get("bos_token_id"),
         "eos_token_id": special.get("eos_token_id"),
     }
+    return mixtral_config(model, config) if model.moe_experts else config
 
 
 def _rope_of_hf(hf: dict, where: str) -> dict[str, Any]:
@@ -376,9 +504,9 @@ def _rope_of_hf(hf: dict, where: str) -> dict[str, Any]:
 
 
 def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
-    """Return the model.* keys of a Hugging Face LlamaForCausalLM config.json; a UserError for
-    one this family cannot hold (biases, another activation, a head size that is not
-    hidden / heads, another rotary scaling)."""
+    """Return the model.* keys of a Hugging Face LlamaForCausalLM or MixtralForCausalLM
+    config.json; a UserError for one this family cannot hold (biases, another activation, a
+    head size that is not hidden / heads, another rotary scaling, sliding windows)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {hf['hidden_act']!r} is not silu (SwiGLU)")
     biased = [key for key in ("attention_bias", "mlp_bias") if hf.get(key)]
@@ -403,6 +531,7 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
         "dropout": float(hf.get("attention_dropout", 0.0)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         **_rope_of_hf(hf, where),
+        **(_mixtral_keys(hf, where) if hf.get("model_type") == "mixtral" else {}),
     }
 
 
@@ -430,6 +559,7 @@ def hf_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
                 "intermediate_size", hf.get("intermediate_size"), width, f"{gate} has {width} rows"
             )
         )
+    sizes += _mixtral_sizes(hf, shapes)
     k = "model.layers.0.self_attn.k_proj.weight"
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
     if k in shapes and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
@@ -445,6 +575,30 @@ def hf_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
                     absent=given is None,
                 )
             )
+    return sizes
+
+
+def _mixtral_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
+    """Return the experts' sizes a MixtralForCausalLM's tensors give, in either form: their
+    number (the router's rows) and width (w1's rows, or half of gate_up_proj's)."""
+    sizes = []
+    for router in ("model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.mlp.gate.weight"):
+        if len(shapes.get(router, ())) == 2:
+            rows = shapes[router][0]
+            given = hf.get("num_local_experts", MIXTRAL_DEFAULTS["num_local_experts"])
+            absent = "num_local_experts" not in hf
+            said = f"{router} has {rows} rows"
+            sizes.append(HFSize("num_local_experts", given, rows, said, absent=absent))
+            break
+    w1 = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    if len(shapes.get(w1, ())) == 2:
+        width, said = shapes[w1][0], f"{w1} has {shapes[w1][0]} rows"
+    elif len(shapes.get(fused, ())) == 3:
+        width, said = shapes[fused][1] // 2, f"{fused} has {shapes[fused][1]} rows (gate and up)"
+    else:
+        return sizes
+    sizes.append(HFSize("intermediate_size", hf.get("intermediate_size"), width, said))
     return sizes
 
 
@@ -479,6 +633,7 @@ LLAMA = register(
         tensors=TENSORS,
         hf_tensors=HF_TENSORS,
         hf_model_type="llama",
+        hf_model_types_also=("mixtral",),
         hf_config=hf_config,
         model_keys_of_hf=model_keys_of_hf,
         hf_sizes=hf_sizes,

@@ -129,7 +129,7 @@ class OptimizerState:
         shared: dict[int, Any] = {}
         own: dict[int, Any] = {}
         for i, entry in state["state"].items():
-            if i in self.experts:
+            if int(i) in self.experts:
                 own[i] = {k: v for k, v in entry.items() if _per_expert(v)}
                 entry = {k: v for k, v in entry.items() if not _per_expert(v)}
             shared[i] = entry

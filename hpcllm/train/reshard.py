@@ -198,9 +198,11 @@ def saved_layout(folder: Path) -> Cut:
 class SavedState:
     """A checkpoint's state by whole-model parameter name, read file by file on demand."""
 
-    def __init__(self, folder: Path, *, verified: bool = False) -> None:
+    def __init__(self, folder: Path, *, verified: bool = False, optimizer: bool = True) -> None:
         self.folder = Path(folder)
         self.verified = verified  # every file already checked against the manifest
+        # False: the optimizer state is never read (weights only; has_optimizer says False).
+        self.skip = () if optimizer else ("optimizer",)
         self.meta = checkpoint.read_meta(self.folder)
         self.cfg = checkpoint_config(self.folder)
         self.layout = saved_layout(self.folder)
@@ -229,7 +231,13 @@ class SavedState:
         """Return one saved file's contents (memory-mapped, read once)."""
         if (tp_rank, pp_rank) not in self._files:
             self._files[tp_rank, pp_rank] = checkpoint.read_shard(
-                self.folder, tp_rank, pp_rank, self.meta, mmap=True, check=not self.verified
+                self.folder,
+                tp_rank,
+                pp_rank,
+                self.meta,
+                mmap=True,
+                check=not self.verified,
+                skip=self.skip,
             )
         return self._files[tp_rank, pp_rank]
 
@@ -383,11 +391,11 @@ def whole_model_state(
 ) -> tuple[Config, int, dict[str, torch.Tensor]]:
     """Return (the checkpoint's config, vocabulary, the whole GPT's weights) from any layout.
 
-    Merged in memory on one process; the optimizer state is mapped but never copied.
-    ``verified``: the folder's files were checked against its manifest already (by
-    :func:`select`), so they are not read a second time for that.
+    Merged in memory on one process; the optimizer state is never read. ``verified``: the
+    folder's files were checked against its manifest already (by :func:`select`), so they
+    are not read a second time for that.
     """
-    saved = SavedState(folder, verified=verified)
+    saved = SavedState(folder, verified=verified, optimizer=False)
     shard = cut_shard(saved, Cut(), 0, 0, optimizer=False)
     return saved.cfg, saved.vocab, shard["model"]
 

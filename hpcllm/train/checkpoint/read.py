@@ -89,14 +89,16 @@ def read_shard(
     dp_rank: int = 0,
     ep: int = 1,
     ep_rank: int = 0,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Return the (tp_rank, pp_rank) shard of a checkpoint (its named parts), after checking
-    its checksum.
+    """Return the (tp_rank, pp_rank) shard of a checkpoint (its named parts but those named in
+    ``skip``), after checking its checksum.
 
     ``dp_rank`` picks the optimizer state of that replica where each saved its own. Experts
     saved per ep rank (their own files) come back cut for rank ``ep_rank`` of ``ep``: whole by
     default, as every reader but a resumed run wants them; only the files that hold those
-    experts are read.
+    experts are read. Joining experts saved by several ep ranks copies them (mapped or not):
+    a reader that wants weights only skips ``optimizer``, whose moments are then never read.
     ``mmap`` maps the file instead of reading it: tensors that are never touched (the Adam
     moments, when only weights are wanted) are never copied into memory. ``check`` False
     skips the checksum, for a folder :func:`~hpcllm.train.checkpoint.find.verify` has just
@@ -107,6 +109,8 @@ def read_shard(
     layout = _layout(folder, meta)
     ranks = {"tp": tp_rank, "pp": pp_rank}
     shard = _read_file(folder, layout.name(MODEL, **ranks), meta, mmap=mmap, check=check)
+    for name in skip:
+        shard.pop(name, None)
     rng = shard.get("rng")
     if rng is not None and isinstance(rng.get("numpy"), tuple):  # format 1: as format 2 holds it
         rng["numpy"] = numpy_state(rng["numpy"])
@@ -132,6 +136,9 @@ def read_shard(
             j: _read_file(folder, layout.name(EXPERTS, **ranks, ep=j), meta, mmap=mmap, check=check)
             for j in experts_files(saved, ep, ep_rank)
         }
+        for name in skip:
+            for part in files.values():
+                part.pop(name, None)
         merge_experts(shard, files, saved, ep, ep_rank)
     return shard
 

@@ -174,7 +174,9 @@ def save(
         )
         contents = {MODEL: {**shard, "optimizer": kind}, OPTIMIZER: optimizer}
     if EXPERTS in layout.files:
-        contents[EXPERTS] = by_ep or {}
+        if by_ep is None:
+            raise ValueError("a save at ep > 1 takes by_ep, what differs by ep rank")
+        contents[EXPERTS] = by_ep
     mine = {kind: state for kind, state in contents.items() if layout.writes(kind, ranks)}
     files: dict[str, Any] = {}
 
