@@ -305,6 +305,8 @@ def interval_line(
             f"max load {record['moe_max_load']:5.2f}",
             f"dropped {record['moe_dropped']:6.2%}",
         ]
+    if record.get("moe_all_to_all_s") is not None:  # ep > 1: this rank's token exchanges
+        fields.append(f"a2a ms {record['moe_all_to_all_s'] * 1e3:7.1f}")
     return " | ".join(fields)
 
 

@@ -190,6 +190,7 @@ QUICK_RULES: list[tuple[str, str]] = [
     # the benchmarks, at their smallest documented sizes (the last of an option given twice wins)
     (r"^.*\bbench dp\b.*$", r"\g<0> --dp 2 --engines ddp --precisions fp32 --steps 2 --warmup 1"),
     (r"^.*\bbench sync\b.*$", r"\g<0> --engines ddp --steps 2 --log-every 1"),
+    (r"^.*\bbench moe\b.*$", r"\g<0> --engines ddp --ep 2 --top-k 2 --steps 2 --warmup 1"),
     (
         r"^.*\bbench pipeline\b.*$",
         r"\g<0> --schedules 1f1b interleaved --microbatches 4 --forward-ms 5 --steps 1 --warmup 0",

@@ -133,6 +133,9 @@ def test_expert_parallel_runs_equal_ep1_in_losses_norms_gradients_drops_and_resu
     for name in ("ep2", "ep2-horovod", "d4-ep2", "d4-ep2-horovod", "t2-ep2", "p2-ep2",
                  "ep2-zero", "d4-ep2-zero", "d4-ep2-zero-horovod"):  # fmt: skip
         _same(logged[name], reference, ("loss", "grad_norm", "moe_balance_loss"), 1e-5)
+    # At ep > 1 each logged step says how long this rank spent in the all-to-alls.
+    assert all(r["moe_all_to_all_s"] > 0 for r in logged["ep2"] + logged["ep2-horovod"])
+    assert not any("moe_all_to_all_s" in r for r in reference)
     _grads_equal(tmp_path, "ep2", "ep1", 2)
     _grads_equal(tmp_path, "ep2-horovod", "ep1", 2)
     for name, ref in (("d4-ep2", "d4-ep1"), ("d4-ep2-horovod", "d4-ep1"), ("t2-ep2", "t2-ep1"),

@@ -32,6 +32,7 @@ from hpcllm.errors import UserError
 from hpcllm.model.stages import build_chunks, split_layers
 from hpcllm.parallel.data.builder import build_engine
 from hpcllm.parallel.data.engine import Engine
+from hpcllm.parallel.data.experts import TimedAllToAll
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.parallel.pipeline.runtime import Channel
 from hpcllm.parallel.pipeline.schedule import Action, check_sizes, rank_actions
@@ -255,7 +256,9 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
     engine = build_engine(parallel.dp_engine, grid, parallel, train.param_dtype)
     modules = engine.wrap(chunks)
     if grid.ep > 1:
-        ep.all_to_all = engine.all_to_all()  # the MoE layers send tokens with the engine's
+        # The MoE layers send tokens with the engine's all-to-all, timed for the metrics.
+        engine.all_to_all_timer = TimedAllToAll(engine.all_to_all(), device)
+        ep.all_to_all = engine.all_to_all_timer
 
     optimizer = engine.build_optimizer(
         build_optimizer(chunks, train, device),

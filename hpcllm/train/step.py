@@ -162,6 +162,7 @@ class SynchronousStep:
         self.cfg, self.grid, self.model = runner.cfg, runner.grid, runner.model
         self.global_batch = global_batch
         self.grad_hooks = grad_hooks
+        self.untimed = 0  # steps since the all-to-all's time was last taken
 
     def run(
         self,
@@ -229,6 +230,12 @@ class SynchronousStep:
         }
         for name, value in self.runner.moe_figures.items():
             record[name] = value.item() if wait else value
+        self.untimed += 1
+        timer = engine.all_to_all_timer
+        if timer is not None and wait:
+            # This rank's all-to-alls since the last step that waited, per step.
+            record["moe_all_to_all_s"] = timer.take() / self.untimed
+            self.untimed = 0
         if wait and self.runner.moe_table is not None:
             record.update(moe.per_block(self.runner.moe_table, self.runner.moe_blocks))
         return StepOutcome(record, steps=1, synced=wait)

@@ -23,6 +23,7 @@ TARGETS = (
     "pipeline",
     "kernels",
     "device",
+    "moe",
     "generate",
     "report",
 )

@@ -34,7 +34,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from hpcllm.parallel.data.experts import AllToAll, split_experts, torch_all_to_all
+from hpcllm.parallel.data.experts import (
+    AllToAll,
+    TimedAllToAll,
+    split_experts,
+    torch_all_to_all,
+)
 from hpcllm.parallel.data.finalize import finalize_model_grads
 from hpcllm.parallel.data.flat import broadcast_parameters
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
@@ -50,6 +55,8 @@ class Engine:
         self.grid = grid
         self.comm_wait_s = 0.0
         self.backward_wait_s = 0.0
+        # The MoE layers' all-to-all, timed (ep > 1; hpcllm.train.parallelize sets it).
+        self.all_to_all_timer: TimedAllToAll | None = None
         self.modules: list[nn.Module] = []
         self.optimizer: MixedPrecisionOptimizer | None = None
 

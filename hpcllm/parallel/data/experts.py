@@ -19,6 +19,7 @@ what a missing 1/ep does (gradients exactly ep times too large, losses that look
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,6 +80,41 @@ def torch_all_to_all(group: Any) -> AllToAll:
         return out
 
     return run
+
+
+class TimedAllToAll:
+    """An all-to-all (:data:`AllToAll`) that adds up the time it takes: on the host where the
+    call waits for the exchange (gloo, Horovod), between CUDA events on the device's stream
+    where it does not (NCCL), read once the device is done (:meth:`take`). The forward's
+    dispatch and combine and the backward's reverse exchanges all count, the counts' too."""
+
+    def __init__(self, inner: AllToAll, device: torch.device) -> None:
+        self.inner = inner
+        self.cuda = device.type == "cuda"
+        self.host_s = 0.0
+        self.events: list[tuple[Any, Any]] = []
+
+    def __call__(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            out = self.inner(x, send, recv)
+            end.record()
+            self.events.append((start, end))
+            return out
+        started = time.perf_counter()
+        out = self.inner(x, send, recv)
+        self.host_s += time.perf_counter() - started
+        return out
+
+    def take(self) -> float:
+        """Return the seconds spent since the last call (the device synchronised first)."""
+        seconds = self.host_s
+        if self.events:
+            self.events[-1][1].synchronize()
+            seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        self.host_s, self.events = 0.0, []
+        return seconds
 
 
 # -- checkpoints --------------------------------------------------------------------------
