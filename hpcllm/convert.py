@@ -1,6 +1,9 @@
 """``hpcllm convert``: Hugging Face checkpoints in and out (config.json + safetensors), for
 every family whose spec maps its tensors (:attr:`hpcllm.families.Family.hf_tensors`): GPT-2
-(GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+(GPT2LMHeadModel) and Llama (LlamaForCausalLM, and MixtralForCausalLM as a Llama with experts).
+A mapped tensor may be one of theirs or one per routed expert, stacked along our dim 0; a form
+the family reads but does not write (transformers' fused ``gate_up_proj``) is read where a
+checkpoint lacks the written form's tensors.
 
 Hugging Face's GPT-2 stores linear layers as ``Conv1D`` (weight shape in × out, the transpose
 of ``nn.Linear``), keeps q|k|v fused in ``c_attn`` in the same order as ours, uses the tanh

@@ -264,6 +264,10 @@ def test_an_imported_mixtral_trained_at_ep2_exports_its_logits(stdlib, tmp_path)
     again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = IDS[:, :32]  # it trained at 32 tokens
     assert_same_logits(logits(again, ids), logits(model, ids))
+    # And evaluate reads it as any run: a finite loss on the corpus.
+    done = cli("evaluate", "--checkpoint", str(tmp_path / "run"), "--data", str(stdlib),
+               check=True)  # fmt: skip
+    assert "loss" in done.stdout and "nan" not in done.stdout.lower()
 
 
 @pytest.mark.slow

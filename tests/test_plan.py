@@ -869,3 +869,6 @@ def test_mixtral_8x7b_plans_at_its_published_size_with_ep_and_the_all_to_all():
     assert "(46.70 B parameters)" in lines[0]
     assert " ep " in lines[2] and "a2a s" in lines[2]
     assert any(line.startswith("#1 expert all-to-all:") for line in lines)
+    # What docs/moe.md says of it: one expert per GPU of each block, 22.5 GB of experts.
+    assert lines[4].split()[4] == "8"  # the best layout's ep
+    assert "experts 22.5," in next(line for line in lines if line.startswith("#1 memory"))
