@@ -106,6 +106,21 @@ def _links(model: nn.Module, available: set[str] | None = None) -> list[_Link]:
     return list(chosen.values())
 
 
+def _export_links(model: nn.Module) -> list[_Link]:
+    """Return the links an export writes; a UserError where a parameter has no Hugging Face
+    name (a part the family's Hugging Face model lacks), which the export would drop."""
+    links = _links(model)
+    named = {link.ours for link in links}
+    missing = [name for name, _ in model.named_parameters() if name not in named]
+    if missing:
+        raise UserError(
+            f"{missing[0]} has no Hugging Face name in family {model.cfg.arch}"
+            + (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; this model has no Hugging Face form"
+        )
+    return links
+
+
 def _stored_shape(link: _Link, ours: tuple[int, ...]) -> tuple[int, ...]:
     """Return the shape each Hugging Face tensor of ``link`` has, ours being ``ours``."""
     shape = list(ours[1:] if link.per_expert else ours)
@@ -134,7 +149,7 @@ def to_hf_state(model: nn.Module) -> dict[str, torch.Tensor]:
     ours = model.state_dict()
     return {
         name: value.detach().contiguous().clone()
-        for link in _links(model)
+        for link in _export_links(model)
         for name, value in _theirs(model, link, ours[link.ours]).items()
     }
 
@@ -365,7 +380,7 @@ def _shards(model: nn.Module, dtype: torch.dtype, limit: int) -> list[list[_Link
     size = torch.tensor([], dtype=dtype).element_size()
     groups: list[list[_Link]] = [[]]
     used = 0
-    for link in _links(model):
+    for link in _export_links(model):
         name = link.ours
         rows = model.vocab_size if _hf_family(model.cfg).rule(name).padded else shapes[name][0]
         nbytes = rows * shapes[name][1:].numel() * size

@@ -26,6 +26,9 @@ def test_the_all_to_all_timer_adds_up_each_exchange_and_starts_again_when_taken(
     timer(x, [3], [3])
     assert 0.04 <= timer.take() < 1.0
     assert timer.take() == 0.0
+    with timer.paused():  # validation's exchanges are not the step's
+        timer(x, [3], [3])
+    assert timer.take() == 0.0
 
 
 def test_cases_default_eps_and_refusals():
@@ -37,6 +40,8 @@ def test_cases_default_eps_and_refusals():
     assert moe.choose_eps(None, sets, 6, None) == [1, 2]  # 3 and 6 do not divide 4 experts
     with pytest.raises(UserError, match="--ep 3 must divide the data-parallel size 4"):
         moe.choose_eps(None, sets, 4, [1, 3])
+    with pytest.raises(UserError, match="--top-k 5: model.moe_top_k 5 is above"):
+        moe.check_top_ks(None, sets, [2, 5])
     with pytest.raises(UserError, match="model.moe_experts is 0"):
         moe.model_overrides(None, ["model.preset=llama-tiny", "model.arch=llama"])
     assert moe.cases(["ddp"], [1, 2], [1, 2]) == [

@@ -156,9 +156,12 @@ def hf_mixtral(folder) -> torch.nn.Module:
 
 @pytest.mark.slow
 def test_mixtral_imports_in_either_form_exports_and_generates_as_transformers(tmp_path):
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     reference = hf_mixtral(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in f.keys()  # the hub's form
     expected = logits(reference, IDS)
     cli("convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"), check=True)
     model = hpcllm.load_model(tmp_path / "run")
@@ -197,12 +200,12 @@ def test_mixtral_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
 
     hf_mixtral(tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
-    config = json.loads(path.read_text())
+    written = json.loads(path.read_text())
     for key, value, says in (
         ("sliding_window", 16, "sliding_window 16 (sliding-window attention) is not supported"),
         ("router_jitter_noise", 0.1, "router_jitter_noise 0.1 (router noise) is not supported"),
     ):
-        path.write_text(json.dumps({**config, key: value}))
+        path.write_text(json.dumps({**written, key: value}))
         with pytest.raises(UserError, match=re.escape(says)):
             from_hf(tmp_path / "hf", tmp_path / f"run-{key}")
         assert not (tmp_path / f"run-{key}").exists()
@@ -223,6 +226,20 @@ def test_mixtral_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
     ):
         with pytest.raises(UserError, match=re.escape(says)):
             config(*sets)
+    # GPT2LMHeadModel has no experts: refused, and an export never drops a tensor it cannot name.
+    from hpcllm.convert import to_hf_state
+    from hpcllm.model import build
+
+    gpt2 = load_config(None, ["model.moe_experts=4"]).model
+    with pytest.raises(UserError, match="GPT2LMHeadModel has no mixture of experts"):
+        families.get("gpt2").hf_config(gpt2, VOCAB, {})
+    with pytest.raises(UserError, match=r"blocks\.0\.mlp\.router\.weight has no Hugging Face"):
+        to_hf_state(build(gpt2, VOCAB))
+    # A Mixtral config.json silent on rotary base and norm epsilon means Mixtral's defaults.
+    silent = {k: v for k, v in written.items() if k not in ("rope_theta", "rms_norm_eps")}
+    silent.pop("rope_parameters", None)
+    keys = llama.model_keys_of_hf(silent, "config.json")
+    assert (keys["rope_theta"], keys["layer_norm_eps"]) == (1e6, 1e-5)
 
 
 @pytest.mark.slow

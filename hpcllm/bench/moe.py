@@ -7,8 +7,8 @@ Horovod's through ``hvd.alltoall`` on its process sets), with d and the micro-ba
 fixed, so every case trains on the same tokens per step. From each run's metrics.jsonl it
 reports the step time, tokens/s and the seconds per step rank 0 spent in the MoE layers'
 all-to-alls (``moe_all_to_all_s``: dispatch, combine, the counts and the backward's reverse
-exchanges; host time under gloo and Horovod, CUDA events under NCCL), and their share of the
-step. ep = 1 sends no token and is the baseline: every rank holds every expert.
+exchanges; host time on a CPU, CUDA events on a GPU), and their share of the step. ep = 1
+sends no token and is the baseline: every rank holds every expert.
 """
 
 from __future__ import annotations
@@ -75,6 +75,18 @@ def choose_eps(
                 f"{experts} experts; give --ep from the divisors of both"
             )
     return eps
+
+
+def check_top_ks(config: Path | None, overrides: list[str], top_ks: list[int]) -> None:
+    """Refuse, in one line and before any run starts, a top_k the model cannot take (more
+    than its experts, or 1 with a renormalising router)."""
+    from hpcllm.config import load_config
+
+    for k in top_ks:
+        try:
+            load_config(config, [*overrides, f"model.moe_top_k={k}"])
+        except UserError as err:
+            raise UserError(f"--top-k {k}: {err}") from None
 
 
 def _summarise(run_dir: Path, warmup: int) -> dict[str, Any]:
@@ -226,6 +238,7 @@ def run(
     """The ``bench moe`` verb: every case, then the table, JSON and PNG."""
     overrides = model_overrides(config, overrides)
     eps = choose_eps(config, overrides, dp, eps)
+    check_top_ks(config, overrides, top_ks)
     out.mkdir(parents=True, exist_ok=True)
     todo = cases(engines, eps, top_ks)
     with CaseProgress(len(todo), "hpcllm bench moe") as progress:

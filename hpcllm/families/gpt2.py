@@ -130,6 +130,11 @@ def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
     """Return the config.json of a Hugging Face GPT2LMHeadModel with ``model``'s shape;
     ``special``: its ``bos_token_id`` and ``eos_token_id`` (BOS: EOS where unset, as GPT-2's
     own files have it)."""
+    if model.moe_experts:
+        raise UserError(
+            "this MoE model has no Hugging Face form: GPT2LMHeadModel has no mixture of experts "
+            "(model.moe_experts); a Llama-family model with experts goes out as a Mixtral"
+        )
     eos_id = special.get("eos_token_id")
     bos_id = special.get("bos_token_id")
     bos_id = eos_id if bos_id is None else bos_id

@@ -470,16 +470,16 @@ def hf_config(model: Any, vocab_size: int, special: dict[str, Any]) -> dict:
     return mixtral_config(model, config) if model.moe_experts else config
 
 
-def _rope_of_hf(hf: dict, where: str) -> dict[str, Any]:
+def _rope_of_hf(hf: dict, where: str, default_theta: float = 10000.0) -> dict[str, Any]:
     """Return the model.rope_* keys of a config.json in either form: ``rope_theta`` +
     ``rope_scaling`` (transformers 4, the hub's Llama 3.1 files) or ``rope_parameters``
     (transformers 5); a UserError for a rotary scaling other than Llama 3's."""
     if isinstance(hf.get("rope_parameters"), dict):
         params = hf["rope_parameters"]
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
     else:
         params = hf.get("rope_scaling") or {}
-        theta = hf.get("rope_theta", 10000.0)
+        theta = hf.get("rope_theta", default_theta)
     if not isinstance(params, dict):
         raise UserError(f"{where}: rope_scaling {params!r} is not a mapping")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -512,6 +512,8 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
     biased = [key for key in ("attention_bias", "mlp_bias") if hf.get(key)]
     if biased:
         raise UserError(f"{where}: {' and '.join(biased)} true; Llama here has no biases")
+    # transformers' MixtralConfig defaults differ from its LlamaConfig's where a file is silent.
+    mixtral = hf.get("model_type") == "mixtral"
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     if hf.get("head_dim") not in (None, hidden // heads) or hidden % heads:
         raise UserError(
@@ -526,12 +528,12 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
         "ffn_size": hf["intermediate_size"],
         "seq_len": hf["max_position_embeddings"],
         "vocab_size": hf["vocab_size"],
-        "layer_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "layer_norm_eps": hf.get("rms_norm_eps", 1e-5 if mixtral else 1e-6),
         "init_std": hf.get("initializer_range", 0.02),
         "dropout": float(hf.get("attention_dropout", 0.0)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        **_rope_of_hf(hf, where),
-        **(_mixtral_keys(hf, where) if hf.get("model_type") == "mixtral" else {}),
+        **_rope_of_hf(hf, where, 1e6 if mixtral else 10000.0),
+        **(_mixtral_keys(hf, where) if mixtral else {}),
     }
 
 

@@ -275,7 +275,10 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
-        return self.validator.validate(self.parallelized)
+        timer = self.parallelized.engine.all_to_all_timer
+        # The MoE all-to-all's logged time is the training steps' (moe_all_to_all_s).
+        with timer.paused() if timer is not None else contextlib.nullcontext():
+            return self.validator.validate(self.parallelized)
 
     def save(self, final: bool = False) -> Path | None:
         """Write a checkpoint of the current step (every rank must call this).

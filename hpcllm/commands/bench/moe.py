@@ -85,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
     devices = torch.cuda.device_count() if gpu else len(os.sched_getaffinity(0))
     dp = dp or (devices if gpu else 2)
     if dp < 2:
+        why = "--dp 1 was given" if args.dp else "this node has one GPU"
         raise UserError(
-            "bench moe needs d >= 2 (the ep ranks are carved out of d) and this node has one "
-            "GPU; run it on a node with more GPUs"
+            f"bench moe needs d >= 2 (the ep ranks are carved out of d) and {why}; give "
+            "--dp 2 or more (on a GPU node, up to its GPUs)"
         )
     if gpu and dp > devices:
         raise UserError(

@@ -19,8 +19,9 @@ what a missing 1/ep does (gradients exactly ep times too large, losses that look
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,15 +87,30 @@ class TimedAllToAll:
     """An all-to-all (:data:`AllToAll`) that adds up the time it takes: on the host where the
     call waits for the exchange (gloo, Horovod), between CUDA events on the device's stream
     where it does not (NCCL), read once the device is done (:meth:`take`). The forward's
-    dispatch and combine and the backward's reverse exchanges all count, the counts' too."""
+    dispatch and combine and the backward's reverse exchanges all count, the counts' too;
+    validation's do not (:meth:`paused`). On a GPU every exchange is timed by events, under
+    Horovod too (its exchanges also run on the device's streams); the events pile up until the
+    next :meth:`take` (a logged step): a few per MoE block and micro-batch."""
 
     def __init__(self, inner: AllToAll, device: torch.device) -> None:
         self.inner = inner
         self.cuda = device.type == "cuda"
         self.host_s = 0.0
         self.events: list[tuple[Any, Any]] = []
+        self.off = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the exchanges made inside out of the time (validation's)."""
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = False
 
     def __call__(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if self.off:
+            return self.inner(x, send, recv)
         if self.cuda:
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
