@@ -117,6 +117,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ffn_size": 28672,
         "tie_embeddings": False,
     },
+    "llama3.1-405b": {
+        **_LLAMA3,
+        **_SCALED,
+        "n_layer": 126,
+        "n_head": 128,
+        "d_model": 16384,
+        "ffn_size": 53248,
+        "rope_scaling": 8.0,
+        "tie_embeddings": False,
+    },
     # Mixtral 8x7B (Jiang et al., "Mixtral of Experts", 2024, and its config.json): Mistral
     # 7B's shape with each MLP 8 experts of the same width, 2 per token (softmax over the
     # top 2), 46.7B parameters, 12.9B active per token.
@@ -151,16 +161,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "moe_top_k": 2,
         "moe_ffn_size": 96,
         "moe_router": "topk-softmax",
-    },
-    "llama3.1-405b": {
-        **_LLAMA3,
-        **_SCALED,
-        "n_layer": 126,
-        "n_head": 128,
-        "d_model": 16384,
-        "ffn_size": 53248,
-        "rope_scaling": 8.0,
-        "tie_embeddings": False,
     },
 }
 
