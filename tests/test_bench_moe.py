@@ -62,8 +62,21 @@ def test_the_cpu_smoke_fills_every_column_in_an_empty_folder(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert (out / "bench_moe.png").stat().st_size > 0
     assert "a2a ms/step" in done.stdout and "hvd.alltoall" in done.stdout
-    # Run again: the runs it made are its own to replace.
-    cli("bench", "moe", "--cpu-smoke", "--engines", "ddp", "--top-k", "1", "--ep", "2",
-        cwd=tmp_path, check=True)  # fmt: skip
+    # Run again: the runs it made are its own to replace (one case: ep 2 alone).
+    cli("bench", "moe", "--cpu-smoke", "--engines", "horovod", "--top-k", "1", "--ep", "2",
+        "--steps", "2", cwd=tmp_path, check=True)  # fmt: skip
     again = json.loads((out / "bench_moe.json").read_text())
     assert [r["ep"] for r in again["rows"]] == [2] and again["rows"][0]["vs_ep1"] is None
+
+
+def test_a_benchmark_run_past_its_time_is_one_line(monkeypatch):
+    import subprocess
+
+    from hpcllm.bench import runs
+
+    def slow(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(runs.subprocess, "run", slow)
+    with pytest.raises(UserError, match="took more than 30 s and was stopped: hpcllm train"):
+        runs.launch_ranks(1, ["train"], timeout=30)

@@ -194,6 +194,7 @@ def test_mixtral_imports_in_either_form_exports_and_generates_as_transformers(tm
     assert out.strip() == ",".join(map(str, greedy[0].tolist()))
 
 
+@pytest.mark.slow
 def test_mixtral_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
     from hpcllm import families
     from hpcllm.config import load_config

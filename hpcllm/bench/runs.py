@@ -44,6 +44,10 @@ def launch_ranks(
         raise UserError(
             f"a benchmark run failed (exit {err.returncode}): hpcllm {' '.join(args)}"
         ) from None
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"a benchmark run took more than {timeout:g} s and was stopped: hpcllm {' '.join(args)}"
+        ) from None
 
 
 MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace
