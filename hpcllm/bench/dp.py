@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hpcllm.bench import collectives
-from hpcllm.bench.runs import fresh_run_dir, launch_ranks
+from hpcllm.bench.runs import fresh_run_dir, launch_ranks, train_args
 from hpcllm.observe import CaseProgress
 from hpcllm.train.preflight import cpu_has_native_bf16
 
@@ -156,18 +156,7 @@ def bench_dp(
     """
     out.mkdir(parents=True, exist_ok=True)
     settings = engine_settings(config, overrides, engines)
-    common = [*(["--config", str(config)] if config else []), "--no-progress"]
-    for item in [
-        *overrides,
-        f"train.steps={steps}",
-        "train.log_interval=1",
-        "train.eval_interval=0",
-        "train.save_interval=0",
-        "train.global_batch_size=null",
-        "run.resume=none",
-        "run.tensorboard=false",
-    ]:
-        common += ["--set", item]
+    common = train_args(config, overrides, steps)
     # On CPU every rank gets the same number of threads, the largest d's share of the cores,
     # so that the single rank is one "device" like each rank of the others and the speedup
     # measures data parallelism, not a change in threads per process. GPUs need no such rule.

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hpcllm.bench.runs import fresh_run_dir, launch_ranks
+from hpcllm.bench.runs import fresh_run_dir, launch_ranks, train_args
 from hpcllm.errors import UserError
 from hpcllm.observe import CaseProgress, read_metrics
 
@@ -124,18 +124,7 @@ def bench_moe(
     progress: CaseProgress,
 ) -> dict[str, Any]:
     """Run every case; return the rows of the table and the settings they shared."""
-    common = [*(["--config", str(config)] if config else []), "--no-progress"]
-    for item in [
-        *overrides,
-        f"train.steps={steps}",
-        "train.log_interval=1",
-        "train.eval_interval=0",
-        "train.save_interval=0",
-        "train.global_batch_size=null",
-        "run.resume=none",
-        "run.tensorboard=false",
-    ]:
-        common += ["--set", item]
+    common = train_args(config, overrides, steps)
     # On CPU each rank gets an equal share of the cores, as in bench dp.
     threads = None if torch.cuda.is_available() else max(1, len(os.sched_getaffinity(0)) // dp)
     rows = []

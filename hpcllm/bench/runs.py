@@ -50,6 +50,27 @@ def launch_ranks(
         ) from None
 
 
+def train_args(config: Path | None, overrides: list[str], steps: int, *more: str) -> list[str]:
+    """Return the ``hpcllm train`` arguments every scratch run of a benchmark shares: the
+    config, ``overrides``, ``steps`` steps each logged, no evaluation until the end, no
+    checkpoint, the global batch from d, a fresh start, no TensorBoard; then ``more``
+    (``--set`` items that win over those)."""
+    args = [*(["--config", str(config)] if config else []), "--no-progress"]
+    for item in [
+        *overrides,
+        f"train.steps={steps}",
+        "train.log_interval=1",
+        "train.eval_interval=0",  # the final evaluation only
+        "train.save_interval=0",
+        "train.global_batch_size=null",
+        "run.resume=none",
+        "run.tensorboard=false",
+        *more,
+    ]:
+        args += ["--set", item]
+    return args
+
+
 MARK = ".hpcllm-bench-dp"  # in each run folder bench dp made: its own, to replace
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcllm.bench.runs import fresh_run_dir, launch_ranks
+from hpcllm.bench.runs import fresh_run_dir, launch_ranks, train_args
 from hpcllm.observe import CaseProgress, read_metrics
 
 ENGINES = ("ddp", "ps", "ps-async", "local-sgd")
@@ -97,19 +97,9 @@ def bench_sync(
 ) -> dict[str, Any]:
     """Run every strategy with and without the straggler, ``repeats`` times each."""
     out.mkdir(parents=True, exist_ok=True)
-    common = [*(["--config", str(config)] if config else []), "--no-progress"]
-    for item in [
-        *overrides,
-        f"train.steps={steps}",
-        f"train.log_interval={log_every}",
-        "train.eval_interval=0",  # the final evaluation only
-        "train.save_interval=0",
-        "train.global_batch_size=null",
-        f"parallel.dp={dp}",
-        "run.resume=none",
-        "run.tensorboard=false",
-    ]:
-        common += ["--set", item]
+    common = train_args(
+        config, overrides, steps, f"train.log_interval={log_every}", f"parallel.dp={dp}"
+    )
     slow = [f"train.straggler_rank={straggler_rank}", f"train.straggler_factor={straggler_factor}"]
     # Repeat r trains from seeds + r (model and data order), so the spread of the validation
     # losses is the run-to-run noise a comparison of strategies has to beat.
