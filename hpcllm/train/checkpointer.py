@@ -42,7 +42,7 @@ from hpcllm.datasets.tokenizer import CONFIG_FILE
 from hpcllm.errors import UserError
 from hpcllm.files import atomic_write, sweep_partials
 from hpcllm.model.stages import chunks_state_dict, load_chunks_state_dict
-from hpcllm.parallel.data.experts import expert_indices, is_expert, own_part
+from hpcllm.parallel.data.experts import expert_indices, held_part, is_expert
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.topology import Grid
 from hpcllm.train import checkpoint, reshard
@@ -97,15 +97,8 @@ class ModelChunks:
         if self.experts:
             state = dict(state)
             for key, mine in self.experts.items():
-                state[key] = self._own(state[key], mine)
+                state[key] = held_part(state[key], mine, self.ep_rank)
         load_chunks_state_dict(self.chunks, self.pp, state)
-
-    def _own(self, tensor: Any, mine: int) -> Any:
-        # A checkpoint's reader cuts the experts for this rank; a re-cut of tp or pp (and a
-        # checkpoint that held them whole) gives them whole.
-        if tensor.shape[0] == mine:
-            return tensor
-        return own_part(tensor, tensor.shape[0] // mine, self.ep_rank)
 
 
 class OptimizerState:
@@ -147,9 +140,7 @@ class OptimizerState:
             mine = self.experts.get(int(i))
             if mine is not None:
                 entry = {
-                    k: own_part(v, v.shape[0] // mine, self.ep_rank)
-                    if _per_expert(v) and v.shape[0] != mine
-                    else v
+                    k: held_part(v, mine, self.ep_rank) if _per_expert(v) else v
                     for k, v in entry.items()
                 }
             out[i] = entry

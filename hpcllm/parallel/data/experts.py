@@ -150,6 +150,15 @@ def own_part(tensor: torch.Tensor, ep: int, ep_rank: int) -> torch.Tensor:
     return tensor[ep_rank * per : (ep_rank + 1) * per].clone()
 
 
+def held_part(tensor: torch.Tensor, held: int, ep_rank: int) -> torch.Tensor:
+    """Return the ``held`` experts of ep rank ``ep_rank`` from ``tensor``: as it is when a
+    reader cut it for this rank already, else cut from the whole (a re-cut of t or p, or a
+    checkpoint that held the experts whole)."""
+    if tensor.shape[0] == held:
+        return tensor
+    return own_part(tensor, tensor.shape[0] // held, ep_rank)
+
+
 def expert_indices(params: Sequence[torch.Tensor]) -> set[int]:
     """Return the indices of the expert tensors among ``params`` (a plain optimizer state's
     parameters, in its order)."""
