@@ -282,6 +282,7 @@ class Metrics:
         """Return every rank's compute and wait times of this step, and the slowest rank.
 
         Synchronous updates wait for the slowest rank: it computes longest and waits least.
+        An asynchronous segment's slowest rank is the slowest per gradient it sent.
         """
         device, model = self.grid.device, self.model
         mine = (
@@ -294,6 +295,11 @@ class Metrics:
         with watchdog.waiting("metrics gather", axis="world"):
             dist.all_gather_object(rows, mine)
         compute = [r[0] for r in rows]
+        # ps-async's workers compute as many gradients as their pace allows: the slowest is
+        # the one slowest per gradient, not the one that computed most (tp = pp = 1 there, so
+        # a dp rank is a world rank).
+        sent = record.get("rank_gradients")
+        pace = [c / max(n, 1) for c, n in zip(compute, sent, strict=True)] if sent else compute
         return {
             # The busiest rank's bytes of each part (what must fit), in MB.
             "memory_parts_mb": {k: max(r[3][k] for r in rows) / 1e6 for k in rows[0][3]},
@@ -301,7 +307,7 @@ class Metrics:
             "rank_comm_wait_s": [r[1] for r in rows],
             "rank_busy_share": [c / record["step_time_s"] for c in compute],
             "rank_gpu_util": [r[2] for r in rows],
-            "slowest_rank": max(range(len(compute)), key=compute.__getitem__),
+            "slowest_rank": max(range(len(pace)), key=pace.__getitem__),
             "dp_engine": model.engine.name,
         }
 
