@@ -990,7 +990,8 @@ def check(cfg: Config) -> None:
     """
     _check_fields(cfg)
     m, train, parallel = cfg.model, cfg.train, cfg.parallel
-    if m.d_model % m.n_head:
+    # A head size the family's keys set (Qwen3's head_dim) frees d_model from the heads.
+    if m.d_model % m.n_head and families.get(m.arch).head_dim(m) is None:
         raise UserError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
     if m.n_head % parallel.tp:
         raise UserError(f"model.n_head {m.n_head} is not divisible by parallel.tp {parallel.tp}")

@@ -1,6 +1,7 @@
 """``hpcllm convert``: Hugging Face checkpoints in and out (config.json + safetensors), for
 every family whose spec maps its tensors (:attr:`hpcllm.families.Family.hf_tensors`): GPT-2
-(GPT2LMHeadModel) and Llama (LlamaForCausalLM, and MixtralForCausalLM as a Llama with experts).
+(GPT2LMHeadModel) and Llama (LlamaForCausalLM; MixtralForCausalLM as a Llama with experts;
+Qwen2's and Qwen3's causal models, dense and MoE, as a Llama with their attention variants).
 A mapped tensor may be one of theirs or one per routed expert, stacked along our dim 0; a form
 the family reads but does not write (transformers' fused ``gate_up_proj``) is read where a
 checkpoint lacks the written form's tensors.
@@ -79,20 +80,29 @@ def _links(model: nn.Module, available: set[str] | None = None) -> list[_Link]:
     """Return the link of every tensor of a whole model that has a Hugging Face name (a tied
     model's output layer has none of its own), in the family's order.
 
+    The names are those of the Hugging Face kind the model is (:meth:`Family.hf_kind`).
     Where the family names several forms of a tensor, ``available`` (a checkpoint's tensor
     names) picks the first form it holds whole; without it (an export), or where it holds
-    none, the first form."""
+    none, the first form that is not an alternative."""
     family = _hf_family(model.cfg)
+    kind = family.hf_kind(model.cfg)
     present = set(model.state_dict())
     experts = range(model.cfg.moe_experts)
     chosen: dict[str, _Link] = {}
-    for tensor in family.hf_tensors:
+    # The written forms first, so that an alternative listed before them is still weighed.
+    forms = sorted(
+        (t for t in family.hf_tensors if not t.kinds or kind in t.kinds),
+        key=lambda t: t.alternative,
+    )
+    for tensor in forms:
         indices = range(model.cfg.n_layer) if "{i}" in tensor.ours else [None]
         for i in indices:
             ours = tensor.ours.format(i=i)
             if ours not in present:
                 continue
-            if tensor.per_expert:
+            if tensor.one_expert:
+                theirs = (tensor.theirs.format(i=i),)
+            elif tensor.per_expert:
                 theirs = tuple(tensor.theirs.format(i=i, e=e) for e in experts)
             else:
                 theirs = (tensor.theirs.format(i=i),)
@@ -100,7 +110,11 @@ def _links(model: nn.Module, available: set[str] | None = None) -> list[_Link]:
             if ours not in chosen:
                 if not tensor.alternative:
                     chosen[ours] = link
-            elif available is not None and not set(chosen[ours].theirs) <= available:
+            elif (
+                tensor.alternative
+                and available is not None
+                and not (set(chosen[ours].theirs) <= available)
+            ):
                 if set(theirs) <= available:
                     chosen[ours] = link
     return list(chosen.values())
@@ -274,16 +288,27 @@ def _read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], families.Family, Mode
     readable = families.by_hf_model_type()
     family = readable.get(hf.get("model_type")) if isinstance(hf, dict) else None
     if family is None or family.model_keys_of_hf is None:
-        known = " or ".join(sorted(readable))
-        raise UserError(f"{config_path}: model_type {hf.get('model_type')!r} is not {known}")
+        known = ", ".join(sorted(readable))
+        raise UserError(
+            f"{config_path}: model_type {hf.get('model_type')!r} is not read; hpcllm reads {known}"
+        )
     try:
         keys = family.model_keys_of_hf(hf, str(config_path))
     except KeyError as err:
         raise UserError(f"{config_path} lacks {err.args[0]}") from None
+    model_cfg = model_config(family.name, preset=None, **keys)
+    kind = family.hf_kind(model_cfg)
+    if kind != hf.get("model_type"):
+        # The tensors are named as the kind the model reads as; a file of another kind
+        # whose shape reads so would be looked up under names it does not have.
+        raise UserError(
+            f"{config_path}: this {hf.get('model_type')} model's shape is a {kind}'s, which "
+            "hpcllm would name otherwise; it is not read"
+        )
     context = keys["seq_len"]
     if not family.seq_in_weights and isinstance(context, int):
-        keys["seq_len"] = min(context, families.IMPORTED_SEQ_LEN)
-    return hf, family, model_config(family.name, preset=None, **keys), context
+        model_cfg = dataclasses.replace(model_cfg, seq_len=min(context, families.IMPORTED_SEQ_LEN))
+    return hf, family, model_cfg, context
 
 
 def _check_sizes(family: families.Family, hf: dict, weights: HFWeights, where: Path) -> None:

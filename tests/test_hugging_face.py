@@ -220,9 +220,10 @@ def test_mixtral_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
 
     assert config()["model_type"] == "mixtral"
     for sets, says in (
-        (["model.moe_shared_ffn_size=32"], "Mixtral has no shared expert"),
+        # A shared expert makes it a Qwen2-MoE, whose shared expert has a gate.
+        (["model.moe_shared_ffn_size=32"], "Qwen2-MoE's blocks have a shared expert with a"),
         (["model.moe_first_dense=1"], "keeps blocks [0] dense"),
-        (["model.moe_router=sigmoid"], "Mixtral's router is a softmax over the top k"),
+        (["model.moe_router=sigmoid"], "MixtralForCausalLM's router is a softmax"),
         (["model.moe_router=softmax-topk"], "model.moe_renormalize: true"),
     ):
         with pytest.raises(UserError, match=re.escape(says)):
@@ -241,6 +242,154 @@ def test_mixtral_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
     silent.pop("rope_parameters", None)
     keys = llama.model_keys_of_hf(silent, "config.json")
     assert (keys["rope_theta"], keys["layer_norm_eps"]) == (1e6, 1e-5)
+
+
+def hf_qwen(kind: str, folder) -> torch.nn.Module:
+    """Save a random tiny Qwen causal model of ``kind`` (config.json's model_type) into
+    ``folder`` as save_pretrained writes it; return it in eval mode. Qwen2's have q/k/v
+    biases, Qwen3's q/k norms and heads of 24 or 32 over a hidden size of 64; the MoE ones 4
+    experts of 48, 2 per token; Qwen2-MoE's a gated shared expert, block 1 dense
+    (mlp_only_layers) and top-k weights not renormalised, Qwen3-MoE's renormalised."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    config = {
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **common,
+            **moe,
+            shared_expert_intermediate_size=40,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),  # fmt: skip
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, **moe, head_dim=24, norm_topk_prob=True
+        ),
+    }[kind]()
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+def test_qwen_models_import_in_either_form_export_and_generate_as_transformers(tmp_path, kind):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    reference = hf_qwen(kind, tmp_path / "hf")
+    expected = logits(reference, IDS)
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    model = hpcllm.load_model(tmp_path / "run")
+    cfg = model.cfg
+    assert (bool(cfg.qkv_bias), bool(cfg.qk_norm)) == (
+        kind.startswith("qwen2"),
+        kind.startswith("qwen3"),
+    )  # noqa: E501
+    assert cfg.head_dim == {"qwen3": 32, "qwen3_moe": 24}.get(kind)  # null: 64 / 4
+    assert_same_logits(logits(model, IDS), expected)
+    if kind.endswith("_moe"):
+        assert (cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_size) == (4, 2, 48)
+        assert cfg.moe_renormalize is (kind == "qwen3_moe")
+        if kind == "qwen2_moe":
+            assert (cfg.moe_dense_layers, cfg.moe_shared_ffn_size, cfg.moe_shared_gate) == (
+                [1], 40, True
+            )  # fmt: skip
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            assert "model.layers.0.mlp.experts.3.down_proj.weight" in f.keys()  # the hub's form
+        # transformers 5's stacked form, as a file saved from its state dict holds it.
+        stacked = tmp_path / "stacked"
+        stacked.mkdir()
+        state = reference.state_dict()
+        assert "model.layers.0.mlp.experts.gate_up_proj" in state
+        save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
+        (stacked / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+        from_hf(stacked, tmp_path / "run-stacked")
+        assert_same_logits(logits(hpcllm.load_model(tmp_path / "run-stacked"), IDS), expected)
+    # Out as the same kind, which transformers reads back.
+    to_hf(tmp_path / "run", tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == kind
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(reference)
+    assert_same_logits(logits(again, IDS), expected)
+    if kind.endswith("_moe"):  # greedy generation with the KV cache: transformers' tokens
+        out = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "5,6,7",
+                  "--tokens", "8", "--temperature", "0", check=True).stdout  # fmt: skip
+        greedy = reference.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False, eos_token_id=2
+        )
+        assert out.strip() == ",".join(map(str, greedy[0].tolist()))
+
+
+@pytest.mark.slow
+def test_qwen_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
+    from hpcllm import families
+    from hpcllm.config import load_config
+
+    for kind, change, says in (
+        ("qwen3", {"attention_bias": True}, "attention_bias true (biases on q, k, v and o)"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window true (sliding-window"),
+        ("qwen3_moe", {"num_experts": 8}, "gives num_experts 8 but model.layers.0.mlp.gate"),
+        ("qwen3_moe", {"head_dim": 16}, "gives head_dim 16 but .*q_proj.weight has 96 rows"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 32},
+         "gives shared_expert_intermediate_size 32 but .*shared_expert.gate_proj.weight has 40"),
+    ):  # fmt: skip
+        folder = tmp_path / kind
+        if not folder.exists():
+            hf_qwen(kind, folder)
+        path = folder / "config.json"
+        written = json.loads(path.read_text())
+        path.write_text(json.dumps({**written, **change}))
+        with pytest.raises(UserError, match=says.replace("(", r"\(").replace(")", r"\)")) as err:
+            from_hf(folder, tmp_path / "run")
+        assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+        path.write_text(json.dumps(written))
+    # Out: a model no Hugging Face model is, refused in one line naming why.
+    llama = families.get("llama")
+    base = ["model.arch=llama", "model.preset=llama-tiny"]
+
+    def config(*sets: str) -> dict:
+        return llama.hf_config(load_config(None, [*base, *sets]).model, VOCAB, {})
+
+    assert config("model.qkv_bias=true")["model_type"] == "qwen2"
+    assert config("model.qk_norm=true", "model.head_dim=16")["head_dim"] == 16
+    moe = ["model.moe_experts=4", "model.moe_renormalize=true"]
+    assert config(*moe, "model.qk_norm=true")["model_type"] == "qwen3_moe"
+    shared = ["model.moe_shared_ffn_size=32", "model.moe_shared_gate=true"]
+    assert config(*moe, *shared, "model.moe_every=2")["mlp_only_layers"] == []
+    assert config(*moe, *shared, "model.moe_first_dense=2")["mlp_only_layers"] == [0, 1]
+    for sets, says in (
+        (["model.qkv_bias=true", "model.qk_norm=true"], "puts a bias on o_proj too"),
+        ([*moe, "model.qkv_bias=true"], "Qwen2-MoE's blocks have a shared expert with a sigmoid"),
+        ([*moe, "model.qk_norm=true", *shared], "Qwen3-MoE has no shared expert"),
+        ([*moe, "model.qk_norm=true", "model.moe_router=sigmoid"], "router is a softmax"),
+    ):
+        with pytest.raises(UserError, match=re.escape(says)):
+            config(*sets)
+
+
+@pytest.mark.slow
+def test_the_qwen3_moe_tiny_preset_trains_and_goes_out_as_a_qwen3_moe(tmp_path):
+    run = tmp_path / "run"
+    cli("train", "--no-progress", "--set", "model.arch=llama", "--set",
+        "model.preset=qwen3-moe-tiny", "--set", "data.synthetic=true", "--set", "train.steps=2",
+        "--set", f"run.dir={run}", "--set", "train.eval_interval=0", "--set",
+        "run.tensorboard=false", check=True)  # fmt: skip
+    model = hpcllm.load_model(run)
+    assert (model.cfg.head_dim, model.cfg.qk_norm, model.cfg.moe_experts) == (24, True, 4)
+    to_hf(run, tmp_path / "out")
+    again = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected = logits(model, ids)
+    scale = expected.abs().max().item()
+    assert (logits(again, ids) - expected).abs().max().item() <= 1e-5 * scale
 
 
 @pytest.mark.slow
@@ -326,9 +475,9 @@ def test_imports_refuse_what_the_family_cannot_hold_in_one_line(tmp_path):
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not read"),
         ({"attention_bias": True}, "attention_bias true"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
-        ({"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads"),
+        ({"head_dim": 32}, "gives head_dim 32 but .*q_proj.weight has 64 rows, 4 heads of 16"),
         ({"intermediate_size": 128}, "gives intermediate_size 128 but .*gate_proj.weight has 96"),
-        ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not read; hpcllm reads gpt2, llama"),
         ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
     ]:
         config = json.loads(original)

@@ -24,6 +24,10 @@ from hpcllm.parallel.roles import role
 from hpcllm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 LLAMA = tiny("llama")
+# Qwen's attention variants on llama-tiny: heads of 24 over a hidden size of 128 (a free
+# head_dim), biases on q, k and v (Qwen2's), q and k normed per head (Qwen3's); together
+# here, which no Hugging Face model is, so that one model carries every variant.
+QWEN = ["model.head_dim=24", "model.qkv_bias=true", "model.qk_norm=true"]
 
 
 def _model_cfg(*extra: str):
@@ -51,6 +55,45 @@ def test_every_tensor_has_one_rule_and_the_spec_counts_the_modules_parameters(ti
         assert "tied" in role(last.wte.weight).sums and role(last.wte.weight).stage_copy
     else:
         assert role(last.lm_head.weight).sums == () and role(last.lm_head.weight).counted
+
+
+def test_qwen_s_attention_parts_have_their_rules_counts_and_flops():
+    cfg = _model_cfg(*QWEN)
+    family, shape = families.get("llama"), families.shape(_model_cfg(*QWEN), 384)
+    model = Llama(cfg, 384)
+    attn = model.blocks["0"].attn
+    assert attn.q.weight.shape == (4 * 24, 128) and attn.proj.weight.shape == (128, 96)
+    assert attn.k.bias.shape == (2 * 24,) and attn.q_norm.weight.shape == (24,)
+    for name, param in model.named_parameters():
+        rules = [rule for rule in family.tensors if rule.matches(name)]
+        assert len(rules) == 1, name
+        assert rules[0].split == getattr(param, "partition", None), name
+    assert sum(p.numel() for p in model.parameters()) == family.parameters(shape)
+    split, whole = family.layer_parameters(shape)
+    block = model.blocks["0"]
+    assert split + whole == sum(p.numel() for p in block.parameters())
+    assert whole == sum(p.numel() for p in block.parameters() if p.dim() == 1 and
+                        getattr(p, "partition", None) is None)  # fmt: skip
+    # FLOPs: the matrices' 2 per weight, the core's 4·s·(heads × head_dim) per token.
+    b, s = 3, cfg.seq_len
+    forward = _linear_flops_per_token(model) + 4.0 * s * 96 * cfg.n_layer
+    forward += 2.0 * 128 * model.lm_head.weight.shape[0]
+    assert family.step_flops(b, shape, "none") / (b * s) == pytest.approx(3 * forward, rel=1e-12)
+    # The q and k norms' gradient sums over tp (each rank norms its own heads), always.
+    with torch.device("meta"):
+        cut = build_chunks(cfg, 384, p=1, rank=0, v=1, tp_group=None, seed=0,
+                           sequence_parallel=False)[0]  # fmt: skip
+    assert family.rule("blocks.0.attn.q_norm.weight").grad == "tp-sum"
+    assert role(cut.blocks["0"].attn.k.bias).split == (0, 1)
+    # A head size that is not d_model / n_head needs no divisible d_model; an odd one is refused.
+    assert (
+        families.get("llama").head_dim(
+            _model_cfg("model.head_dim=24", "model.n_head=3", "model.n_kv_heads=1")
+        )
+        == 24
+    )
+    with pytest.raises(UserError, match="model.head_dim 25 must be even"):
+        _model_cfg("model.head_dim=25")
 
 
 def _linear_flops_per_token(model: torch.nn.Module) -> float:
@@ -225,17 +268,57 @@ def test_llama_s_tied_output_and_replicated_kv_heads_train_alike_and_recut(stdli
 
 
 @pytest.mark.mpi
+def test_qwen_s_attention_parts_train_alike_at_t2_sp_and_p2_and_recut(stdlib, tmp_path):
+    # q/k/v biases, q/k norms and heads of 24 at t = 2 with sequence parallelism, at p = 2
+    # (1F1B), and with one key/value head replicated on both tp ranks (its bias and k norm
+    # too): the one-process losses and gradient norms of the same model.
+    kv1 = [*QWEN, "model.n_kv_heads=1"]
+    runs = {
+        "t1": (1, QWEN),
+        "kv1-t1": (1, kv1),
+        "t2-sp": (2, [*QWEN, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        "p2": (2, [*QWEN, "parallel.pp=2"]),
+        "kv1-t2": (2, [*kv1, "parallel.tp=2"]),
+    }
+    logged = {}
+    for ranks in (1, 2):
+        # A vocabulary that t = 1 and t = 2 pad alike, so that the parameter counts compare.
+        mine = {
+            name: [*LLAMA, *sets, "model.vocab_size=512"]
+            for name, (n, sets) in runs.items()
+            if n == ranks
+        }
+        logged |= train_together(ranks, stdlib, tmp_path, mine)
+    for name, reference in [("t2-sp", "t1"), ("p2", "t1"), ("kv1-t2", "kv1-t1")]:
+        # The norms to 1e-4: three updates' rounding moves the fourth step's by 1e-5.
+        for key, rel in (("loss", 1e-5), ("grad_norm", 1e-4)):
+            got = [r[key] for r in logged[name]["records"]]
+            want = [r[key] for r in logged[reference]["records"]]
+            assert got == pytest.approx(want, rel=rel), (name, key)
+        assert logged[name]["summary"]["parameters"] == logged[reference]["summary"]["parameters"]
+    # Re-cut at t = 2, p = 2 and merged whole, the model is the same.
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    one = hpcllm.load_model(tmp_path / "t1")(ids)
+    torch.testing.assert_close(hpcllm.load_model(tmp_path / "t2-sp")(ids), one,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    cli("convert", "--checkpoint", str(tmp_path / "t1"), "--out", str(tmp_path / "recut"),
+        "--tp", "2", "--pp", "2", check=True)  # fmt: skip
+    torch.testing.assert_close(hpcllm.load_model(tmp_path / "recut")(ids), one, rtol=0, atol=0)
+
+
+@pytest.mark.mpi
 def test_llama_tiny_trains_alike_with_its_fused_kernels(stdlib, tmp_path):
     # RMSNorm, SwiGLU and the rotation as Triton kernels (on the CPU under Triton's
     # interpreter, which fused_kernels: on requires there) against the torch references, at
     # t = 2 with sequence parallelism (one process: test_kernels' Llama step, in-process).
-    # Short runs: the interpreter is slow.
+    # Short runs: the interpreter is slow. Qwen's attention parts ride along: the q and k
+    # norms are the RMSNorm kernel over heads of 24, which the rotation turns too.
     short = ["train.global_batch_size=4", "train.eval_iters=1", "train.steps=2"]
     for name, np, layout in [("t2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"])]:
         said, logged = {}, {}
         for fused, env in [("off", None), ("on", {"TRITON_INTERPRET": "1"})]:
             run = tmp_path / f"{name}-{fused}"
-            result = train(np, stdlib, run, *LLAMA, *layout, *short,
+            result = train(np, stdlib, run, *LLAMA, *QWEN, *layout, *short,
                            f"model.fused_kernels={fused}", env=env).check()  # fmt: skip
             said[fused] = result.rank_stdout.get(0, result.stdout) + result.rank_stderr.get(0, "")
             logged[fused] = losses(run)

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import yaml
 from family_runs import cli, train
 from mpirun import REPO
 
@@ -872,3 +873,22 @@ def test_mixtral_8x7b_plans_at_its_published_size_with_ep_and_the_all_to_all():
     # What docs/moe.md says of it: one expert per GPU of each block, 22.5 GB of experts.
     assert lines[4].split()[4] == "8"  # the best layout's ep
     assert "experts 22.5," in next(line for line in lines if line.startswith("#1 memory"))
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_plans_with_its_free_head_dim_and_q_k_norms(tmp_path):
+    command = ["--model", "qwen3-30b-a3b", "--gpus", "64", "--global-batch", "512",
+               "--cluster", str(REPO / "jobs" / "clusters" / "dgx-h100.yaml")]  # fmt: skip
+    text = _plan(*command)
+    assert text.returncode == 0, text.stderr
+    header = text.stdout.splitlines()[0]
+    # 30.5B parameters (Qwen3 Technical Report), 32 heads of 128 over a hidden size of 2048.
+    assert "32 heads (4 key/value) of 128 with q/k norms" in header
+    assert "128 experts (top 8, MLP 768) in 48 of 48 blocks" in header
+    assert "(30.53 B parameters)" in header
+    # The plan written as a config keeps the attention's variants.
+    out = tmp_path / "plan.yaml"
+    assert _plan(*command, "--write-config", str(out)).returncode == 0
+    written = yaml.safe_load(out.read_text())["model"]
+    kept = (written["head_dim"], written["qk_norm"], written["moe_renormalize"])
+    assert kept == (128, True, True)

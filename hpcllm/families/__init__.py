@@ -79,7 +79,11 @@ class HFTensor:
     along dim 0 (Mixtral's ``experts.{e}.w1``). ``part`` (dim, index, count): theirs fuses
     ``count`` of ours along ``dim``, ours being chunk ``index`` (transformers' stacked
     ``gate_up_proj``). ``alternative``: another form of a tensor named before it, read where a
-    checkpoint lacks the first form's tensors and never written.
+    checkpoint lacks the first form's tensors and never written. ``one_expert``: ours holds
+    theirs as the one expert of a stack (a shared expert: (1, rows, cols) against theirs'
+    (rows, cols)). ``kinds``: the config.json model_types whose checkpoints name the tensor so
+    (Mixtral's ``block_sparse_moe`` against Qwen-MoE's ``mlp``); empty: every kind the family
+    reads.
     """
 
     ours: str
@@ -87,10 +91,13 @@ class HFTensor:
     transpose: bool = False
     part: tuple[int, int, int] | None = None
     alternative: bool = False
+    one_expert: bool = False
+    kinds: tuple[str, ...] = ()
 
     @property
     def per_expert(self) -> bool:
-        return "{e}" in self.theirs
+        """Return whether ours stacks theirs along dim 0 (one per routed expert, or one)."""
+        return "{e}" in self.theirs or self.one_expert
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,19 @@ class Shape:
     kv_heads: int | None = None  # None: as many as heads
     ffn: int | None = None  # the MLP's width; None: 4·hidden
     tied: bool = True  # the output layer is the token embedding
+    head_dim: int | None = None  # each head's width; None: hidden / heads
+    qkv_bias: bool = False  # biases on the query, key and value projections
+    qk_norm: bool = False  # a norm (head_dim weights) over each head's queries and keys
+
+    @property
+    def head_size(self) -> int:
+        """Return each attention head's width."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """Return the queries' width, heads × head size (hidden, unless head_dim is free)."""
+        return self.heads * self.head_size
 
 
 @dataclass(frozen=True)
@@ -162,8 +182,11 @@ class Family:
     mlp_matrices: int = 2
     hf_tensors: tuple[HFTensor, ...] = ()
     hf_model_type: str | None = None  # config.json's model_type
-    # Further model_types the family reads (Llama: Mixtral, its mixture of experts).
+    # Further model_types the family reads (Llama: Mixtral, Qwen2, Qwen3 and their MoEs).
     hf_model_types_also: tuple[str, ...] = ()
+    # The model_type a model config is exported as, its tensors named as that kind's
+    # checkpoints name them (HFTensor.kinds): (model config) -> model_type. None: hf_model_type.
+    hf_model_type_of: Callable[[Any], str] | None = None
     # Hugging Face config.json out: (model config, vocabulary, {"bos_token_id": ...,
     # "eos_token_id": ...}) -> dict; and in: (config.json as a dict, its path for messages)
     # -> model.* keys (a UserError where the family cannot hold that model; a KeyError names
@@ -192,6 +215,9 @@ class Family:
     check: Callable[[Any, int], None] | None = None
     # The Shape fields beyond the common sizes, from a model config (kv_heads, ffn, tied).
     shape_extra: Callable[[Any], dict[str, Any]] = lambda _model: {}
+    # Each attention head's width where the model config sets one other than d_model /
+    # n_head (Qwen3's head_dim), else None: (model config) -> int | None.
+    head_dim: Callable[[Any], int | None] = lambda _model: None
     # The inverse: the family's own model.* keys that give a Shape's extra fields, so that a
     # planned shape is written as a config (``hpcllm plan --write-config``): (shape) -> keys.
     keys_of_shape: Callable[[Shape], dict[str, Any]] = lambda _shape: {}
@@ -206,6 +232,10 @@ class Family:
     reference: str | None = None
     # ``--set`` items the bench's smoke shape adds for this family (Llama: 2 key/value heads).
     bench_keys: tuple[str, ...] = ()
+
+    def hf_kind(self, model: Any) -> str | None:
+        """Return the config.json model_type ``model`` (a model config) is written as."""
+        return self.hf_model_type if self.hf_model_type_of is None else self.hf_model_type_of(model)
 
     def rule(self, name: str) -> TensorRule:
         """Return the rule of a whole-model parameter name (the MoE part's, every family's

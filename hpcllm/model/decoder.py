@@ -142,14 +142,17 @@ class SelfAttention(nn.Module):
     (dropout from the tensor-parallel stream, selective recomputation), the KV cache and the
     output projection ``proj`` (row-parallel). A family supplies :meth:`project`, which makes
     q, k and v, and builds ``proj``; ``kv_heads`` key/value heads are shared by the query
-    heads (grouped-query attention) when fewer."""
+    heads (grouped-query attention) when fewer; each head is ``head_dim`` wide (None:
+    d_model / n_head)."""
 
-    def __init__(self, cfg: ModelConfig, group: Any, kv_heads: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, group: Any, kv_heads: int, head_dim: int | None = None
+    ) -> None:
         super().__init__()
         t = group_size(group)
         self.group = group
         self.local_heads = cfg.n_head // t
-        self.head_dim = cfg.d_model // cfg.n_head
+        self.head_dim = head_dim or cfg.d_model // cfg.n_head
         # With fewer key/value heads than tp ranks, each rank keeps the one its queries use.
         self.local_kv = kv_heads // t if kv_heads % t == 0 else 1
         self.gqa = self.local_kv != self.local_heads

@@ -23,7 +23,7 @@ from torch import nn
 
 from hpcllm import kernels
 from hpcllm.config import ModelConfig
-from hpcllm.families.llama import ffn_size, kv_heads
+from hpcllm.families.llama import ffn_size, head_dim, kv_heads
 from hpcllm.model.decoder import Decoder, DecoderParts, SelfAttention
 from hpcllm.parallel.tensor.deferred import linear
 from hpcllm.parallel.tensor.layers import (
@@ -51,8 +51,8 @@ class RMSNorm(nn.Module):
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Return the rotary inverse frequencies of one head (head_dim / 2 of them), with Llama
     3.1's scaling when ``rope_scaling`` is set."""
-    head_dim = cfg.d_model // cfg.n_head
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    size = head_dim(cfg)
+    exponents = torch.arange(0, size, 2, dtype=torch.float64, device="cpu") / size
     inv = 1.0 / (cfg.rope_theta**exponents)
     if cfg.rope_scaling is None:
         return inv.float()
@@ -68,7 +68,8 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 class ReplicatedHeadLinear(nn.Module):
     """The k (or v) projection when the tp ranks outnumber the key/value heads: rank r keeps
-    head r // (t / heads), drawn from the whole weight as every layout draws it."""
+    head r // (t / heads), drawn from the whole weight as every layout draws it (its bias,
+    where it has one, zero as every bias starts)."""
 
     def __init__(
         self,
@@ -80,6 +81,7 @@ class ReplicatedHeadLinear(nn.Module):
         gen: torch.Generator,
         init: Any,
         sequence_parallel: bool,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         t = group_size(group)
@@ -89,45 +91,56 @@ class ReplicatedHeadLinear(nn.Module):
         init(full, gen)
         head = group_rank(group) // replicas
         self.weight = nn.Parameter(full[head * head_dim : (head + 1) * head_dim].clone())
+        self.bias = nn.Parameter(torch.zeros(head_dim)) if bias else None
         # Split by head; the ranks sharing a head sum its gradient, the first counts it (the
         # family's "kv-replicas" rule, hpcllm.parallel.roles).
-        mark_split(self.weight)
+        mark_split(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, None, self.group)
-        return linear(copy_to_tp(x, self.group), self.weight)
+            return sequence_parallel_linear(x, self.weight, self.bias, self.group)
+        return linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
 class LlamaAttention(SelfAttention):
     """Causal grouped-query attention with rotary positions; q split by head over the tp
-    group, k and v split by head or replicated (:class:`ReplicatedHeadLinear`)."""
+    group, k and v split by head or replicated (:class:`ReplicatedHeadLinear`).
+
+    Qwen's variants, as the model keys ask: heads ``head_dim`` wide whatever d_model is
+    (q and the output projection then map d_model to and from n_head × head_dim); biases on
+    q, k and v (``qkv_bias``, split with their heads); an RMSNorm over each head's queries
+    and keys before the rotation (``qk_norm``: one weight of head_dim shared by the heads, so
+    whole on every tp rank, its gradient summed over them).
+    """
 
     def __init__(
         self, cfg: ModelConfig, group: Any, gen: torch.Generator, sequence_parallel: bool = False
     ) -> None:
         kv = kv_heads(cfg)
-        super().__init__(cfg, group, kv_heads=kv)
-        h, t = cfg.d_model, group_size(group)
+        super().__init__(cfg, group, kv_heads=kv, head_dim=head_dim(cfg))
+        h, t, width = cfg.d_model, group_size(group), cfg.n_head * self.head_dim
         common = {"group": group, "gen": gen, "sequence_parallel": sequence_parallel}
-        self.q = ColumnParallelLinear(h, h, init=normal_init(cfg.init_std), bias=False, **common)
+        bias = bool(cfg.qkv_bias)
+        self.q = ColumnParallelLinear(h, width, init=normal_init(cfg.init_std), bias=bias, **common)
         for name in ("k", "v"):
             if kv % t == 0:
                 layer: nn.Module = ColumnParallelLinear(
-                    h, kv * self.head_dim, init=normal_init(cfg.init_std), bias=False, **common
+                    h, kv * self.head_dim, init=normal_init(cfg.init_std), bias=bias, **common
                 )
             else:
                 layer = ReplicatedHeadLinear(
-                    h, kv, self.head_dim, init=normal_init(cfg.init_std), **common
+                    h, kv, self.head_dim, init=normal_init(cfg.init_std), bias=bias, **common
                 )
             setattr(self, name, layer)
         self.proj = RowParallelLinear(
-            h,
+            width,
             h,
             init=normal_init(cfg.init_std / math.sqrt(2 * cfg.n_layer)),
             bias=False,
             **common,
         )
+        self.q_norm = RMSNorm(self.head_dim, cfg.layer_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.layer_norm_eps) if cfg.qk_norm else None
         # Numbers, not a buffer: a model built on the meta device and loaded from a
         # checkpoint (which holds no buffers) must still have them.
         self.inv_freq = tuple(rope_frequencies(cfg).tolist())
@@ -147,8 +160,11 @@ class LlamaAttention(SelfAttention):
         q = self.q(x)  # (b, s, heads/t · d): the whole sequence, even under SP
         b, s, _ = q.shape
         # Rotated in (b, s, heads, d), the projections' own layout, then heads first for SDPA.
-        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim), positions).transpose(1, 2)
+        q = q.view(b, s, self.local_heads, self.head_dim)
         k = self.k(x).view(b, s, self.local_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rotary(q, positions).transpose(1, 2)
         k = self.rotary(k, positions).transpose(1, 2)
         v = self.v(x).view(b, s, self.local_kv, self.head_dim).transpose(1, 2)
         return q, k, v

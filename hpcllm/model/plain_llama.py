@@ -3,8 +3,9 @@
 
 Pre-RMSNorm blocks (``nn.RMSNorm``), rotary positions from cos/sin tables built once (each
 half of a head paired with the other, Hugging Face's convention), grouped-query attention
-through ``scaled_dot_product_attention(enable_gqa=True)``, a SwiGLU MLP, no biases, an output
-layer tied to the embedding or not. Its sizes come from the model config through the family,
+through ``scaled_dot_product_attention(enable_gqa=True)``, a SwiGLU MLP, no biases but
+Qwen2's on q, k and v where the model has them (and Qwen3's q and k norms), an output layer
+tied to the embedding or not. Its sizes come from the model config through the family,
 and its rotary frequencies are hpcllm's (:func:`hpcllm.model.llama.rope_frequencies`, Llama
 3.1's scaling included), so that both compute the same function; nothing else of hpcllm is in
 it.
@@ -29,24 +30,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Attention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, n_kv_heads: int) -> None:
+    def __init__(self, shape: families.Shape, eps: float) -> None:
         super().__init__()
-        self.n_head, self.n_kv, self.head_dim = n_head, n_kv_heads, d_model // n_head
-        self.q_proj = nn.Linear(d_model, d_model, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        h, bias = shape.hidden, shape.qkv_bias
+        self.n_head, self.n_kv = shape.heads, shape.kv_heads or shape.heads
+        self.head_dim = shape.head_size
+        self.q_proj = nn.Linear(h, shape.attention_width, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(shape.attention_width, h, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=eps) if shape.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if shape.qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q = self.q_proj(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head
         )
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_head * self.head_dim))
 
 
 class _MLP(nn.Module):
@@ -61,12 +66,13 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int, n_kv_heads: int, ffn: int, eps: float) -> None:
+    def __init__(self, shape: families.Shape, eps: float) -> None:
         super().__init__()
-        self.input_norm = nn.RMSNorm(d_model, eps=eps)
-        self.attn = _Attention(d_model, n_head, n_kv_heads)
-        self.post_norm = nn.RMSNorm(d_model, eps=eps)
-        self.mlp = _MLP(d_model, ffn)
+        h = shape.hidden
+        self.input_norm = nn.RMSNorm(h, eps=eps)
+        self.attn = _Attention(shape, eps)
+        self.post_norm = nn.RMSNorm(h, eps=eps)
+        self.mlp = _MLP(h, shape.ffn or 4 * h)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin)
@@ -84,10 +90,7 @@ class PlainLlama(nn.Module):
         h, layers, eps = shape.hidden, shape.layers, model.layer_norm_eps
         torch.manual_seed(seed)
         self.embed = nn.Embedding(vocab_size, h)
-        self.blocks = nn.ModuleList(
-            _Block(h, shape.heads, shape.kv_heads or shape.heads, shape.ffn or 4 * h, eps)
-            for _ in range(layers)
-        )
+        self.blocks = nn.ModuleList(_Block(shape, eps) for _ in range(layers))
         self.norm = nn.RMSNorm(h, eps=eps)
         self.lm_head = nn.Linear(h, vocab_size, bias=False)
         if shape.tied:

@@ -41,6 +41,8 @@ GRADIENT_KINDS: dict[str, GradientKind] = {
     for kind in (
         # Whole on every tp rank but, under sequence parallelism, fed 1/t of the tokens.
         GradientKind("tp-sum-if-sequence-parallel", "tp", sequence_parallel_only=True),
+        # Whole on every tp rank but applied to each rank's own heads (Qwen3's q and k norms).
+        GradientKind("tp-sum", "tp"),
         # A key/value head kept on the t / heads ranks whose queries use it.
         GradientKind("kv-replicas", "tp", replicated_only=True),
         # The copies of a tensor tied across the first and the last stage.

@@ -488,15 +488,15 @@ class _Layer:
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
     family, shape = model.family, model.shape
     b, s, h, t = layout.micro_batch, shape.seq, shape.hidden, layout.tp
-    heads = shape.heads // t
-    head_dim = h // shape.heads
+    heads, head_dim, a = shape.heads // t, shape.head_size, shape.attention_width
     peak = cluster.gpu.peak(software.precision)
     e = _bytes_per_value(software.precision)
     gemms = family.layer_gemms(b * s, shape, t)
     gemm = sum(_gemm_s(cluster, peak, m, n, k, e) for m, n, k in gemms)
     if software.attention == "flash":
-        # Causal: half of the 4·b·s²·h/t score and context FLOPs are computed.
-        flops = 2.0 * b * s * s * h / t
+        # Causal: half of the 4·b·s²·a/t score and context FLOPs are computed (a: the
+        # heads' width, h unless head_dim is free).
+        flops = 2.0 * b * s * s * a / t
         attention_f = flops / (peak * 1e12 * cluster.gpu.flash_efficiency)
         attention_b = 2.5 * attention_f
     else:
@@ -511,8 +511,8 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
         )
         # Scale-mask-softmax read and written once, dropout read, written, and its mask (1 B);
         # backward: dropout's and softmax's gradients (read 3, write 2 values, and the mask).
-        # The context's heads are permuted back into place: b·s·h/t values copied.
-        permute = _memory_s(cluster, 2 * b * s * h / t * e)
+        # The context's heads are permuted back into place: b·s·a/t values copied.
+        permute = _memory_s(cluster, 2 * b * s * a / t * e)
         attention_f = bmm + _memory_s(cluster, scores * (4 * e + 1)) + permute
         attention_b = 2 * bmm + _memory_s(cluster, scores * (5 * e + 1)) + 2 * permute
     # Norms and dropout-residual adds (replicated over tp unless sequence-parallel), and the

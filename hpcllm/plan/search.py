@@ -68,7 +68,7 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
     ):
         if value < 1:
             raise UserError(f"{name} must be positive, got {value}")
-    if shape.hidden % shape.heads:
+    if shape.hidden % shape.heads and not shape.head_dim:
         raise UserError(f"--hidden {shape.hidden} is not divisible by --heads {shape.heads}")
     if fixed.tp and shape.heads % fixed.tp:
         raise UserError(f"--heads {shape.heads} is not divisible by --tp {fixed.tp}")
@@ -344,10 +344,17 @@ def to_json(plan: Plan, top: int) -> dict[str, Any]:
 
 def _own_sizes(shape: families.Shape) -> str:
     """Return the sizes a shape sets away from their defaults: fewer key/value heads than
-    heads, an MLP width other than 4·hidden, an untied output layer."""
+    heads, heads other than hidden / heads wide, q/k/v biases and q/k norms, an MLP width
+    other than 4·hidden, an untied output layer."""
     extra = ""
     if shape.kv_heads and shape.kv_heads != shape.heads:
         extra += f" ({shape.kv_heads} key/value)"
+    if shape.head_dim and shape.attention_width != shape.hidden:
+        extra += f" of {shape.head_dim}"
+    variants = [name for name, on in (("q/k/v biases", shape.qkv_bias),
+                                      ("q/k norms", shape.qk_norm)) if on]  # fmt: skip
+    if variants:
+        extra += f" with {' and '.join(variants)}"
     if shape.ffn and shape.ffn != 4 * shape.hidden:
         extra += f", MLP {shape.ffn}"
     return extra + ("" if shape.tied else ", untied output layer")

@@ -12,7 +12,9 @@ its own group (:data:`SUMS`):
 2. ``tied``: the tied embedding's two copies, on the first and the last pipeline stage, sum
    theirs over the embedding group;
 3. ``kv-replicas``: a key/value head kept on several tp ranks (grouped-query attention with
-   fewer heads than ranks) sums its gradient over the ranks that hold it.
+   fewer heads than ranks) sums its gradient over the ranks that hold it;
+4. ``tp-sum``: whole parameters applied to each rank's own heads (per-head q and k norms)
+   sum theirs over the tensor-parallel group.
 
 All are linear, so they may come before or after the data-parallel average: an engine puts
 them where its reduction needs them. :func:`global_grad_norm` is the norm the optimizer clips
@@ -40,13 +42,20 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -
     sequence parallelism each rank sees only its part of the sequence, so each holds a partial
     gradient. One all-reduce of the flattened gradients completes them (Megatron does the same).
     """
+    _sum_whole_over_tp(params, group, "tp-sum-if-sequence-parallel")
+
+
+def reduce_per_head_grads(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Sum over the tp group the gradients of whole parameters applied to each rank's own
+    heads (Qwen3's q and k norms): each rank's is the part of its heads."""
+    _sum_whole_over_tp(params, group, "tp-sum")
+
+
+def _sum_whole_over_tp(params: Iterable[nn.Parameter], group: Any, kind: str) -> None:
+    """All-reduce over ``group``, flattened, the gradients of the parameters taking ``kind``."""
     if group_size(group) == 1:
         return
-    grads = [
-        p.grad
-        for p in params
-        if "tp-sum-if-sequence-parallel" in role(p).sums and p.grad is not None
-    ]
+    grads = [p.grad for p in params if kind in role(p).sums and p.grad is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -98,6 +107,7 @@ def sum_kv_replica_grads(params: Iterable[nn.Parameter], group: Any) -> None:
 # kind is one more entry.
 SUMS: dict[str, Callable[[Sequence[nn.Parameter], Any], None]] = {
     "tp-sum-if-sequence-parallel": reduce_sequence_parallel_grads,
+    "tp-sum": reduce_per_head_grads,
     "tied": sum_tied_grads,
     "kv-replicas": sum_kv_replica_grads,
 }
