@@ -4,13 +4,20 @@ Pre-RMSNorm blocks without biases, rotary position embeddings (with Llama 3.1's 
 scaling), grouped-query attention (``model.n_kv_heads`` key/value heads shared by
 ``n_head / n_kv_heads`` query heads each), a SwiGLU MLP (SiLU(x·G) ⊙ (x·U) → D) and an
 output layer tied to the token embedding or not (``model.tie_embeddings``). Shapes from Meta's
-model cards and configuration files: Llama 3 (8B, 70B), Llama 3.1 (405B), Llama 3.2 (1B).
+model cards and configuration files: Llama 3 (8B, 70B), Llama 3.1 (405B), Llama 3.2 (1B);
+with experts, Mixtral 8x7B and Qwen3-30B-A3B. Qwen's attention variants are keys of the
+family: heads ``model.head_dim`` wide whatever d_model is, biases on q, k and v
+(``model.qkv_bias``, Qwen2's) and an RMSNorm over each head's queries and keys before the
+rotation (``model.qk_norm``, Qwen3's), so that Qwen2's and Qwen3's checkpoints, dense and MoE,
+come in and go out as this family's (:func:`hf_kind`).
 
 Tensor parallelism (Megatron's): q column-parallel by head; k and v split by head when t
 divides ``n_kv_heads``, and when ``n_kv_heads`` divides t each key/value head lives on the
 ``t / n_kv_heads`` ranks whose query heads use it (its gradient summed over them, counted once
 in the gradient norm and the parameter count); the SwiGLU's gate and up column-parallel, its
-down projection row-parallel.
+down projection row-parallel. The q, k and v biases split with their matrices; the q and k
+norms' weights are whole on every rank, each applying them to its own heads, so their
+gradients sum over t (the ``tp-sum`` kind).
 
 FLOPs are Megatron's count (Narayanan et al., SC21) with the family's own matrices: per token
 and layer forward 2·(2h² + 2·h·k) for q, o, k and v (k = n_kv_heads·head_dim), 6·h·f for the
