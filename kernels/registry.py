@@ -44,6 +44,12 @@ class BenchShape:
     padded_vocab: int  # the logits' columns
     device: torch.device
     generator: torch.Generator  # on ``device``
+    head_dim: int | None = None  # each head's width; None: hidden / heads
+
+    @property
+    def head_size(self) -> int:
+        """Return each attention head's width."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def rows(self) -> int:

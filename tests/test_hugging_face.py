@@ -351,8 +351,18 @@ def test_qwen_forms_hpcllm_cannot_hold_are_one_line(tmp_path):
             from_hf(folder, tmp_path / "run")
         assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
         path.write_text(json.dumps(written))
-    # Out: a model no Hugging Face model is, refused in one line naming why.
+    # A config.json silent on key/value heads means its kind's default, as transformers reads
+    # it: Qwen3-MoE's 4 (so this one, of 2, is refused), Llama's one per query head.
     llama = families.get("llama")
+    written = json.loads((tmp_path / "qwen3_moe" / "config.json").read_text())
+    silent = {k: v for k, v in written.items() if k != "num_key_value_heads"}
+    assert llama.model_keys_of_hf(silent, "config.json")["n_kv_heads"] == 4
+    (tmp_path / "qwen3_moe" / "config.json").write_text(json.dumps(silent))
+    with pytest.raises(UserError, match=r"gives no num_key_value_heads \(so 4, as transformers"):
+        from_hf(tmp_path / "qwen3_moe", tmp_path / "run")
+    silent["model_type"] = "llama"
+    assert llama.model_keys_of_hf(silent, "config.json")["n_kv_heads"] == 4  # 4 query heads
+    # Out: a model no Hugging Face model is, refused in one line naming why.
     base = ["model.arch=llama", "model.preset=llama-tiny"]
 
     def config(*sets: str) -> dict:

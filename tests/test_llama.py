@@ -84,7 +84,10 @@ def test_qwen_s_attention_parts_have_their_rules_counts_and_flops():
         cut = build_chunks(cfg, 384, p=1, rank=0, v=1, tp_group=None, seed=0,
                            sequence_parallel=False)[0]  # fmt: skip
     assert family.rule("blocks.0.attn.q_norm.weight").grad == "tp-sum"
+    assert role(cut.blocks["0"].attn.q_norm.weight).sums == ()  # nothing to sum at t = 1
     assert role(cut.blocks["0"].attn.k.bias).split == (0, 1)
+    # A head size equal to d_model / n_head is the model a silent config gives.
+    assert families.shape(_model_cfg("model.head_dim=32"), 384) == families.shape(_model_cfg(), 384)
     # A head size that is not d_model / n_head needs no divisible d_model; an odd one is refused.
     assert (
         families.get("llama").head_dim(

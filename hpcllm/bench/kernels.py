@@ -108,6 +108,7 @@ def _op_cases(sizes: Sizes, device: torch.device) -> list[OpCase]:
         padded_vocab=padded_vocab(sizes.vocab, 1),
         device=device,
         generator=torch.Generator(device=device).manual_seed(0),
+        head_dim=shape.head_size,
     )
     return [op.bench(at) for op in kernels.OPS if op.bench is not None]
 

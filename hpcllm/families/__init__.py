@@ -50,7 +50,8 @@ class TensorRule:
     group: ``"local"`` (each rank's slice is its own), ``"tp-sum-if-sequence-parallel"`` (a
     replicated tensor that sees 1/t of the tokens under sequence parallelism),
     ``"kv-replicas"`` (split by head, or, with fewer heads than ranks, each head on the ranks
-    that use it: their gradients summed, the copies counted once). ``stage``:
+    that use it: their gradients summed, the copies counted once), ``"tp-sum"`` (whole on
+    every rank, which applies it to its own heads: summed over t). ``stage``:
     ``"first"``, ``"last"``, ``"first+last"`` (tied: a copy on each, gradients summed) or
     ``"block"`` (the stage holding the block of the name's index). ``padded``: its rows are
     the vocabulary, padded with zero rows to a multiple of 128·t (dropped when merged whole).
@@ -60,7 +61,7 @@ class TensorRule:
 
     pattern: str
     split: Split
-    grad: str  # "local", "tp-sum-if-sequence-parallel" or "kv-replicas" (see the docstring)
+    grad: str  # "local", "tp-sum-if-sequence-parallel", "kv-replicas", "tp-sum" (docstring)
     stage: str
     padded: bool = False
     experts: bool = False  # dim 0 is the expert: split over the ep ranks in contiguous blocks

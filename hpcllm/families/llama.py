@@ -325,11 +325,14 @@ def activation_factor(shape: Shape, t: int, sequence_parallel: bool, flash: bool
     outputs, the inputs of the attention and MLP projections (2 + 2); split over t, q (2), k
     and v (2·k/h each), the attention output (2), the MLP's gate and up outputs and their
     SiLU product (3 · 2·f/h); with a free head_dim, q and the attention output are 2·a/h
-    each (a = heads × head size). No dropout masks. Sequence parallelism splits the whole ones
-    too; unfused attention adds its scores and softmax, 2.5·a·s/(h·t)."""
+    each (a = heads × head size), and q/k norms keep their inputs too (2·a/h + 2·k/h). No
+    dropout masks. Sequence parallelism splits the whole ones too; unfused attention adds its
+    scores and softmax, 2.5·heads·s/(h·t)."""
     h = shape.hidden
     kv, f, a = _kv(shape) / h, (shape.ffn or 4 * h) / h, shape.attention_width / h
     split = 2 * a + 4 * kv + 2 * a + 6 * f
+    if shape.qk_norm:  # the norms' inputs: q and k before them
+        split += 2 * a + 2 * kv
     whole = 8
     stored = (split + whole) / t if sequence_parallel and t > 1 else whole + split / t
     scores = 0.0 if flash else 2.5 * shape.heads * shape.seq / (shape.hidden * t)
@@ -818,7 +821,7 @@ def model_keys_of_hf(hf: dict, where: str) -> dict[str, Any]:
     return {
         "n_layer": hf["num_hidden_layers"],
         "n_head": hf["num_attention_heads"],
-        "n_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "n_kv_heads": _hf_kv_heads(hf)[0],
         "d_model": hf["hidden_size"],
         "ffn_size": hf["intermediate_size"],
         "seq_len": hf["max_position_embeddings"],
@@ -869,17 +872,31 @@ def hf_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
     if k in shapes and isinstance(heads, int) and heads > 0 and size:
         rows = shapes[k][0]
         if rows % size == 0:
-            given = hf.get("num_key_value_heads")
+            given, stated = _hf_kv_heads(hf)
             sizes.append(
                 HFSize(
                     "num_key_value_heads",
-                    given or heads,
+                    given,
                     rows // size,
                     f"{k} has {rows} rows, {rows // size} heads of {size}",
-                    absent=given is None,
+                    absent=not stated,
                 )
             )
     return sizes
+
+
+# transformers' key/value heads where a config.json is silent, by kind (Llama's: one per
+# query head).
+KV_DEFAULTS = {"mixtral": 8, "qwen2": 32, "qwen3": 32, "qwen2_moe": 16, "qwen3_moe": 4}
+
+
+def _hf_kv_heads(hf: dict) -> tuple[Any, bool]:
+    """Return (the key/value heads a config.json gives, as transformers reads it: null is one
+    per query head, silence the kind's default; whether it gives them)."""
+    heads = hf.get("num_attention_heads")
+    if "num_key_value_heads" in hf:
+        return hf["num_key_value_heads"] or heads, True
+    return KV_DEFAULTS.get(hf.get("model_type", "llama"), heads), False
 
 
 def _expert_sizes(hf: dict, shapes: Mapping[str, tuple[int, ...]]) -> list[HFSize]:
@@ -981,7 +998,10 @@ LLAMA = register(
             "kv_heads": kv_heads(model),
             "ffn": ffn_size(model),
             "tied": bool(model.tie_embeddings),
-            "head_dim": model.head_dim,
+            # Null where it is d_model / n_head, whether the config says so or is silent.
+            "head_dim": head_dim(model)
+            if head_dim(model) * model.n_head != model.d_model
+            else None,
             "qkv_bias": bool(model.qkv_bias),
             "qk_norm": bool(model.qk_norm),
         },

@@ -163,7 +163,8 @@ class LlamaAttention(SelfAttention):
         q = q.view(b, s, self.local_heads, self.head_dim)
         k = self.k(x).view(b, s, self.local_kv, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # The norms compute in fp32 (their weights'): back to the projections' dtype.
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         q = self.rotary(q, positions).transpose(1, 2)
         k = self.rotary(k, positions).transpose(1, 2)
         v = self.v(x).view(b, s, self.local_kv, self.head_dim).transpose(1, 2)

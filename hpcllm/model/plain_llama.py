@@ -39,6 +39,9 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(shape.attention_width, h, bias=False)
+        for projection in (self.q_proj, self.k_proj, self.v_proj):
+            if projection.bias is not None:  # as hpcllm's start
+                nn.init.zeros_(projection.bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=eps) if shape.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if shape.qk_norm else nn.Identity()
 

@@ -33,6 +33,7 @@ class GradientKind:
     group: str
     sequence_parallel_only: bool = False  # needed only under sequence parallelism
     replicated_only: bool = False  # needed only where several tp ranks hold one slice
+    tp_only: bool = False  # needed only where t > 1
 
 
 # By name, as TensorRule.grad and the stage cut name them; "local" needs no sum.
@@ -42,7 +43,7 @@ GRADIENT_KINDS: dict[str, GradientKind] = {
         # Whole on every tp rank but, under sequence parallelism, fed 1/t of the tokens.
         GradientKind("tp-sum-if-sequence-parallel", "tp", sequence_parallel_only=True),
         # Whole on every tp rank but applied to each rank's own heads (Qwen3's q and k norms).
-        GradientKind("tp-sum", "tp"),
+        GradientKind("tp-sum", "tp", tp_only=True),
         # A key/value head kept on the t / heads ranks whose queries use it.
         GradientKind("kv-replicas", "tp", replicated_only=True),
         # The copies of a tensor tied across the first and the last stage.
@@ -118,6 +119,7 @@ def assign_roles(
         needed = kind is not None and not (
             (kind.sequence_parallel_only and not (sequence_parallel and t > 1))
             or (kind.replicated_only and count == 1)
+            or (kind.tp_only and t == 1)
         )
         param.role = TensorRole(
             split=rule.split,

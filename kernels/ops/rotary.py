@@ -203,7 +203,7 @@ def _supported(x: Tensor, inv_freq: Tensor, positions: int | Tensor = 0) -> bool
 
 def bench(shape: BenchShape) -> BenchCase:
     """Return q (bf16) at the model's heads, rotated from position 0."""
-    head_dim = shape.hidden // shape.heads
+    head_dim = shape.head_size
     q = shape.randn(shape.batch, shape.seq, shape.heads, head_dim, dtype=torch.bfloat16)
     # The op rotates by position × inv_freq whatever the frequencies are: drawn, like the
     # other inputs, in [0, 1), the range of a model's.
@@ -212,8 +212,8 @@ def bench(shape: BenchShape) -> BenchCase:
         "rotary",
         lambda fn, _: fn(q, inv_freq, 0),
         [q],
-        fwd_bytes=2 * 2 * shape.rows * shape.hidden,
-        bwd_bytes=2 * 2 * shape.rows * shape.hidden,
+        fwd_bytes=2 * 2 * shape.rows * shape.heads * head_dim,
+        bwd_bytes=2 * 2 * shape.rows * shape.heads * head_dim,
     )
 
 
