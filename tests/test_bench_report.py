@@ -83,6 +83,8 @@ def test_the_smoke_report_runs_every_part_and_writes_its_files(smoke):
     assert not (cwd / "data").exists()
 
 
+# Slow: it shares the smoke report (about 85 s), which the edit-test loop would build for it.
+@pytest.mark.slow
 def test_the_planner_plans_with_the_reports_cluster_file(smoke):
     cwd, done, _ = smoke
     assert done.returncode == 0
@@ -114,6 +116,7 @@ def test_parts_run_again_keep_the_other_parts_results(smoke):
     assert after["parts"]["environment"]["at"] >= before["parts"]["environment"]["at"]
 
 
+@pytest.mark.slow
 def test_out_and_parts_mistakes_are_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "other").mkdir()

@@ -85,6 +85,7 @@ def test_cpu_smoke_writes_every_row_to_json(data, tmp_path, monkeypatch, capsys)
     assert not list(out.parent.glob(".*partial*"))
 
 
+@pytest.mark.slow
 def test_plain_gpt_counts_nanogpts_parameters_and_starts_uniform():
     vocab, layers, d, seq = 512, 3, 64, 32
     sizes = [

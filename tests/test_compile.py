@@ -100,6 +100,7 @@ def test_compile_mode_reaches_every_compiled_part(how: str, monkeypatch) -> None
     assert calls == ([("Chunk", mode)] if how == "full" else blocks)
 
 
+@pytest.mark.slow
 def test_blocks_share_one_compiled_graph_and_weights_stay_the_models() -> None:
     from torch._dynamo.utils import counters
 

@@ -119,6 +119,7 @@ def test_config_overrides_presets_and_errors(tmp_path):
             load_config(None, [override])
 
 
+@pytest.mark.slow
 def test_hf_conversion_matches_transformers(tmp_path):
     import transformers
     from safetensors.torch import load_file
