@@ -81,6 +81,31 @@ def assert_same_logits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 IDS = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
 
 
+def assert_the_stacked_form_reads_alike(reference, tmp_path, expected: torch.Tensor) -> None:
+    """Save ``reference``'s state dict as is (transformers 5's stacked experts: gate_up_proj,
+    down_proj) beside tmp_path/hf's config.json; imported, it gives ``expected``."""
+    from safetensors.torch import save_file
+
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    state = reference.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
+    (stacked / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    from_hf(stacked, tmp_path / "run-stacked")
+    assert_same_logits(logits(hpcllm.load_model(tmp_path / "run-stacked"), IDS), expected)
+
+
+def assert_greedy_tokens_as_transformers(run, reference) -> None:
+    """``hpcllm generate`` at temperature 0 (the KV cache) gives ``reference``'s greedy tokens."""
+    out = cli("generate", "--checkpoint", str(run), "--prompt-ids", "5,6,7",
+              "--tokens", "8", "--temperature", "0", check=True).stdout  # fmt: skip
+    greedy = reference.generate(
+        torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False, eos_token_id=2
+    )
+    assert out.strip() == ",".join(map(str, greedy[0].tolist()))
+
+
 def rewrite_rope(folder, form: str) -> None:
     """Rewrite config.json's rotary settings in ``form``: "parameters" (transformers 5's
     rope_parameters) or "theta+scaling" (transformers 4's and the hub's Llama 3.1 files)."""
@@ -157,7 +182,6 @@ def hf_mixtral(folder) -> torch.nn.Module:
 @pytest.mark.slow
 def test_mixtral_imports_in_either_form_exports_and_generates_as_transformers(tmp_path):
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     reference = hf_mixtral(tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
@@ -170,14 +194,7 @@ def test_mixtral_imports_in_either_form_exports_and_generates_as_transformers(tm
     assert_same_logits(logits(model, IDS), expected)
     # transformers 5's stacked form (gate_up_proj, down_proj, mlp.gate), as a file saved from
     # its state dict holds it: the same model.
-    stacked = tmp_path / "stacked"
-    stacked.mkdir()
-    state = reference.state_dict()
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
-    (stacked / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
-    from_hf(stacked, tmp_path / "run-stacked")
-    assert_same_logits(logits(hpcllm.load_model(tmp_path / "run-stacked"), IDS), expected)
+    assert_the_stacked_form_reads_alike(reference, tmp_path, expected)
     # Out: a MixtralForCausalLM in the hub's form, which transformers reads back.
     cli("convert", "--checkpoint", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out"),
         check=True)  # fmt: skip
@@ -186,12 +203,7 @@ def test_mixtral_imports_in_either_form_exports_and_generates_as_transformers(tm
     again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert_same_logits(logits(again, IDS), expected)
     # Greedy generation with the KV cache: transformers' tokens.
-    out = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "5,6,7",
-              "--tokens", "8", "--temperature", "0", check=True).stdout  # fmt: skip
-    greedy = reference.generate(
-        torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False, eos_token_id=2
-    )
-    assert out.strip() == ",".join(map(str, greedy[0].tolist()))
+    assert_greedy_tokens_as_transformers(tmp_path / "run", reference)
 
 
 @pytest.mark.slow
@@ -281,7 +293,6 @@ def hf_qwen(kind: str, folder) -> torch.nn.Module:
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
 def test_qwen_models_import_in_either_form_export_and_generate_as_transformers(tmp_path, kind):
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     reference = hf_qwen(kind, tmp_path / "hf")
     expected = logits(reference, IDS)
@@ -304,14 +315,7 @@ def test_qwen_models_import_in_either_form_export_and_generate_as_transformers(t
         with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
             assert "model.layers.0.mlp.experts.3.down_proj.weight" in f.keys()  # the hub's form
         # transformers 5's stacked form, as a file saved from its state dict holds it.
-        stacked = tmp_path / "stacked"
-        stacked.mkdir()
-        state = reference.state_dict()
-        assert "model.layers.0.mlp.experts.gate_up_proj" in state
-        save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
-        (stacked / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
-        from_hf(stacked, tmp_path / "run-stacked")
-        assert_same_logits(logits(hpcllm.load_model(tmp_path / "run-stacked"), IDS), expected)
+        assert_the_stacked_form_reads_alike(reference, tmp_path, expected)
     # Out as the same kind, which transformers reads back.
     to_hf(tmp_path / "run", tmp_path / "out")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -320,12 +324,7 @@ def test_qwen_models_import_in_either_form_export_and_generate_as_transformers(t
     assert type(again) is type(reference)
     assert_same_logits(logits(again, IDS), expected)
     if kind.endswith("_moe"):  # greedy generation with the KV cache: transformers' tokens
-        out = cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompt-ids", "5,6,7",
-                  "--tokens", "8", "--temperature", "0", check=True).stdout  # fmt: skip
-        greedy = reference.generate(
-            torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False, eos_token_id=2
-        )
-        assert out.strip() == ",".join(map(str, greedy[0].tolist()))
+        assert_greedy_tokens_as_transformers(tmp_path / "run", reference)
 
 
 @pytest.mark.slow
