@@ -37,6 +37,16 @@ ROPE_SCALING = {
 }
 
 
+def perturbed_and_saved(model: torch.nn.Module, folder, **save) -> torch.nn.Module:
+    """Return ``model`` with its weights moved off the init's (larger, so that logits are far
+    from 0; the norms off 1), saved into ``folder`` by save_pretrained."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
+    model.save_pretrained(folder, **save)
+    return model
+
+
 def hf_llama(folder, *, tied: bool = False, **save) -> torch.nn.Module:
     """Save a random tiny LlamaForCausalLM (GQA, Llama 3.1 rope scaling, norm weights moved off
     1) into ``folder``; return it in eval mode."""
@@ -57,12 +67,7 @@ def hf_llama(folder, *, tied: bool = False, **save) -> torch.nn.Module:
     )
     torch.manual_seed(1 if tied else 0)
     model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # Larger weights than the init's, so that logits are far from 0; the norms off 1.
-            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
-    model.save_pretrained(folder, **save)
-    return model
+    return perturbed_and_saved(model, folder, **save)
 
 
 def logits(model, ids) -> torch.Tensor:
@@ -172,11 +177,7 @@ def hf_mixtral(folder) -> torch.nn.Module:
     )
     torch.manual_seed(2)
     model = transformers.MixtralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
-    model.save_pretrained(folder)
-    return model
+    return perturbed_and_saved(model, folder)
 
 
 @pytest.mark.slow
@@ -282,11 +283,7 @@ def hf_qwen(kind: str, folder) -> torch.nn.Module:
     }[kind]()
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * (0.3 if "norm" in name else 0.05))
-    model.save_pretrained(folder)
-    return model
+    return perturbed_and_saved(model, folder)
 
 
 @pytest.mark.slow

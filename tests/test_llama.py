@@ -228,6 +228,18 @@ def test_meta_s_mlp_width_rule():
     assert ffn_size(cfg) == families.get("llama").presets["llama3-8b"]["ffn_size"] == 14336
 
 
+def _assert_merged_and_recut_alike(tmp_path, whole: str, split: str) -> None:
+    """Run ``split`` (t = 2), merged whole, gives run ``whole``'s logits (to rounding: it
+    trained apart), and ``whole`` re-cut at t = 2, p = 2 and merged back gives them exactly."""
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    one = hpcllm.load_model(tmp_path / whole)(ids)
+    torch.testing.assert_close(hpcllm.load_model(tmp_path / split)(ids), one,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    cli("convert", "--checkpoint", str(tmp_path / whole), "--out", str(tmp_path / "recut"),
+        "--tp", "2", "--pp", "2", check=True)  # fmt: skip
+    torch.testing.assert_close(hpcllm.load_model(tmp_path / "recut")(ids), one, rtol=0, atol=0)
+
+
 @pytest.mark.mpi
 def test_llama_s_tied_output_and_replicated_kv_heads_train_alike_and_recut(stdlib, tmp_path):
     # A tied model and one with a single kv head are other models: each its own reference.
@@ -261,13 +273,7 @@ def test_llama_s_tied_output_and_replicated_kv_heads_train_alike_and_recut(stdli
     assert parameters["kv1-t2-sp"] == parameters["kv1-t1"] == parameters["kv1-t2-zero1"]
     # Merged whole, the replicated heads are the one head; re-cut into replicated heads
     # (t = 2, p = 2), the model is the same to the last bit.
-    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
-    one = hpcllm.load_model(tmp_path / "kv1-t1")(ids)
-    torch.testing.assert_close(hpcllm.load_model(tmp_path / "kv1-t2-sp")(ids), one,
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
-    cli("convert", "--checkpoint", str(tmp_path / "kv1-t1"), "--out", str(tmp_path / "recut"),
-        "--tp", "2", "--pp", "2", check=True)  # fmt: skip
-    torch.testing.assert_close(hpcllm.load_model(tmp_path / "recut")(ids), one, rtol=0, atol=0)
+    _assert_merged_and_recut_alike(tmp_path, "kv1-t1", "kv1-t2-sp")
 
 
 @pytest.mark.mpi
@@ -299,14 +305,7 @@ def test_qwen_s_attention_parts_train_alike_at_t2_sp_and_p2_and_recut(stdlib, tm
             want = [r[key] for r in logged[reference]["records"]]
             assert got == pytest.approx(want, rel=rel), (name, key)
         assert logged[name]["summary"]["parameters"] == logged[reference]["summary"]["parameters"]
-    # Re-cut at t = 2, p = 2 and merged whole, the model is the same.
-    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
-    one = hpcllm.load_model(tmp_path / "t1")(ids)
-    torch.testing.assert_close(hpcllm.load_model(tmp_path / "t2-sp")(ids), one,
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
-    cli("convert", "--checkpoint", str(tmp_path / "t1"), "--out", str(tmp_path / "recut"),
-        "--tp", "2", "--pp", "2", check=True)  # fmt: skip
-    torch.testing.assert_close(hpcllm.load_model(tmp_path / "recut")(ids), one, rtol=0, atol=0)
+    _assert_merged_and_recut_alike(tmp_path, "t1", "t2-sp")
 
 
 @pytest.mark.mpi
