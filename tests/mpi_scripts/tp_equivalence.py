@@ -18,7 +18,7 @@ from hpcllm import topology
 from hpcllm.config import ModelConfig, load_config
 from hpcllm.model.gpt import GPT
 from hpcllm.parallel.data.builder import build_engine
-from hpcllm.parallel.data.finalize import reduce_sequence_parallel_grads
+from hpcllm.parallel.data.finalize import reduce_whole_grads_over_tp
 from hpcllm.parallel.tensor.layers import shard_of
 from hpcllm.parallel.tensor.mappings import count_comm
 from hpcllm.train.optim import build_optimizer, build_scaler
@@ -83,7 +83,7 @@ def main() -> None:
         if engine:
             engine.finalize_grads()  # the reduction over d, then the tp sums
         else:
-            reduce_sequence_parallel_grads(parallel.parameters(), grid.groups.tp)
+            reduce_whole_grads_over_tp(parallel.parameters(), grid.groups.tp)
 
     def dp_mean(value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()

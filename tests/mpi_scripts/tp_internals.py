@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hpcllm import topology
 from hpcllm.config import ModelConfig
 from hpcllm.model.gpt import GPT
-from hpcllm.parallel.data.finalize import reduce_sequence_parallel_grads
+from hpcllm.parallel.data.finalize import reduce_whole_grads_over_tp
 from hpcllm.parallel.random import seed_streams, tp_rng
 from hpcllm.parallel.tensor.mappings import count_comm
 
@@ -85,7 +85,7 @@ def recompute_checks(grid, cfg: ModelConfig, sp: bool, ids, labels) -> dict:
         seed_streams(9, grid.tp_rank)
         loss = model(ids, labels)
         loss.backward()
-        reduce_sequence_parallel_grads(model.parameters(), grid.groups.tp)
+        reduce_whole_grads_over_tp(model.parameters(), grid.groups.tp)
         results[mode] = (loss.detach(), [p.grad for p in model.parameters()])
     loss0, grads0 = results["none"]
     return {

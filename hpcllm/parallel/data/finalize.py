@@ -3,12 +3,12 @@
 What every engine's :meth:`~hpcllm.parallel.data.engine.Engine.finalize_grads` runs besides
 its own reduction over d, as Megatron-Core's ``finalize_model_grads`` does:
 
-one sum per gradient kind a parameter's role names (:mod:`hpcllm.parallel.roles`), each over
+a sum of each gradient kind a parameter's role names (:mod:`hpcllm.parallel.roles`), each over
 its own group (:data:`SUMS`):
 
 1. ``tp-sum-if-sequence-parallel``: whole parameters used in sequence-parallel regions
    (norms, row-parallel biases, positions) sum their partial gradients over the
-   tensor-parallel group;
+   tensor-parallel group, in one all-reduce with item 4's;
 2. ``tied``: the tied embedding's two copies, on the first and the last pipeline stage, sum
    theirs over the embedding group;
 3. ``kv-replicas``: a key/value head kept on several tp ranks (grouped-query attention with
@@ -35,27 +35,19 @@ from hpcllm.parallel.tensor.mappings import group_size
 from hpcllm.topology import ProcessGroups
 
 
-def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Sum over the tp group the gradients of whole parameters used in sequence-parallel regions.
+def reduce_whole_grads_over_tp(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Sum over the tp group the gradients of whole parameters each rank saw a part of.
 
-    LayerNorms, row-parallel biases and positions are whole on every tp rank, but under
-    sequence parallelism each rank sees only its part of the sequence, so each holds a partial
-    gradient. One all-reduce of the flattened gradients completes them (Megatron does the same).
+    ``tp-sum-if-sequence-parallel``: LayerNorms, row-parallel biases and positions are whole on
+    every tp rank, but under sequence parallelism each rank sees only its part of the
+    sequence, so each holds a partial gradient (Megatron sums them the same way).
+    ``tp-sum``: whole parameters each rank applies to its own heads (Qwen3's q and k norms).
+    One all-reduce of the flattened gradients of both completes them.
     """
-    _sum_whole_over_tp(params, group, "tp-sum-if-sequence-parallel")
-
-
-def reduce_per_head_grads(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Sum over the tp group the gradients of whole parameters applied to each rank's own
-    heads (Qwen3's q and k norms): each rank's is the part of its heads."""
-    _sum_whole_over_tp(params, group, "tp-sum")
-
-
-def _sum_whole_over_tp(params: Iterable[nn.Parameter], group: Any, kind: str) -> None:
-    """All-reduce over ``group``, flattened, the gradients of the parameters taking ``kind``."""
     if group_size(group) == 1:
         return
-    grads = [p.grad for p in params if kind in role(p).sums and p.grad is not None]
+    kinds = set(WHOLE_OVER_TP)
+    grads = [p.grad for p in params if kinds & set(role(p).sums) and p.grad is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -103,21 +95,23 @@ def sum_kv_replica_grads(params: Iterable[nn.Parameter], group: Any) -> None:
         p.grad.copy_(summed[rank // role(p).replicas])
 
 
-# Each gradient kind's sum (GRADIENT_KINDS names its group), in the order they run; a new
-# kind is one more entry.
-SUMS: dict[str, Callable[[Sequence[nn.Parameter], Any], None]] = {
-    "tp-sum-if-sequence-parallel": reduce_sequence_parallel_grads,
-    "tp-sum": reduce_per_head_grads,
-    "tied": sum_tied_grads,
-    "kv-replicas": sum_kv_replica_grads,
+# The gradient kinds of whole tensors summed over tp, which one all-reduce completes.
+WHOLE_OVER_TP = ("tp-sum-if-sequence-parallel", "tp-sum")
+
+# The sums of the gradient kinds (GRADIENT_KINDS names each kind's group; kinds summed
+# together share one), in the order they run; a new kind is one more entry.
+SUMS: dict[tuple[str, ...], Callable[[Sequence[nn.Parameter], Any], None]] = {
+    WHOLE_OVER_TP: reduce_whole_grads_over_tp,
+    ("tied",): sum_tied_grads,
+    ("kv-replicas",): sum_kv_replica_grads,
 }
 
 
 def finalize_model_grads(params: Sequence[nn.Parameter], groups: ProcessGroups) -> None:
     """Run every gradient kind's sum on ``params`` (a rank's parameters, in chunk order), each
-    over its group: sequence-parallel over tp, tied over the embedding group, kv over tp."""
-    for kind, run in SUMS.items():
-        run(params, getattr(groups, GRADIENT_KINDS[kind].group))
+    over its group: whole tensors over tp, tied over the embedding group, kv over tp."""
+    for kinds, run in SUMS.items():
+        run(params, getattr(groups, GRADIENT_KINDS[kinds[0]].group))
 
 
 def global_grad_norm(
