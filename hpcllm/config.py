@@ -265,6 +265,11 @@ class ParallelConfig:
     ep: int = key(
         1, "expert-parallel size: the ranks of d that split each MoE layer's experts", POSITIVE
     )
+    cp: int = key(
+        1,
+        "context-parallel size: ranks that split each sequence (in 2 x cp chunks), next to t",
+        POSITIVE,
+    )
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = key(
         "1f1b", "pipeline schedule (1f1b with one stage)"
     )
@@ -998,6 +1003,7 @@ def check(cfg: Config) -> None:
     _check_family(m, parallel.tp)
     _check_moe(m, parallel.tp)
     check_ep(cfg)
+    check_cp(cfg)
     if parallel.sequence_parallel and parallel.tp > 1 and m.seq_len % parallel.tp:
         raise UserError(
             f"parallel.sequence_parallel splits model.seq_len {m.seq_len} over "
@@ -1076,6 +1082,32 @@ def check_ep(cfg: Config) -> None:
         raise UserError(
             f"parallel.dp_engine {parallel.dp_engine} averages every parameter over d, but at "
             f"parallel.ep {parallel.ep} the ranks of d hold different experts; use ddp or horovod"
+        )
+
+
+def check_cp(cfg: Config) -> None:
+    """Refuse a context-parallel size that cannot work, in one line (nothing at cp = 1)."""
+    m, parallel = cfg.model, cfg.parallel
+    if parallel.cp == 1:
+        return
+    sp = parallel.sequence_parallel and parallel.tp > 1
+    cut = 2 * parallel.cp * (parallel.tp if sp else 1)
+    if m.seq_len % cut:
+        how = f"2 x cp x t = {cut} parts" if sp else f"2 x cp = {cut} chunks"
+        raise UserError(
+            f"parallel.cp {parallel.cp} cuts model.seq_len {m.seq_len} into {how}; use a "
+            f"seq_len divisible by {cut}"
+        )
+    if parallel.ep > 1:
+        raise UserError(
+            f"parallel.cp {parallel.cp} with parallel.ep {parallel.ep}: expert parallelism is "
+            "not carved out of d x cp; set one of them to 1"
+        )
+    if parallel.dp_engine in ("ps-async", "local-sgd"):
+        raise UserError(
+            f"parallel.dp_engine {parallel.dp_engine} lets replicas step apart, but the "
+            f"parallel.cp {parallel.cp} ranks of a sequence must step together; use ddp, "
+            "horovod or ps"
         )
 
 

@@ -17,6 +17,18 @@ so an expert-parallel group is ep consecutive dp ranks (the t·ep ranks nearest 
 the d/ep ranks of an expert-data-parallel group hold the same experts. With ep = 1 nothing
 moves: every rank keeps its place and its groups.
 
+Context parallelism (``cp``) splits each sequence over cp ranks and sits next to t, as in
+Megatron-Core's order, so that a cp group shares a node where t·cp fits in one:
+
+    world_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+With cp = 1 this is the formula above. The cp ranks of a group read the same samples and hold
+the same weights, so gradients are averaged over the d·cp ranks of ``dp_cp``: the
+:meth:`Layout.replicas` layout (t, p, d·cp), whose data-parallel index is
+``cp_rank + cp * dp_rank``, names the same world ranks and is what the data-parallel engines
+and checkpoints see (:attr:`Grid.replicas`). Expert parallelism is not carved out of d·cp:
+cp > 1 with ep > 1 is refused.
+
 Two layers, each usable alone, on top of :mod:`hpcllm.launcher` (who started the process):
 
 * :class:`Layout` is pure arithmetic (coordinates, group members), tested without MPI or torch;
@@ -26,6 +38,7 @@ Two layers, each usable alone, on top of :mod:`hpcllm.launcher` (who started the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping
@@ -43,17 +56,18 @@ from hpcllm.launcher import Launch, detect_launcher, start_mpi
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the three parallel axes, plus v virtual pipeline stages per pipeline rank and
-    the ep expert-parallel ranks carved out of d."""
+    """Sizes of the parallel axes, plus v virtual pipeline stages per pipeline rank, the ep
+    expert-parallel ranks carved out of d and the cp context-parallel ranks beside t."""
 
     tp: int
     pp: int
     dp: int
     vpp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "ep"):
+        for name in ("tp", "pp", "dp", "vpp", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -67,6 +81,11 @@ class Layout:
                 f"parallel.ep {self.ep} must divide the data-parallel size d = {self.dp} "
                 "(the expert-parallel ranks are carved out of d)"
             )
+        if self.cp > 1 and self.ep > 1:
+            raise UserError(
+                f"parallel.cp {self.cp} with parallel.ep {self.ep}: expert parallelism is not "
+                "carved out of d x cp; set one of them to 1"
+            )
 
     @classmethod
     def for_world(
@@ -77,76 +96,109 @@ class Layout:
         dp: int | None = None,
         vpp: int = 1,
         ep: int = 1,
+        cp: int = 1,
     ) -> Layout:
-        """Return the layout for ``world_size`` ranks; ``dp`` defaults to world/(tp·pp)."""
-        for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("vpp", vpp)):
+        """Return the layout for ``world_size`` ranks; ``dp`` defaults to world/(tp·cp·pp)."""
+        for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("vpp", vpp), ("cp", cp)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise UserError(f"parallel.{name} must be a positive integer, got {value!r}")
+        model = tp * pp * cp
+        sizes = f"tp*cp*pp = {tp}*{cp}*{pp}" if cp > 1 else f"tp*pp = {tp}*{pp}"
         if dp is None:
-            if world_size % (tp * pp) != 0:
+            if world_size % model != 0:
                 raise UserError(
-                    f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                    f"choose tp and pp whose product divides {world_size}"
+                    f"world size {world_size} is not divisible by {sizes} = {model}; "
+                    f"choose sizes whose product divides {world_size}"
                 )
-            dp = world_size // (tp * pp)
-        elif tp * pp * dp != world_size:
+            dp = world_size // model
+        elif model * dp != world_size:
             raise UserError(
-                f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal the world size "
-                f"{world_size}; launch {tp * pp * dp} ranks or change the sizes"
+                f"{sizes.split(' = ')[0]}*dp = {sizes.split(' = ')[1]}*{dp} = {model * dp} does "
+                f"not equal the world size {world_size}; launch {model * dp} ranks or change "
+                "the sizes"
             )
-        return cls(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep)
+        return cls(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, cp=cp)
 
     @property
     def world_size(self) -> int:
-        """Return t·p·d, the number of ranks this layout needs."""
-        return self.tp * self.pp * self.dp
+        """Return t·cp·p·d, the number of ranks this layout needs."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    def replicas(self) -> Layout:
+        """Return the layout (t, p, d·cp) whose data-parallel ranks are the d·cp ranks that
+        hold the same weights (index ``cp_rank + cp * dp_rank``): the same world ranks, as the
+        data-parallel engines and checkpoints see them. This layout itself at cp = 1."""
+        if self.cp == 1:
+            return self
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp * self.cp, vpp=self.vpp, ep=self.ep)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """Return ``(tp_rank, pp_rank, dp_rank)`` of a world rank."""
+        """Return ``(tp_rank, pp_rank, dp_rank)`` of a world rank (its cp rank:
+        :meth:`cp_rank`)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
         return tp_rank, pp_rank, dp_rank
 
-    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-        """Return the world rank at grid coordinates ``(tp_rank, pp_rank, dp_rank)``."""
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+    def cp_rank(self, rank: int) -> int:
+        """Return the context-parallel rank of a world rank (which chunks of a sequence)."""
+        return (rank // self.tp) % self.cp
+
+    def rank(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
+        """Return the world rank at grid coordinates ``(tp_rank, pp_rank, dp_rank, cp_rank)``."""
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     def tp_group(self, rank: int) -> list[int]:
         """Return the world ranks of ``rank``'s tensor-parallel group, by tp rank."""
         _, pp_rank, dp_rank = self.coords(rank)
-        return [self.rank(t, pp_rank, dp_rank) for t in range(self.tp)]
+        c = self.cp_rank(rank)
+        return [self.rank(t, pp_rank, dp_rank, c) for t in range(self.tp)]
 
     def pp_group(self, rank: int) -> list[int]:
         """Return the world ranks of ``rank``'s pipeline, first stage first."""
         tp_rank, _, dp_rank = self.coords(rank)
-        return [self.rank(tp_rank, p, dp_rank) for p in range(self.pp)]
+        c = self.cp_rank(rank)
+        return [self.rank(tp_rank, p, dp_rank, c) for p in range(self.pp)]
 
     def dp_group(self, rank: int) -> list[int]:
-        """Return the world ranks holding replicas of the same model shard as ``rank``."""
+        """Return the world ranks that read other samples with the same weights as ``rank``
+        (at cp = 1, every replica of its model shard; :meth:`dp_cp_group` adds the cp ranks)."""
         tp_rank, pp_rank, _ = self.coords(rank)
-        return [self.rank(tp_rank, pp_rank, d) for d in range(self.dp)]
+        c = self.cp_rank(rank)
+        return [self.rank(tp_rank, pp_rank, d, c) for d in range(self.dp)]
+
+    def cp_group(self, rank: int) -> list[int]:
+        """Return the world ranks that split ``rank``'s sequences (its context-parallel group),
+        by cp rank."""
+        tp_rank, pp_rank, dp_rank = self.coords(rank)
+        return [self.rank(tp_rank, pp_rank, dp_rank, c) for c in range(self.cp)]
+
+    def dp_cp_group(self, rank: int) -> list[int]:
+        """Return the d·cp world ranks holding the same weights as ``rank``, which average
+        their gradients (the dp group at cp = 1)."""
+        return self.replicas().dp_group(rank)
 
     def ep_group(self, rank: int) -> list[int]:
         """Return the world ranks of ``rank``'s expert-parallel group (its ep consecutive dp
         ranks, which hold different experts), by ep rank."""
         tp_rank, pp_rank, dp_rank = self.coords(rank)
-        first = dp_rank - dp_rank % self.ep
-        return [self.rank(tp_rank, pp_rank, first + e) for e in range(self.ep)]
+        first, c = dp_rank - dp_rank % self.ep, self.cp_rank(rank)
+        return [self.rank(tp_rank, pp_rank, first + e, c) for e in range(self.ep)]
 
     def expert_dp_group(self, rank: int) -> list[int]:
         """Return the world ranks holding the same experts as ``rank`` (its d/ep expert-data-
         parallel replicas), by expert-dp rank."""
         tp_rank, pp_rank, dp_rank = self.coords(rank)
-        e = dp_rank % self.ep
-        return [self.rank(tp_rank, pp_rank, e + self.ep * j) for j in range(self.dp // self.ep)]
+        e, c = dp_rank % self.ep, self.cp_rank(rank)
+        return [self.rank(tp_rank, pp_rank, e + self.ep * j, c) for j in range(self.dp // self.ep)]
 
     def mp_group(self, rank: int) -> list[int]:
         """Return the world ranks of ``rank``'s model-parallel group (its tp×pp block)."""
         _, _, dp_rank = self.coords(rank)
-        return sorted(self.rank(t, p, dp_rank) for p in range(self.pp) for t in range(self.tp))
+        c = self.cp_rank(rank)
+        return sorted(self.rank(t, p, dp_rank, c) for p in range(self.pp) for t in range(self.tp))
 
     def embedding_group(self, rank: int) -> list[int]:
         """Return the world ranks of the first and last stage of ``rank``'s pipeline, which
@@ -155,12 +207,14 @@ class Layout:
         return sorted({stages[0], stages[-1]})
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Return every group along ``axis`` (``tp``, ``pp``, ``dp``, ``ep``, ``expert_dp``,
-        ``mp`` or ``embedding``), each once."""
+        """Return every group along ``axis`` (``tp``, ``pp``, ``dp``, ``cp``, ``dp_cp``,
+        ``ep``, ``expert_dp``, ``mp`` or ``embedding``), each once."""
         member_of = {
             "tp": self.tp_group,
             "pp": self.pp_group,
             "dp": self.dp_group,
+            "cp": self.cp_group,
+            "dp_cp": self.dp_cp_group,
             "ep": self.ep_group,
             "expert_dp": self.expert_dp_group,
             "mp": self.mp_group,
@@ -174,10 +228,6 @@ class Layout:
 
 # ---------------------------------------------------------------------------------------------
 # The running grid
-
-
-# The slots later axes fill.
-LATER_AXES = ("cp",)
 
 
 @dataclass(frozen=True)
@@ -194,8 +244,9 @@ class ProcessGroups:
     together make the whole layer; their all-to-all moves the tokens) and the expert-data-parallel
     group (the ranks holding the same experts, which average their gradients); both are groups of
     one rank at ep = 1 (``ep`` None, ``expert_dp`` the dp group), and their communicators
-    None when MPI was not started. ``cp`` (context
-    parallelism) is the slot a later axis fills; None until then.
+    None when MPI was not started. ``cp`` is the context-parallel group (the ranks that split a
+    sequence; None at cp = 1) and ``dp_cp`` the d·cp ranks holding the same weights (the dp
+    group at cp = 1); :attr:`Grid.replicas` hands the engines a bundle whose ``dp`` is it.
     """
 
     tp: Any
@@ -214,6 +265,9 @@ class ProcessGroups:
     expert_dp: Any = None
     ep_comm: Any = None
     expert_dp_comm: Any = None
+    dp_cp: Any = None
+    cp_comm: Any = None
+    dp_cp_comm: Any = None
 
 
 @dataclass
@@ -238,6 +292,8 @@ class Grid:
     dp_rank: int
     groups: ProcessGroups
     timeout_s: float | None = None
+    cp_rank: int = 0
+    cp: int = 1  # the context-parallel size (kept by the :attr:`replicas` view)
 
     @property
     def world_size(self) -> int:
@@ -285,14 +341,40 @@ class Grid:
         return self.dp_rank // self.layout.ep
 
     @property
+    def replicas(self) -> Grid:
+        """Return the grid as the data-parallel engines and checkpoints see it: its d·cp ranks
+        holding the same weights are its data-parallel axis (layout :meth:`Layout.replicas`,
+        ``dp_rank`` = cp_rank + cp·dp_rank, ``groups.dp`` the dp_cp group). This grid at cp = 1.
+        """
+        if self.cp == 1:
+            return self
+        g = self.groups
+        return dataclasses.replace(
+            self,
+            layout=self.layout.replicas(),
+            dp_rank=self.cp_rank + self.cp * self.dp_rank,
+            groups=dataclasses.replace(
+                g,
+                dp=g.dp_cp,
+                dp_comm=g.dp_cp_comm,
+                expert_dp=g.dp_cp,
+                expert_dp_comm=g.dp_cp_comm,
+            ),
+        )
+
+    @property
     def pp_prev(self) -> int:
         """Return the world rank of the previous pipeline stage (the last, from the first)."""
-        return self.layout.rank(self.tp_rank, (self.pp_rank - 1) % self.pp, self.dp_rank)
+        return self.layout.rank(
+            self.tp_rank, (self.pp_rank - 1) % self.pp, self.dp_rank, self.layout.cp_rank(self.rank)
+        )
 
     @property
     def pp_next(self) -> int:
         """Return the world rank of the next pipeline stage (the first, from the last)."""
-        return self.layout.rank(self.tp_rank, (self.pp_rank + 1) % self.pp, self.dp_rank)
+        return self.layout.rank(
+            self.tp_rank, (self.pp_rank + 1) % self.pp, self.dp_rank, self.layout.cp_rank(self.rank)
+        )
 
     @property
     def is_first_stage(self) -> bool:
@@ -318,7 +400,9 @@ class Grid:
             "ep_group": self.layout.ep_group(self.rank),
             "expert_dp_group": self.layout.expert_dp_group(self.rank),
             "embedding_group": self.layout.embedding_group(self.rank) if self.pp > 1 else None,
-            "later_axes": {axis: None for axis in LATER_AXES},
+            "cp_rank": self.cp_rank,
+            "cp_group": self.layout.cp_group(self.rank),
+            "dp_cp_group": self.layout.dp_cp_group(self.rank),
             "host": self.host,
             "local_rank": self.local_rank,
             "device": str(self.device),
@@ -366,22 +450,27 @@ def _rendezvous(world: Any, launch: Launch, timeout: timedelta) -> tuple[str, in
 def _torch_groups(
     layout: Layout, rank: int, backend: str, timeout: timedelta | None
 ) -> dict[str, Any]:
-    """Create every tp/pp/dp/ep/expert_dp/mp torch group, and the embedding groups when p > 1
-        (all ranks must take part), and keep ours. At ep = 1 the ep groups are groups of one and the
-        expert-dp groups are the dp groups: no group is made for either (ep is None, a group of one
-    to :func:`~hpcllm.parallel.tensor.mappings.group_size`).
+    """Create every tp/pp/dp/mp torch group, the cp and dp_cp groups when cp > 1, the ep and
+    expert_dp groups when ep > 1, and the embedding groups when p > 1 (all ranks must take
+    part), and keep ours. At cp = 1 the cp group is None (a group of one to
+    :func:`~hpcllm.parallel.tensor.mappings.group_size`) and dp_cp is the dp group; at ep = 1
+    ep is None and expert_dp is the dp_cp group: no group is made for either.
 
         A new group does not inherit the world group's timeout; each is given ``timeout``.
     """
     import torch.distributed as dist
 
     mine: dict[str, Any] = {"embedding": None}
-    for axis in ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp"):
+    for axis in ("tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "ep", "expert_dp"):
         if axis == "embedding" and layout.pp == 1:
+            continue
+        if axis in ("cp", "dp_cp") and layout.cp == 1:
+            # At cp = 1 the ranks holding the same weights are the dp group.
+            mine["cp"], mine["dp_cp"] = None, mine["dp"]
             continue
         if axis in ("ep", "expert_dp") and layout.ep == 1:
             # Nothing changes at ep = 1: every rank of dp holds every expert.
-            mine["ep"], mine["expert_dp"] = None, mine["dp"]
+            mine["ep"], mine["expert_dp"] = None, mine["dp_cp"]
             continue
         # Every rank creates every group in the same order, as torch.distributed requires.
         for members in layout.groups(axis):
@@ -393,32 +482,36 @@ def _torch_groups(
 
 def _mpi_comms(world: Any, layout: Layout, rank: int) -> dict[str, Any]:
     """Split the MPI world into this rank's tp/pp/dp/mp communicators, ordered as the grid,
-    its ep and expert-dp communicators when ep > 1 (None and the dp one at ep = 1), and, when
-    p > 1, the embedding communicator of its first and last stage."""
+    its cp and dp_cp communicators (None and the dp one at cp = 1), its ep and expert-dp
+    communicators (None and the dp_cp one at ep = 1), and, when p > 1, the embedding
+    communicator of its first and last stage.
+
+    Each split's colour is the index of this rank's group among :meth:`Layout.groups` of the
+    axis and its key the rank's place in that group, so every communicator orders its ranks
+    as the matching torch group does.
+    """
     from mpi4py import MPI
 
-    tp_rank, pp_rank, dp_rank = layout.coords(rank)
-    splits = {
-        "tp": (pp_rank * layout.dp + dp_rank, tp_rank),
-        "pp": (dp_rank * layout.tp + tp_rank, pp_rank),
-        "dp": (pp_rank * layout.tp + tp_rank, dp_rank),
-        "mp": (dp_rank, rank),
-    }
-    comms = {axis: world.Split(color, key) for axis, (color, key) in splits.items()}
-    comms["ep"], comms["expert_dp"] = None, comms["dp"]
+    def split(axis: str) -> Any:
+        for color, members in enumerate(layout.groups(axis)):
+            if rank in members:
+                return world.Split(color, members.index(rank))
+        raise AssertionError(f"rank {rank} in no {axis} group")  # every rank is in one
+
+    comms = {axis: split(axis) for axis in ("tp", "pp", "dp", "mp")}
+    comms["cp"], comms["dp_cp"] = None, comms["dp"]
+    if layout.cp > 1:
+        comms["cp"], comms["dp_cp"] = split("cp"), split("dp_cp")
+    comms["ep"], comms["expert_dp"] = None, comms["dp_cp"]
     if layout.ep > 1:
-        # Colours: the (tp, pp) place, then which expert-dp replica (ep) or which experts (edp).
-        place = pp_rank * layout.tp + tp_rank
-        edp_rank, ep_rank = divmod(dp_rank, layout.ep)
-        groups = layout.dp // layout.ep
-        comms["ep"] = world.Split(place * groups + edp_rank, ep_rank)
-        comms["expert_dp"] = world.Split(place * layout.ep + ep_rank, edp_rank)
+        comms["ep"], comms["expert_dp"] = split("ep"), split("expert_dp")
     comms["embedding"] = None
     if layout.pp > 1:
         # Every rank takes part in the split; the middle stages keep no communicator.
         tied = rank in layout.embedding_group(rank)
-        color = dp_rank * layout.tp + tp_rank if tied else MPI.UNDEFINED
-        comm = world.Split(color, pp_rank)
+        groups = layout.groups("embedding")
+        color = next(i for i, g in enumerate(groups) if rank in g) if tied else MPI.UNDEFINED
+        comm = world.Split(color, layout.coords(rank)[1])
         comms["embedding"] = comm if tied else None
     return comms
 
@@ -469,6 +562,7 @@ def init(
     env: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> Grid:
     """Return this rank's Grid, starting MPI and torch.distributed if not yet started.
 
@@ -484,7 +578,7 @@ def init(
     """
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     launch = detect_launcher(env)
-    layout = Layout.for_world(launch.world_size, tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep)
+    layout = Layout.for_world(launch.world_size, tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, cp=cp)
 
     import torch
     import torch.distributed as dist
@@ -559,8 +653,14 @@ def init(
             expert_dp=groups["expert_dp"],
             ep_comm=comms.get("ep"),
             expert_dp_comm=comms.get("expert_dp"),
+            cp=groups["cp"],
+            dp_cp=groups["dp_cp"],
+            cp_comm=comms.get("cp"),
+            dp_cp_comm=comms.get("dp_cp"),
         ),
         timeout_s=timeout_s,
+        cp_rank=layout.cp_rank(launch.rank),
+        cp=layout.cp,
     )
     if timeout_s is not None:  # a world group made by an earlier call takes it too
         set_timeout(grid, timeout_s)
@@ -583,6 +683,7 @@ def describe_grid(grid: Grid) -> dict[str, Any]:
         "dp": grid.dp,
         "vpp": grid.vpp,
         "ep": grid.ep,
+        "cp": grid.cp,
         "launcher": grid.launch.launcher,
         "backend": grid.backend,
         "ranks": rows,
@@ -620,6 +721,12 @@ def render_grid(report: dict[str, Any]) -> str:
         )
         for r in report["ranks"]
     ]
+    if report.get("cp", 1) > 1:
+        head = (*head, "cp", "cp_group", "dp_cp_group")
+        rows = [
+            (*row, str(r["cp_rank"]), _members(r["cp_group"]), _members(r["dp_cp_group"]))
+            for row, r in zip(rows, report["ranks"], strict=True)
+        ]
     if report.get("ep", 1) > 1:
         head = (*head, "ep", "ep_group", "expert_dp_group")
         rows = [
@@ -631,31 +738,35 @@ def render_grid(report: dict[str, Any]) -> str:
     vpp = f", {report['vpp']} virtual stages per rank" if report["vpp"] > 1 else ""
     if report.get("ep", 1) > 1:
         vpp += f", ep {report['ep']} inside dp"
+    cp = f"cp {report['cp']} x " if report.get("cp", 1) > 1 else ""
     out = [
-        f"world {report['world_size']} = tp {report['tp']} x pp {report['pp']} x "
+        f"world {report['world_size']} = tp {report['tp']} x {cp}pp {report['pp']} x "
         f"dp {report['dp']}{vpp}  (launcher {report['launcher']}, backend {report['backend']})",
         "",
         line(head).rstrip(),
         *(line(row).rstrip() for row in rows),
         "",
-        "pipeline stages (rows) x data-parallel replicas; [..] is one tensor-parallel group:",
+        "pipeline stages (rows) x data-parallel replicas; [..] is one tensor-parallel group"
+        + (", cp 0's of each context-parallel group:" if cp else ":"),
     ]
     by_rank = {r["rank"]: r for r in report["ranks"]}
     for stage in range(report["pp"]):
         cells = []
         for replica in range(report["dp"]):
             first = next(
-                r for r in by_rank.values() if r["pp_rank"] == stage and r["dp_rank"] == replica
+                r
+                for r in by_rank.values()
+                if r["pp_rank"] == stage and r["dp_rank"] == replica and r.get("cp_rank", 0) == 0
             )
             cells.append(f"dp {replica}: {_members(first['tp_group'])}")
         out.append(f"  stage {stage}:  " + "   ".join(cells))
-    later = ", ".join(report["ranks"][0].get("later_axes", {})) or "none"
     out += [
         "",
         "process groups of each rank (torch group and MPI communicator each): tp, pp, dp, mp "
-        "(its tp x pp block), embedding (first and last stage, when p > 1), ep and expert_dp "
-        "(the ranks that split the experts, and those holding the same ones, when ep > 1); "
-        f"slots for later axes, empty in this layout: {later}",
+        "(its tp x pp block), embedding (first and last stage, when p > 1), cp and dp_cp (the "
+        "ranks that split a sequence, and the d x cp ranks that average gradients, when cp > 1), "
+        "ep and expert_dp (the ranks that split the experts, and those holding the same ones, "
+        "when ep > 1)",
     ]
     return "\n".join(out)
 
@@ -679,7 +790,7 @@ def set_timeout(grid: Grid, timeout_s: float) -> None:
     if not dist.is_initialized():
         return
     timeout = timedelta(seconds=timeout_s)
-    axes = ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp")
+    axes = ("tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "ep", "expert_dp")
     groups = [distributed_c10d._get_default_group(), *(getattr(grid.groups, a) for a in axes)]
     seen: set[int] = set()
     for group in groups:

@@ -49,6 +49,34 @@ def megatron_expert_groups(tp: int, pp: int, dp: int, ep: int) -> dict[str, list
     return {"ep": ep_groups, "expert_dp": edp_groups}
 
 
+def megatron_context_groups(tp: int, pp: int, dp: int, cp: int) -> dict[str, list[list[int]]]:
+    """Return every group of Megatron-Core's order tp-cp-dp-pp with context parallelism,
+    enumerated by strides within each stage's tp·cp·dp ranks: tp (consecutive), cp (every
+    tp-th within a block of tp·cp), dp (every tp·cp-th within a stage), dp_cp (every tp-th
+    within a stage), pp (every stage's), mp (a tp × pp block of one dp and cp index)."""
+    world = tp * cp * dp * pp
+    per_stage, block = world // pp, tp * cp
+    groups: dict[str, list[list[int]]] = {
+        "tp": [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)],
+        "pp": [list(range(i, world, per_stage)) for i in range(per_stage)],
+        "cp": [],
+        "dp": [],
+        "dp_cp": [],
+    }
+    for stage in range(pp):
+        start, end = stage * per_stage, (stage + 1) * per_stage
+        for b in range(start, end, block):
+            groups["cp"] += [list(range(b + j, b + block, tp)) for j in range(tp)]
+        groups["dp"] += [list(range(start + j, end, block)) for j in range(block)]
+        groups["dp_cp"] += [list(range(start + j, end, tp)) for j in range(tp)]
+    groups["mp"] = [
+        sorted(r for g in groups["pp"] for r in g if (r % per_stage) // tp == i)
+        for i in range(dp * cp)
+    ]
+    groups["embedding"] = [[g[0], g[-1]] for g in groups["pp"]] if pp > 1 else []
+    return groups
+
+
 def group_of(groups: list[list[int]], rank: int) -> list[int]:
     """Return the one group in ``groups`` that holds ``rank``."""
     (found,) = [g for g in groups if rank in g]
@@ -58,3 +86,5 @@ def group_of(groups: list[list[int]], rank: int) -> list[int]:
 LAYOUTS_8 = [(1, 1, 8), (2, 2, 2), (2, 4, 1), (8, 1, 1), (1, 8, 1), (4, 1, 2)]
 # With expert parallelism inside d: (tp, pp, dp, ep).
 LAYOUTS_8_EP = [(1, 1, 8, 2), (2, 2, 2, 2), (1, 2, 4, 4), (2, 1, 4, 2)]
+# With context parallelism next to tp: (tp, pp, dp, ep = 1, cp).
+LAYOUTS_8_CP = [(1, 1, 4, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 2), (2, 2, 1, 1, 2), (1, 1, 2, 1, 4)]

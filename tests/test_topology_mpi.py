@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 from megatron_order import (
     LAYOUTS_8,
+    LAYOUTS_8_CP,
     LAYOUTS_8_EP,
     group_of,
+    megatron_context_groups,
     megatron_expert_groups,
     megatron_groups,
 )
@@ -23,16 +25,26 @@ def _json_lines(text):
 
 
 def test_grid_groups_under_mpirun_8_ranks():
-    specs = [",".join(map(str, sizes)) for sizes in [*LAYOUTS_8, *LAYOUTS_8_EP]]
+    specs = [",".join(map(str, sizes)) for sizes in [*LAYOUTS_8, *LAYOUTS_8_EP, *LAYOUTS_8_CP]]
     result = run_mpi(8, python("tests/mpi_scripts/check_grid.py", *specs), timeout=240).check()
     assert sorted(result.rank_stdout) == list(range(8))
     for rank in range(8):
         reports = _json_lines(result.rank_stdout[rank])
-        assert [tuple(r["layout"]) for r in reports] == [*LAYOUTS_8, *LAYOUTS_8_EP]
+        assert [tuple(r["layout"]) for r in reports] == [*LAYOUTS_8, *LAYOUTS_8_EP, *LAYOUTS_8_CP]
         for report in reports:
             tp, pp, dp, *ep = report["layout"]
+            cp = ep[1] if len(ep) > 1 else 1
             oracle = megatron_groups(tp, pp, dp)
-            if ep:
+            if cp > 1:
+                # Context parallelism next to tp: every group as Megatron-Core's order forms it.
+                oracle = megatron_context_groups(tp, pp, dp, cp)
+                for axis in ("cp", "dp_cp"):
+                    members = group_of(oracle[axis], rank)
+                    assert report["torch"][axis] == members, (axis, report)
+                    assert report["mpi"][axis] == members, (axis, report)
+                    assert report["sum"][axis] == sum(m + 1 for m in members), (axis, report)
+                assert report["cp_rank"] == (rank // tp) % cp
+            elif ep:
                 # Expert parallelism moves no rank: the groups above, and two more.
                 oracle |= megatron_expert_groups(tp, pp, dp, ep[0])
                 for axis in ("ep", "expert_dp"):
@@ -43,8 +55,8 @@ def test_grid_groups_under_mpirun_8_ranks():
             else:
                 assert "ep" not in report["torch"], report
             assert report["rank"] == rank
-            # Megatron: tp fastest, then dp, then pp.
-            assert report["coords"] == [rank % tp, rank // (tp * dp), (rank // tp) % dp]
+            # Megatron: tp fastest, then cp, then dp, then pp.
+            assert report["coords"] == [rank % tp, rank // (tp * cp * dp), (rank // (tp * cp)) % dp]
             for axis in ("tp", "pp", "dp", "mp"):
                 members = group_of(oracle[axis], rank)
                 assert report["torch"][axis] == members, (axis, report)
@@ -81,7 +93,8 @@ def test_topo_json_under_mpirun():
         assert row["dp_group"] == layout.dp_group(rank)
         pipeline = layout.pp_group(rank)
         assert row["embedding_group"] == [pipeline[0], pipeline[-1]]
-        assert row["later_axes"] == {"cp": None}
+        assert row["cp_rank"] == 0 and row["cp_group"] == [rank]
+        assert row["dp_cp_group"] == row["dp_group"]
         assert row["ep_group"] == [rank] and row["expert_dp_group"] == row["dp_group"]
         assert row["local_rank"] == rank and row["device"] == "cpu" and row["host"]
 
@@ -91,10 +104,19 @@ def test_topo_table_under_mpirun_with_experts_split_over_d():
     text = run_mpi(4, command, timeout=120).check().rank_stdout[0]
     assert "world 4 = tp 2 x pp 1 x dp 2, ep 2 inside dp" in text
     assert "stage 0:  dp 0: [0 1]   dp 1: [2 3]" in text
-    assert "slots for later axes, empty in this layout: cp" in text
+    assert "cp and dp_cp" in text
     # Rank 1 (tp 1, dp 0) splits the experts with rank 3 (tp 1, dp 1) and holds its own.
     row = next(line.split() for line in text.splitlines() if line.startswith("1 "))
     assert row[-3:] == ["0", "[1", "3]"] or row[-4:] == ["0", "[1", "3]", "[1]"], row
+
+
+def test_topo_table_under_mpirun_with_sequences_split_next_to_t():
+    command = python("-m", "hpcllm", "topo", "--tp", "2", "--cp", "2")
+    text = run_mpi(4, command, timeout=120).check().rank_stdout[0]
+    assert "world 4 = tp 2 x cp 2 x pp 1 x dp 1" in text
+    # Rank 1 (tp 1, cp 0) splits its sequences with rank 3 (tp 1, cp 1).
+    row = next(line.split() for line in text.splitlines() if line.startswith("1 "))
+    assert row[-5:] == ["0", "[1", "3]", "[1", "3]"], row
 
 
 @pytest.mark.parametrize(

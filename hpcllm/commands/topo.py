@@ -33,7 +33,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--dp",
         type=positive,
         default=None,
-        help="data-parallel size d [default: world size / (t*p)]; t*p*d must equal the world size",
+        help="data-parallel size d [default: world size / (t*cp*p)]; t*cp*p*d must equal the "
+        "world size",
     )
     topo.add_argument(
         "--vpp",
@@ -49,6 +50,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "fast-varying part of the dp rank); must divide d [default: 1]",
     )
     topo.add_argument(
+        "--cp",
+        type=positive,
+        default=1,
+        help="context-parallel size: ranks that split each sequence, next to t in the rank "
+        "order [default: 1]",
+    )
+    topo.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the table"
     )
     topo.set_defaults(run=run)
@@ -58,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the grid as a job would and print it on rank 0."""
     from hpcllm import topology
 
-    grid = topology.init(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep)
+    grid = topology.init(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep, cp=args.cp)
     report = topology.describe_grid(grid)
     if grid.rank == 0:
         print(json.dumps(report) if args.json else topology.render_grid(report), flush=True)

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from hpcllm import families, kernels
 from hpcllm.config import ModelConfig, moe_layers, padded_vocab
 from hpcllm.model.moe import ExpertParallel, MoE
+from hpcllm.parallel.context import ContextParallel
 from hpcllm.parallel.random import recompute_context, tp_rng
 from hpcllm.parallel.roles import assign_roles, persistent_buffers
 from hpcllm.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -166,9 +167,17 @@ class SelfAttention(nn.Module):
         tensor (s,) or (b, s) on x's device; None: 0 … s - 1)."""
         raise NotImplementedError
 
+    # Context parallelism (Decoder.use_context): this rank's queries attend over the keys and
+    # values of its whole group. None: the sequence is whole here.
+    context: ContextParallel | None = None
+
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Heads are split over the tp group: each rank draws its own attention dropout.
         with dropout_rng(self.group, self.dropout, self.training):
+            if self.context is not None:
+                return self.context.attention(
+                    q, k, v, dropout_p=self.dropout if self.training else 0.0, gqa=self.gqa
+                )
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -405,6 +414,19 @@ class Decoder(nn.Module):
         experts ``ep`` gives this rank), or a dense one."""
         return Block(cls.parts, cfg, group, gen, sequence_parallel, index, ep=ep)
 
+    # Context parallelism (use_context): this rank holds 1/cp of each sequence. None: all of it.
+    context: ContextParallel | None = None
+
+    def use_context(self, context: ContextParallel) -> None:
+        """Split each sequence as ``context`` says: this stage takes its rank's tokens (cut by
+        :meth:`ContextParallel.cut`), at their true positions, and its attention reaches the
+        group's (nothing changes when cp = 1)."""
+        if not context.active:
+            return
+        self.context = context
+        for block in self.blocks.values():
+            block.attn.context = context
+
     def check_length(self, s: int) -> None:
         """Raise a ValueError for a sequence of ``s`` tokens this stage cannot take."""
         if s > self.cfg.seq_len:
@@ -498,6 +520,8 @@ class Decoder(nn.Module):
         tokens are at ``positions`` (an integer tensor (s,) or (b, s); None: 0 … s - 1), which
         every stage of a pipeline must be given alike.
         """
+        if positions is None and self.context is not None:
+            positions = self.context.positions(inputs.device)
         hidden = self.embed(inputs, positions) if self.pre else inputs
         hidden = self.run_blocks(hidden, positions)
         return self.head(hidden, labels) if self.post else hidden
@@ -508,7 +532,8 @@ class Decoder(nn.Module):
         Under sequence parallelism each tp rank holds its 1/t of the sequence.
         """
         t = group_size(self.tp_group)
-        seq = self.cfg.seq_len // t if self.sequence_parallel else self.cfg.seq_len
+        seq = self.cfg.seq_len // (self.context.size if self.context is not None else 1)
+        seq = seq // t if self.sequence_parallel else seq
         return (micro_batch_size, seq, self.cfg.d_model)
 
     def decode(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:

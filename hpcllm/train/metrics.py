@@ -115,7 +115,9 @@ class Metrics:
         with watchdog.waiting("memory report gather", axis="world"):
             dist.all_gather_object(rows, mine)
         largest = {k: max(r[k] for r in rows) for k in mine}
-        return memory.describe(largest, self.grid.dp, self.cfg.parallel.distributed_optimizer)
+        return memory.describe(
+            largest, self.grid.replicas.dp, self.cfg.parallel.distributed_optimizer
+        )
 
     def _moe_line(self, parameters: int) -> list[str]:
         """Return the banner's MoE line (none for a dense model): the blocks, the parameters a
@@ -151,10 +153,11 @@ class Metrics:
             f"device {g.device.type}",
             f"grid t={g.tp} p={g.pp} d={g.dp} v={cfg.parallel.vpp}"
             + (f" ep={g.ep} (inside d; each expert on {g.dp // g.ep} of d)" if g.ep > 1 else "")
+            + (f" cp={g.cp} (each sequence split over cp ranks)" if g.cp > 1 else "")
             + f", world size {g.world_size}",
             f"memory per rank (the largest): {memory_line}",
             f"data parallel {engine.name}: {engine.describe()}"
-            if g.dp > 1
+            if g.replicas.dp > 1
             else f"data parallel {engine.name}: d = 1, nothing to reduce",
             f"run folder {run_dir}, {resume}",
             f"model {parameters / 1e6:.2f} M parameters: n_layer {m.n_layer}, "

@@ -21,7 +21,7 @@ compilation):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 from hpcllm.config import Config
 from hpcllm.errors import UserError
 from hpcllm.model.stages import build_chunks, split_layers
+from hpcllm.parallel.context import ContextParallel
 from hpcllm.parallel.data.builder import build_engine
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.experts import TimedAllToAll
@@ -54,6 +55,7 @@ class ParallelModel:
     actions: list[Action]  # this rank's actions for one training step
     channel: Channel | None  # point-to-point to the neighbouring stages (None if p = 1)
     groups: ProcessGroups  # the grid's process groups
+    context: ContextParallel = field(default_factory=ContextParallel)  # cp: what this rank cuts
 
     @property
     def pp_group(self) -> Any:
@@ -79,6 +81,8 @@ class ParallelModel:
     ) -> ChunkWork:
         """Return the work of this rank's chunks on ``batches`` under ``precision``'s autocast:
         a training step's when ``scale`` (the loss scaler's) is given, else an evaluation's."""
+        if self.context.active:
+            batches = CutBatches(batches, self.context)
         return ChunkWork(
             self.chunks,
             self.engine,
@@ -88,6 +92,26 @@ class ParallelModel:
             scale=scale or (lambda loss: loss),
             split_backward=scale is not None and self.split_backward,
         )
+
+
+class CutBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """Micro-batches as this context-parallel rank takes them: its two chunks of each
+    sequence's ids and labels (:meth:`ContextParallel.cut`), cut when first used."""
+
+    def __init__(
+        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], context: ContextParallel
+    ) -> None:
+        self.batches, self.context = batches, context
+        self._cut: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        if index not in self._cut:
+            ids, labels = self.batches[index]
+            self._cut[index] = (self.context.cut(ids), self.context.cut(labels))
+        return self._cut[index]
 
 
 def check_pipeline(cfg: Config, accumulation: int | None) -> None:
@@ -237,6 +261,9 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
         layers=parallel.pipeline_layers,
         ep=ep,
     ).to(device)
+    context = ContextParallel(grid.groups.cp, grid.cp, grid.cp_rank, cfg.model.seq_len)
+    for chunk in chunks:
+        chunk.use_context(context)
 
     schedule = parallel.schedule if parallel.pp > 1 else "1f1b"
     actions = rank_actions(schedule, parallel.pp, grid.pp_rank, accumulation, parallel.vpp)
@@ -275,4 +302,5 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
         actions=actions,
         channel=channel,
         groups=grid.groups,
+        context=context,
     )

@@ -52,7 +52,13 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def _layout(cfg: Config, world_size: int) -> Layout:
     parallel = cfg.parallel
     return Layout.for_world(
-        world_size, tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp, ep=parallel.ep
+        world_size,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        dp=parallel.dp,
+        vpp=parallel.vpp,
+        ep=parallel.ep,
+        cp=parallel.cp,
     )
 
 

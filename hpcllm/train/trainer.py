@@ -88,6 +88,7 @@ class Trainer:
             dp=parallel.dp,
             vpp=parallel.vpp,
             ep=parallel.ep,
+            cp=parallel.cp,
             # Until the first step is done the groups wait as long as start-up may take (it
             # compiles), so that a stall there is the start-up watcher's to name, first.
             timeout_s=watchdog.backstop_s(max(cfg.run.timeout_s, cfg.run.startup_timeout_s)),
@@ -124,11 +125,14 @@ class Trainer:
             ):
                 self._warn(line)
         self.run_dir = Path(cfg.run.dir)
-        self.checkpointer = Checkpointer(cfg, self.grid, vocab, self._warn, self.manifest)
+        # The engines, checkpoints and the step see the d·cp ranks holding the same weights as
+        # their data-parallel axis (the grid itself at cp = 1); the readers serve d.
+        replicas = self.grid.replicas
+        self.checkpointer = Checkpointer(cfg, replicas, vocab, self._warn, self.manifest)
 
         self.global_batch = self.batch.global_batch
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
-        self.parallelized = parallelize(cfg, self.grid, vocab, self.accumulation)
+        self.parallelized = parallelize(cfg, replicas, vocab, self.accumulation)
         self.padded_vocab = padded_vocab(vocab, parallel.tp)
         self.scaler = self.optimizer.scaler
         self.checkpointer.track_run(
@@ -162,7 +166,7 @@ class Trainer:
             train.precision,
             last_saved=self.state.step if resumed else None,
         )
-        self.runner = ScheduleRunner(cfg, self.grid, self.parallelized, self.accumulation)
+        self.runner = ScheduleRunner(cfg, replicas, self.parallelized, self.accumulation)
         self.stepper = choose_step(self.runner, self.guard, self.global_batch, self.grad_hooks)
         self.checkpointer.write_run_dir(self.manifest)
 

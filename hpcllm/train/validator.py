@@ -86,8 +86,9 @@ class Validator:
         finally:
             batches.close()
         total = stage_loss_sum(work, model.pp_group, device) / iters
-        if self.grid.dp > 1:
+        replicas = self.grid.replicas  # the cp ranks of a sample hold parts of its loss
+        if replicas.dp > 1:
             with watchdog.waiting("validation loss all-reduce", axis="dp"):
-                dist.all_reduce(total, group=self.grid.groups.dp)
-            total /= self.grid.dp
+                dist.all_reduce(total, group=replicas.groups.dp)
+            total /= replicas.dp
         return total.item()

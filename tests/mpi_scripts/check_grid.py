@@ -1,4 +1,5 @@
-"""Under mpirun: build the grid for each layout given (tp,pp,dp or tp,pp,dp,ep) and report what
+"""Under mpirun: build the grid for each layout given (tp,pp,dp, tp,pp,dp,ep or
+tp,pp,dp,ep,cp) and report what
 every group holds.
 
 Usage: mpirun -np N python check_grid.py T,P,D [T,P,D ...]
@@ -18,19 +19,20 @@ import torch.distributed as dist
 from hpcllm import topology
 
 
-def report(tp: int, pp: int, dp: int, ep: int = 1) -> dict:
-    grid = topology.init(tp=tp, pp=pp, dp=dp, ep=ep)
+def report(tp: int, pp: int, dp: int, ep: int = 1, cp: int = 1) -> dict:
+    grid = topology.init(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
     out = {
-        "layout": [tp, pp, dp] + ([ep] if ep > 1 else []),
+        "layout": [tp, pp, dp] + ([ep] if ep > 1 or cp > 1 else []) + ([cp] if cp > 1 else []),
         "rank": grid.rank,
         "coords": [grid.tp_rank, grid.pp_rank, grid.dp_rank],
+        "cp_rank": grid.cp_rank,
         "pp_prev": grid.pp_prev,
         "pp_next": grid.pp_next,
         "torch": {},
         "mpi": {},
         "sum": {},
     }
-    for axis in ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp"):
+    for axis in ("tp", "pp", "dp", "mp", "embedding", "ep", "expert_dp", "cp", "dp_cp"):
         group = getattr(grid.groups, axis)
         comm = getattr(grid.groups, f"{axis}_comm")
         if group is None:  # a middle stage, or p = 1: no embedding group; ep = 1: no ep

@@ -194,6 +194,8 @@ def save(
 
     def publish() -> None:
         full_meta = {**meta, "step": step, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+        if grid.cp > 1:  # dp counts the d·cp ranks holding the same weights (Grid.replicas)
+            full_meta["cp"] = grid.cp
         if EXPERTS in layout.files:
             full_meta["ep"] = layout.sizes["ep"]
         if by_dp:
