@@ -108,7 +108,8 @@ class Layout:
             if world_size % model != 0:
                 raise UserError(
                     f"world size {world_size} is not divisible by {sizes} = {model}; "
-                    f"choose sizes whose product divides {world_size}"
+                    f"choose {'tp, cp' if cp > 1 else 'tp'} and pp whose product divides "
+                    f"{world_size}"
                 )
             dp = world_size // model
         elif model * dp != world_size:

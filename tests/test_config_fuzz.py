@@ -336,3 +336,36 @@ def test_expert_parallel_sizes_end_in_a_config_or_one_user_error(
             d = world_size // int(tp)
             assert int(experts) % size == 0 and d % size == 0, (overrides, world_size)
             assert engine in ("ddp", "horovod"), overrides
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(
+    cp=st.sampled_from(["2", "2", "4", "1", "3", "8", "0", "-2", "null", "two"]),
+    seq=st.sampled_from(["32", "24", "16", "8", "12"]),
+    tp=st.sampled_from(["1", "1", "2"]),
+    sp=st.booleans(),
+    ep=st.sampled_from(["1", "1", "2"]),
+    engine=st.sampled_from(["ddp", "horovod", *choices("parallel", "dp_engine")]),
+)
+def test_context_parallel_sizes_end_in_a_config_or_one_user_error(
+    cp: str, seq: str, tp: str, sp: bool, ep: str, engine: str
+) -> None:
+    # Drawn together: cp cuts the sequence (by t too under SP), refuses ep and the engines
+    # whose replicas step apart, and takes t·cp·p of the world.
+    overrides = [
+        f"parallel.cp={cp}",
+        f"model.seq_len={seq}",
+        f"parallel.tp={tp}",
+        f"parallel.sequence_parallel={str(sp).lower()}",
+        f"parallel.ep={ep}",
+        "model.moe_experts=4",
+        f"parallel.dp_engine={engine}",
+    ]
+    messages = _run(None, overrides)
+    for world_size, message in enumerate(messages if len(messages) == 8 else [], start=1):
+        if message is None and cp not in ("1", "null"):
+            size = int(cp)
+            cut = 2 * size * (int(tp) if sp else 1)
+            assert int(seq) % cut == 0 and world_size % (size * int(tp)) == 0, overrides
+            assert ep == "1" and engine in ("ddp", "horovod", "ps"), overrides

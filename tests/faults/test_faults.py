@@ -71,6 +71,9 @@ KINDS = {
                 "ep",
                 ["parallel.dp_engine=ddp", "model.moe_experts=4", "parallel.ep=2"],
             ),
+            # Context parallelism: the two ranks split every sequence and gather each
+            # other's keys and values in every layer, forward and backward.
+            ("cp", ["parallel.dp_engine=ddp", "parallel.cp=2"]),
         ]
     )
 }
@@ -215,6 +218,12 @@ def test_a_killed_or_stopped_rank_ends_the_job_and_the_run_resumes_exactly(
         # The survivor's watchdog names what it waited on, within the timeout plus the time
         # for mpirun to take the job down.
         assert "hpcllm: error (rank 0): no progress for" in err and "aborting the job" in err
+        said = next(line for line in err.splitlines() if "no progress for" in line)
+        if engine.startswith("cp-"):
+            # Stopped mid-step, its peer waits in the keys' gather or their gradients'
+            # reduce-scatter (seen: "context-parallel key/value gradient reduce-scatter
+            # (axis=cp, step=4)"), or in the gradients' all-reduce over d x cp.
+            assert "context-parallel key/value" in said or "axis=dp" in said, said
         assert took < timeout_s + 20
         assert (run_dir / "hang-rank00000.txt").exists()  # what it waited on, its threads
     else:
