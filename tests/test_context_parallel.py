@@ -195,3 +195,35 @@ def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
     )
     assert (meta["cp"], meta["dp"]) == (2, 2)
     assert load_config(tmp_path / "from-cp2" / "config.yaml", []).parallel.cp == 1
+
+
+def test_activation_bytes_count_each_saved_storage_once_and_no_parameter():
+    from hpcllm.bench.cp import activation_bytes
+
+    layer = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def step():
+        h = layer(x)  # saves x (for the weight's gradient) and the weight (a parameter)
+        return (h * h).sum()  # saves h, twice over: one storage
+
+    loss, counted = activation_bytes(step, list(layer.parameters()))
+    assert counted == x.nbytes + 8 * 16 * 4
+    loss.backward()  # what was saved still serves the backward
+    assert x.grad is not None
+
+
+@pytest.mark.mpi
+def test_bench_cp_smoke_halves_the_activations_in_an_empty_folder(tmp_path):
+    from family_runs import cli
+
+    cli("bench", "cp", "--cpu-smoke", "--seq", "256", cwd=tmp_path, check=True)
+    out = tmp_path / "runs" / "bench-cp"
+    result = json.loads((out / "bench_cp.json").read_text())
+    rows = {row["cp"]: row for row in result["rows"]}
+    assert set(rows) == {1, 2} and all(r["seq"] == 256 for r in rows.values())
+    assert rows[1]["vs_cp1"] == 1.0 and rows[2]["vs_cp1"] <= 0.6, rows
+    assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert (out / "bench_cp.png").stat().st_size > 0 and "vs cp=1" in (
+        out / "bench_cp.txt"
+    ).read_text()

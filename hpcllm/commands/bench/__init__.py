@@ -24,6 +24,7 @@ TARGETS = (
     "kernels",
     "device",
     "moe",
+    "cp",
     "generate",
     "report",
 )
