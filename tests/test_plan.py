@@ -18,6 +18,7 @@ from hpcllm.plan.hardware import cluster_from_dict, gemm_efficiency, load_cluste
 from hpcllm.plan.search import Fixed, layouts, search
 
 DGX_A100 = REPO / "jobs" / "clusters" / "dgx-a100.yaml"
+DGX_H100 = REPO / "jobs" / "clusters" / "dgx-h100.yaml"
 CPU = REPO / "jobs" / "clusters" / "cpu-local.yaml"
 
 # Narayanan et al. (SC21), Table 1, all ten rows: heads, hidden, layers, t, p, GPUs, batch,
@@ -892,3 +893,47 @@ def test_qwen3_30b_a3b_plans_with_its_free_head_dim_and_q_k_norms(tmp_path):
     written = yaml.safe_load(out.read_text())["model"]
     kept = (written["head_dim"], written["qk_norm"], written["moe_renormalize"])
     assert kept == (128, True, True)
+
+
+def test_context_parallelism_is_planned_for_long_sequences_and_priced():
+    """cp is searched from 8K tokens on (or where fixed): the gpus are t·cp·p·d, activations
+    and logits per rank fall by about cp, the attention core's time does not (s/cp queries
+    over all s keys), the gathers cost something, and the optimizer shards over d·cp."""
+    from hpcllm.plan.costs import memory_parts
+
+    cluster = load_cluster(DGX_H100)
+    software = Software.hpcllm()
+    short = Model.of("llama", 4, 512, 8, 2048, 32000, kv_heads=2, ffn=1536, tied=False)
+    assert {lay.cp for lay in layouts(short, 16, 16, Fixed(), software)} == {1}
+    assert {lay.cp for lay in layouts(short, 16, 16, Fixed(cp=2), software)} == {2}
+    long = Model.of("llama", 4, 512, 8, 16384, 32000, kv_heads=2, ffn=1536, tied=False)
+    found = {lay.cp for lay in layouts(long, 16, 16, Fixed(), software)}
+    assert {1, 2, 4, 8, 16} <= found
+    one, two = Layout(1, 1, 8), Layout(1, 1, 4, cp=2)
+    assert (one.gpus, two.gpus, two.replicas) == (8, 8, 8)
+    a, b = (estimate(long, lay, cluster, software, 8) for lay in (one, two))
+    ratio = b.memory_parts_gb["activations"] / a.memory_parts_gb["activations"]
+    assert 0.5 <= ratio <= 0.6, ratio  # half, plus the whole sequence's keys and values
+    assert b.memory_parts_gb["logits"] == pytest.approx(a.memory_parts_gb["logits"] / 2)
+    assert b.time_parts_s["cp"] > 0 and "cp" not in a.time_parts_s
+    # The same FLOPs on the same GPUs: per GPU the same TFLOP/s count, cp only adds the
+    # gathers (and changes d's all-reduce).
+    assert b.tokens_per_s == pytest.approx(8 * 16384 / b.step_time_s)
+    zero = Software.named("hpcllm", "bf16", True)
+    parts = memory_parts(long, two, cluster, zero, 8)
+    whole = memory_parts(long, Layout(1, 1, 8), cluster, zero, 8)
+    assert parts["optimizer"] == pytest.approx(whole["optimizer"])  # 1/8 either way
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--cp", "3"], "--cp 3 cuts --seq 2048 into 2 x cp chunks; it does not"),
+        (["--cp", "16", "--tp", "2"], "--gpus 16 is not divisible by tp x pp x cp = 32"),
+    ],
+)
+def test_a_context_size_the_request_cannot_take_is_one_line(args, says):
+    done = cli("plan", "--model", "llama-tiny", "--seq", "2048", "--gpus", "16",
+               "--global-batch", "16", "--cluster", str(DGX_H100), *args)  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

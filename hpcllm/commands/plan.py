@@ -1,4 +1,5 @@
-"""``hpcllm plan``: choose t, p, d, ep, micro-batch, schedule and recomputation for a cluster."""
+"""``hpcllm plan``: choose t, p, d, ep, cp, micro-batch, schedule and recomputation for a
+cluster."""
 
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         metavar="E",
         help="expert-parallel size, ranks of d that split each MoE block's experts [default: "
         "searched, every divisor of d that divides the experts; 1 for a dense model]",
+    )
+    plan.add_argument(
+        "--cp",
+        type=positive,
+        metavar="C",
+        help="context-parallel size, ranks that split each sequence (next to t) [default: "
+        "searched for sequences of 8192 tokens and more, else 1]",
     )
     plan.add_argument("--micro-batch", type=positive, metavar="B")
     plan.add_argument("--recompute", choices=("none", "selective", "full"))
@@ -164,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         pp=args.pp,
         vpp=args.vpp,
         ep=args.ep,
+        cp=args.cp,
         micro_batch=args.micro_batch,
         schedule=args.schedule,
         recompute=args.recompute,

@@ -58,6 +58,17 @@ shards their state over those. Each MoE block sends its T·k routed rows to the 
 and back (dispatch and combine: two all-to-alls forward, two backward, as Switch Transformer
 and GShard count them), priced by :func:`all_to_all_s`.
 
+Context parallelism (``Layout.cp``, ranks next to t as Megatron-Core orders them) splits each
+sequence over cp ranks: every per-token cost (GEMMs, pointwise traffic, stored activations,
+the logits and loss, the pipeline's transfers) is that of s/cp tokens, and the attention core
+of s/cp balanced queries over all s keys does 1/cp of the whole attention's work, cp times
+what s/cp tokens alone would. Each layer all-gathers its keys and values over the cp group
+(hpcllm's variant, docs/context-parallel.md) and reduce-scatters their gradients, priced as
+those collectives on the link a t·cp block sits on, exposed (nothing overlaps them); without
+recomputation the whole sequence's keys and values stay stored per layer. Gradients are
+all-reduced over the d·cp ranks holding the same weights, and the distributed optimizer shards
+over them.
+
 Left out: kernel launch overheads, the embedding's gather, imbalance from the embedding stage,
 NCCL's protocol choice, congestion between jobs, and stragglers.
 """
@@ -205,6 +216,17 @@ class Layout:
     sequence_parallel: bool = False
     scatter_gather: bool = True
     ep: int = 1  # expert-parallel ranks carved out of dp
+    cp: int = 1  # context-parallel ranks next to tp: each sequence split over them
+
+    @property
+    def replicas(self) -> int:
+        """Return d·cp, the ranks holding the same weights (their gradients averaged)."""
+        return self.dp * self.cp
+
+    @property
+    def gpus(self) -> int:
+        """Return t·cp·p·d."""
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass(frozen=True)
@@ -474,15 +496,20 @@ class _Layer:
     weight_grad: float  # the share of the backward that computes weight (and bias) gradients
     bias_grads: float = 0.0  # the backward's bias-gradient reductions
     ep_f: float = 0.0  # an MoE block's all-to-alls of one forward (dispatch and combine)
+    cp_f: float = 0.0  # the keys' and values' all-gather over cp (backward: a reduce-scatter)
 
     @property
     def forward(self) -> float:
-        return self.gemm_f + self.attention_f + self.elementwise_f + self.tp_f + self.ep_f
+        return (
+            self.gemm_f + self.attention_f + self.elementwise_f + self.tp_f + self.ep_f + self.cp_f
+        )
 
     def backward(self, recompute: str) -> float:
-        redo = {"none": 0.0, "selective": self.attention_f, "full": self.forward}[recompute]
+        # Selective recomputation replays the attention core, the gather included.
+        core = self.attention_f + self.cp_f
+        redo = {"none": 0.0, "selective": core, "full": self.forward}[recompute]
         own = 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.bias_grads
-        return own + self.tp_f + self.ep_f + redo
+        return own + self.tp_f + self.ep_f + self.cp_f + redo
 
 
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
@@ -546,6 +573,36 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     tp_f = sum(collective_s(cluster, link, op, b * s * h * e, t) for op in pair)
     # zb-h1's weight pass: the weight GEMMs and the bias gradients.
     return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm + bias_grads, bias_grads)
+
+
+def per_rank_model(model: Model, layout: Layout) -> Model:
+    """Return the model as one context-parallel rank computes it: s/cp tokens a sequence (the
+    model itself at cp = 1)."""
+    if layout.cp == 1:
+        return model
+    return replace(model, shape=replace(model.shape, seq=model.shape.seq // layout.cp))
+
+
+def kv_gather_bytes(model: Model, layout: Layout, software: Software) -> float:
+    """Return the bytes of one layer's keys and values of the whole sequence on a rank (its
+    t-th of the key/value heads): what the cp all-gather hands each rank."""
+    shape = model.shape
+    kv = (shape.kv_heads or shape.heads) * shape.head_size / layout.tp
+    return 2 * layout.micro_batch * shape.seq * kv * _bytes_per_value(software.precision)
+
+
+def _context_layer(
+    model: Model, layout: Layout, cluster: Cluster, software: Software, local: _Layer
+) -> _Layer:
+    """Return a layer's times at cp > 1 from ``local``, its times on s/cp tokens: the
+    attention core cp times as long (s/cp queries over s keys), and the keys' and values'
+    all-gather (its reverse, a reduce-scatter, in the backward)."""
+    cp = layout.cp
+    link = "intra_node" if layout.tp * cp <= cluster.gpus_per_node else "inter_node"
+    gather = collective_s(cluster, link, "all_gather", kv_gather_bytes(model, layout, software), cp)
+    return replace(
+        local, attention_f=cp * local.attention_f, attention_b=cp * local.attention_b, cp_f=gather
+    )
 
 
 def _mlp_gemms_s(
@@ -694,15 +751,18 @@ def memory_parts(
     """
     t, p, v = layout.tp, layout.pp, layout.vpp
     m = BatchPlan.of(global_batch, layout.micro_batch, layout.dp, "--global-batch").accumulation
+    whole, model = model, per_rank_model(model, layout)  # s/cp tokens a sequence from here
     shape = model.shape
     layers_per_rank = v * math.ceil(shape.layers / (p * v))
     params, routed = rank_parameters_by_kind(model, layout)
     weight_b, grad_b, optimizer_b = _state_bytes(software)
     expert_optimizer_b: float = optimizer_b
     if software.distributed_optimizer:
-        optimizer_b /= layout.dp
-        expert_optimizer_b /= layout.dp // layout.ep
+        optimizer_b /= layout.replicas
+        expert_optimizer_b /= layout.replicas // layout.ep
     per_layer = _activation_bytes_per_layer(model, layout, software)
+    if layout.cp > 1 and layout.recompute == "none":
+        per_layer += kv_gather_bytes(whole, layout, software)  # kept for the backward
     moe_blocks = moe_blocks_per_rank(model, layout)
     per_moe = _moe_activation_bytes(model, layout, software)
     e = _bytes_per_value(software.precision)
@@ -731,7 +791,7 @@ def _gradient_sync_s(
     """Return the step's data-parallel all-reduces: the gradients of all but the routed
     experts over the d replicas of each shard (t ranks apart), the routed experts' over their
     d/ep expert-data-parallel replicas (t·ep ranks apart)."""
-    t, d, ep = layout.tp, layout.dp, layout.ep
+    t, d, ep = layout.tp, layout.replicas, layout.ep
     seconds = _dp_allreduce_s(cluster, params * software.grad_bytes, t, d) if d > 1 else 0.0
     if routed and d // ep > 1:
         seconds += _dp_allreduce_s(cluster, routed * software.grad_bytes, t * ep, d // ep)
@@ -745,7 +805,7 @@ def _optimizer_s(
     updates (with the distributed optimizer 1/d of it, of the routed experts' 1/(d/ep))."""
     shards, expert_shards = (1, 1)
     if software.distributed_optimizer:
-        shards, expert_shards = layout.dp, layout.dp // layout.ep
+        shards, expert_shards = layout.replicas, layout.replicas // layout.ep
     nbytes = software.optimizer_bytes
     return _memory_s(cluster, params * nbytes / shards + routed * nbytes / expert_shards)
 
@@ -758,8 +818,11 @@ def estimate(
     m = BatchPlan.of(global_batch, b, d, "--global-batch").accumulation
     peak = cluster.gpu.peak(software.precision)
     e = _bytes_per_value(software.precision)
+    whole, model = model, per_rank_model(model, layout)  # s/cp tokens a sequence from here
     family, shape = model.family, model.shape
     layer = _layer(model, layout, cluster, software)
+    if layout.cp > 1:
+        layer = _context_layer(whole, layout, cluster, software, layer)
     layers_per_rank = v * math.ceil(shape.layers / (p * v))
     # The rank's MoE blocks run as ``moe``, the rest as ``layer``.
     moe_blocks = moe_blocks_per_rank(model, layout)
@@ -786,7 +849,7 @@ def estimate(
     p2p = 0.0
     if p > 1:
         nbytes = b * s * h * e
-        link = "inter_node" if _spans_nodes(cluster, t * d, 2) else "intra_node"
+        link = "inter_node" if _spans_nodes(cluster, t * layout.cp * d, 2) else "intra_node"
         split = t > 1 and (layout.scatter_gather or layout.sequence_parallel)
         one = collective_s(cluster, link, "send_recv", nbytes / t if split else nbytes, 2)
         if split and not layout.sequence_parallel:  # the all-gather inside the node
@@ -809,7 +872,7 @@ def estimate(
     # family's rules put a tensor on both (``first+last``) and this shape ties it.
     tied = shape.tied and any(rule.stage == "first+last" for rule in family.tensors)
     if p > 1 and tied:
-        far = _spans_nodes(cluster, (p - 1) * t * d, 2)
+        far = _spans_nodes(cluster, (p - 1) * t * layout.cp * d, 2)
         pp_exposed += collective_s(
             cluster,
             "inter_node" if far else "intra_node",
@@ -826,21 +889,25 @@ def estimate(
     passes = 2 + (layout.recompute == "full")
     tp_total = m * layers_per_rank * layer.tp_f * passes
     ep_total = m * moe_blocks * moe.ep_f * passes
+    # The gather forward, its reduce-scatter backward, and the gather again where recomputed.
+    cp_total = m * layers_per_rank * layer.cp_f * (2 + (layout.recompute != "none"))
     step_time = compute + bubble + pp_exposed + dp_exposed + optimizer
-    gpus = t * p * d
-    done = model.step_flops(global_batch, layout.recompute)
-    useful = model.step_flops(global_batch, "none")
-    parts = memory_parts(model, layout, cluster, software, global_batch)
+    gpus = layout.gpus
+    done = whole.step_flops(global_batch, layout.recompute)
+    useful = whole.step_flops(global_batch, "none")
+    parts = memory_parts(whole, layout, cluster, software, global_batch)
     usable = cluster.gpu.memory_gb * cluster.usable_memory_fraction
-    time_parts = {"compute": compute - tp_total - ep_total, "tp": tp_total}
+    time_parts = {"compute": compute - tp_total - ep_total - cp_total, "tp": tp_total}
     if model.experts is not None:
         time_parts["ep"] = ep_total
+    if layout.cp > 1:
+        time_parts["cp"] = cp_total
     return Estimate(
         layout=layout,
         step_time_s=step_time,
         tflops_per_gpu=done / step_time / gpus / 1e12,
         mfu=useful / step_time / gpus / (peak * 1e12),
-        tokens_per_s=global_batch * s / step_time,
+        tokens_per_s=global_batch * whole.shape.seq / step_time,
         bubble=bubble / step_time,
         memory_parts_gb=parts,
         fits=sum(parts.values()) <= usable,

@@ -35,6 +35,12 @@ class Fixed:
     recompute: str | None = None
     sequence_parallel: bool | None = None
     ep: int | None = None
+    cp: int | None = None
+
+
+# Sequences this long or longer are searched at cp > 1 too (Megatron-Core's guidance puts
+# context parallelism at 8K tokens and up); shorter ones only at a cp the user fixes.
+LONG_SEQUENCE = 8192
 
 
 @dataclass
@@ -78,6 +84,7 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
             f"--gpus {gpus} is not divisible by tp x pp = {grid}; choose t and p whose product "
             f"divides {gpus}"
         )
+    _check_context(model, gpus, grid, fixed)
     _check_experts(model, gpus, grid, fixed)
     if fixed.pp and fixed.pp * (fixed.vpp or 1) > shape.layers:
         raise UserError(
@@ -90,6 +97,32 @@ def check_request(model: Model, gpus: int, global_batch: int, fixed: Fixed) -> N
     if pipelined and fixed.pp == 1:
         what = f"--vpp {fixed.vpp}" if (fixed.vpp or 1) > 1 else f"--schedule {fixed.schedule}"
         raise UserError(f"{what} needs a pipeline (--pp > 1)")
+
+
+def _check_context(model: Model, gpus: int, grid: int, fixed: Fixed) -> None:
+    """Refuse, in one line, a fixed cp the sequence, the GPUs or the experts cannot take."""
+    cp = fixed.cp
+    if not cp or cp == 1:
+        return
+    if model.shape.seq % (2 * cp):
+        raise UserError(f"--cp {cp} cuts --seq {model.shape.seq} into 2 x cp chunks; it does not")
+    if gpus % (grid * cp):
+        raise UserError(f"--gpus {gpus} is not divisible by tp x pp x cp = {grid * cp}")
+    if fixed.ep and fixed.ep > 1:
+        raise UserError(
+            f"--cp {cp} with --ep {fixed.ep}: expert parallelism is not carved out of d x cp"
+        )
+
+
+def _context_sizes(model: Model, rest: int, t: int, fixed: Fixed) -> list[int]:
+    """Return the cp sizes to plan with ``rest`` GPUs left after t: the fixed one where it
+    divides them, every divisor that cuts the sequence into 2·cp·t parts for a long sequence
+    (:data:`LONG_SEQUENCE`), else 1."""
+    if fixed.cp is not None:
+        return [fixed.cp] if rest % fixed.cp == 0 else []
+    if model.shape.seq < LONG_SEQUENCE:
+        return [1]
+    return [c for c in _divisors(rest) if model.shape.seq % (2 * c * t) == 0]
 
 
 def _check_experts(model: Model, gpus: int, grid: int, fixed: Fixed) -> None:
@@ -159,23 +192,25 @@ def _schedules(
 
 def _grids(
     model: Model, gpus: int, fixed: Fixed, software: Software
-) -> Iterator[tuple[int, int, int, int]]:
-    """Yield every grid (t, p, d, ep) of ``gpus`` the search considers."""
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """Yield every grid (t, p, d, ep, cp) of ``gpus`` the search considers."""
     heads, layers = model.shape.heads, model.shape.layers
     for t in _divisors(gpus) if fixed.tp is None else [fixed.tp]:
         if heads % t or not _splits_experts(model, t):
             continue
-        for p in _divisors(gpus // t) if fixed.pp is None else [fixed.pp]:
-            if p > layers or gpus % (t * p):
-                continue
-            if software.even_stages and layers % p:
-                continue
-            # One stage runs 1f1b (plain accumulation): a fixed pipeline choice needs p > 1.
-            if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
-                continue
-            d = gpus // (t * p)
-            for ep in _expert_sizes(model, d, fixed):
-                yield t, p, d, ep
+        for cp in _context_sizes(model, gpus // t, t, fixed):
+            for p in _divisors(gpus // (t * cp)) if fixed.pp is None else [fixed.pp]:
+                if p > layers or gpus % (t * cp * p):
+                    continue
+                if software.even_stages and layers % p:
+                    continue
+                # One stage runs 1f1b (plain accumulation): a fixed pipeline choice needs p > 1.
+                if p == 1 and (fixed.schedule not in (None, "1f1b") or (fixed.vpp or 1) > 1):
+                    continue
+                d = gpus // (t * cp * p)
+                for ep in _expert_sizes(model, d, fixed):
+                    if cp == 1 or ep == 1:  # ep is not carved out of d x cp
+                        yield t, p, d, ep, cp
 
 
 def layouts(
@@ -188,7 +223,7 @@ def layouts(
     """Yield every layout the search considers (the fixed choices held) that the software
     runs."""
     software = software or Software()
-    for t, p, d, ep in _grids(model, gpus, fixed, software):
+    for t, p, d, ep, cp in _grids(model, gpus, fixed, software):
         for b in MICRO_BATCHES if fixed.micro_batch is None else (fixed.micro_batch,):
             if not BatchPlan.divides(global_batch, b, d):
                 continue  # micro-batches of b on d replicas do not make the global batch
@@ -199,7 +234,7 @@ def layouts(
             recomputes = software.recomputes if fixed.recompute is None else (fixed.recompute,)
             for schedule, v in _schedules(p, m, model.shape.layers, fixed, software):
                 for recompute in recomputes:
-                    yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1, ep=ep)
+                    yield Layout(t, p, d, v, b, schedule, recompute, sp and t > 1, ep=ep, cp=cp)
 
 
 def _why(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
@@ -214,12 +249,13 @@ def _why(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
         "compute": "compute (micro-batch size, recomputation)",
         "tp": "tensor-parallel all-reduces",
         "ep": "expert all-to-alls",
+        "cp": "context-parallel key/value gathers",
         "bubble": "pipeline bubble",
         "pp": "pipeline transfers",
         "dp": "data-parallel all-reduce",
         "optimizer": "optimizer step",
     }
-    parts = [k for k in names if k in loser.time_parts_s]  # "ep": MoE models only
+    parts = [k for k in names if k in loser.time_parts_s]  # "ep": MoE models only; "cp": cp > 1
     excess = {k: loser.time_parts_s[k] - best.time_parts_s.get(k, 0.0) for k in parts}
     part = max(excess, key=lambda k: excess[k])
     slower = loser.step_time_s / best.step_time_s - 1
@@ -302,6 +338,8 @@ def layout_record(e: Estimate) -> dict[str, Any]:
     ``memory_parts_gb["experts"]``)."""
     lay = e.layout
     moe = {} if e.all_to_all_pricing is None else {"ep": lay.ep}
+    if lay.cp > 1:
+        moe["cp"] = lay.cp
     priced = {} if e.all_to_all_pricing is None else {"all_to_all_pricing": e.all_to_all_pricing}
     return {
         "tp": lay.tp,
@@ -399,8 +437,13 @@ def render(plan: Plan, top: int) -> str:
     MoE model also ep, the all-to-all's time and the experts' memory."""
     c, shape = plan.cluster, plan.model.shape
     moe = plan.model.experts is not None
-    # An MoE model's columns: ep after d, the all-to-all's time last.
+    shown = plan.ranked[:top] or [e for e, _ in plan.losers[:top]]
+    # An MoE model's columns: ep after d, the all-to-all's time last; cp and its gathers' time
+    # where a layout shown splits the sequence.
     ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a s':>7}") if moe else ("", "")
+    context = any(e.layout.cp > 1 for e in shown)
+    if context:
+        ep_head, a2a_head = f" {'cp':>3}{ep_head}", f"{a2a_head} {'cp s':>7}"
     lines = [
         f"{plan.model.arch}: {shape.layers} layers, hidden {shape.hidden}, "
         f"{shape.heads} heads{_own_sizes(shape)}{_experts_text(plan.model)}, seq {shape.seq}, "
@@ -414,10 +457,11 @@ def render(plan: Plan, top: int) -> str:
     ]
     if not plan.ranked:
         lines.append("   no layout fits in memory; the closest:")
-    shown = plan.ranked[:top] or [e for e, _ in plan.losers[:top]]
     for i, e in enumerate(shown, 1):
         lay, parts = e.layout, e.time_parts_s
         ep, a2a = (f" {lay.ep:>3}", f" {parts['ep']:>7.3f}") if moe else ("", "")
+        if context:
+            ep, a2a = f" {lay.cp:>3}{ep}", f"{a2a} {parts.get('cp', 0.0):>7.3f}"
         lines.append(
             f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5}{ep} {lay.vpp:>2} {lay.micro_batch:>3} "
             f"{lay.schedule:<11} {lay.recompute:<9} {e.step_time_s:>9.3f} "
@@ -443,7 +487,7 @@ def render(plan: Plan, top: int) -> str:
         lines += ["", f"why the others lost ({len(plan.losers)} layouts; the closest):"]
         for e, why in plan.losers[: max(top, 5)]:
             lay = e.layout
-            ep = f" ep={lay.ep}" if moe else ""
+            ep = (f" ep={lay.ep}" if moe else "") + (f" cp={lay.cp}" if lay.cp > 1 else "")
             lines.append(
                 f"  t={lay.tp} p={lay.pp} d={lay.dp}{ep} v={lay.vpp} b={lay.micro_batch} "
                 f"{lay.schedule} {lay.recompute}: {why}"
@@ -480,6 +524,7 @@ def write_config(plan: Plan, path: Path, preset: str | None, vocab_size: int | N
         "parallel.pp": lay.pp,
         "parallel.dp": lay.dp,
         "parallel.ep": lay.ep,
+        "parallel.cp": lay.cp,
         "parallel.vpp": lay.vpp,
         "parallel.schedule": lay.schedule,
         "parallel.sequence_parallel": lay.sequence_parallel,
@@ -520,7 +565,8 @@ def draw(plan: Plan, path: Path, top: int) -> Path:
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(shown) + 1.5))
     moe = plan.model.experts is not None
     labels = [
-        f"t{e.layout.tp} p{e.layout.pp} d{e.layout.dp}{f' ep{e.layout.ep}' if moe else ''} "
+        f"t{e.layout.tp} p{e.layout.pp} d{e.layout.dp}{f' ep{e.layout.ep}' if moe else ''}"
+        f"{f' cp{e.layout.cp}' if e.layout.cp > 1 else ''} "
         f"v{e.layout.vpp} b{e.layout.micro_batch} {e.layout.schedule} {e.layout.recompute}"
         for e in shown
     ]
