@@ -99,6 +99,7 @@ class ContextParallel:
             )
         self.group, self.size, self.rank, self.seq_len = group, size, rank, seq_len
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bias: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     @property
     def active(self) -> bool:
@@ -158,5 +159,16 @@ class ContextParallel:
         """Return causal attention of this rank's queries over ``k_all`` and ``v_all``, the
         group's keys and values joined in cp-rank order (what :meth:`attention` gathers)."""
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=self.mask(q.device), dropout_p=dropout_p, enable_gqa=gqa
+            q, k_all, v_all, attn_mask=self.bias(q), dropout_p=dropout_p, enable_gqa=gqa
         )
+
+    def bias(self, q: torch.Tensor) -> torch.Tensor:
+        """Return :meth:`mask` as the additive bias scaled_dot_product_attention takes (0 or
+        −inf, in q's dtype), made once per device and dtype: a boolean mask would be turned
+        into a new one in every layer, each kept for the backward (s²/cp values a layer);
+        this one is kept once."""
+        key = (q.device, q.dtype)
+        if key not in self._bias:
+            bias = torch.zeros(self.mask(q.device).shape, dtype=q.dtype, device=q.device)
+            self._bias[key] = bias.masked_fill_(~self.mask(q.device), float("-inf"))
+        return self._bias[key]
