@@ -227,3 +227,31 @@ def test_bench_cp_smoke_halves_the_activations_in_an_empty_folder(tmp_path):
     assert (out / "bench_cp.png").stat().st_size > 0 and "vs cp=1" in (
         out / "bench_cp.txt"
     ).read_text()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_lower_right_causal_attention_by_either_mask_is_the_masked_reference(kv_heads):
+    """A chunk's queries over the keys up to its end: the cached additive mask (CPU) and
+    torch's CausalBias (what CUDA runs) give the boolean-masked reference, values and
+    gradients; equal lengths are plain causal attention."""
+    from hpcllm.parallel.context import lower_right_attention
+
+    gen = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(2, 4, 8, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, kv_heads, 24, 16, generator=gen, requires_grad=True)
+    v = torch.randn(2, kv_heads, 24, 16, generator=gen, requires_grad=True)
+    gqa = kv_heads != 4
+    seen = torch.arange(24)[None, :] <= torch.arange(8)[:, None] + 16
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=gqa)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    cache: dict = {}
+    for causal_bias in (False, True):
+        got = lower_right_attention(q, k, v, 0.0, gqa, cache, causal_bias=causal_bias)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for g, w in zip(torch.autograd.grad(got.sum(), (q, k, v)), want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-5)
+    assert len(cache) == 1  # the additive mask, made once
+    same = lower_right_attention(q, k[:, :, :8], v[:, :, :8], 0.0, gqa, cache)
+    plain = F.scaled_dot_product_attention(q, k[:, :, :8], v[:, :, :8], is_causal=True,
+                                           enable_gqa=gqa)  # fmt: skip
+    torch.testing.assert_close(same, plain, rtol=0, atol=0)

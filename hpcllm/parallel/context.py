@@ -9,12 +9,13 @@ Everything but attention is per token, so only attention needs the other ranks' 
 
 Attention here is the all-gather variant Llama 3 trained its long-context stage with (The
 Llama 3 Herd of Models, section 3.3.2): each rank all-gathers the keys and values of its
-group and attends with its own queries, masked by the tokens' true positions, so any mask
-that positions (and, later, documents) express works unchanged; the backward reduce-scatters
-the key and value gradients to the ranks that made them. Under grouped-query attention the
-keys and values are the small part of the activations. The cost, set against a ring of
-point-to-point sends: the whole sequence's keys and values are held per layer during the
-forward and kept for the backward, and the all-gather is not overlapped with compute
+group and attends with its own queries; the backward reduce-scatters the key and value
+gradients to the ranks that made them. Each of a rank's two chunks attends to the keys up to
+its own end only, causally with the diagonal at the lower right, so no key after a chunk is
+computed (as whole causal attention skips them). Under grouped-query attention the keys and
+values are the small part of the activations. The cost, set against a ring of point-to-point
+sends: the whole sequence's keys and values are held per layer during the forward and kept
+for the backward, and the all-gather is not overlapped with compute
 (docs/context-parallel.md).
 """
 
@@ -98,8 +99,8 @@ class ContextParallel:
                 f"a context-parallel group of {size} ranks has {dist.get_world_size(group)}"
             )
         self.group, self.size, self.rank, self.seq_len = group, size, rank, seq_len
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._bias: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._bias: dict[Any, torch.Tensor] = {}
 
     @property
     def active(self) -> bool:
@@ -112,16 +113,19 @@ class ContextParallel:
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """Return the causal mask (s/cp, s) of this rank's queries over the group's gathered
-        keys (in cp-rank order), on ``device``."""
-        return self._tensors(device)[1]
+        keys (in cp-rank order), on ``device``: which keys each query sees."""
+        mine, _, _ = self._tensors(device)
+        return causal_mask(mine, self._tensors(device)[1])
 
-    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return this rank's positions, the gathered keys' (cp-rank order) and the order
+        that puts the gathered keys in sequence order."""
         if device not in self._on:
             mine = chunk_positions(self.seq_len, self.size, self.rank)
             keys = torch.cat(
                 [chunk_positions(self.seq_len, self.size, r) for r in range(self.size)]
             )
-            self._on[device] = (mine.to(device), causal_mask(mine, keys).to(device))
+            self._on[device] = (mine.to(device), keys.to(device), keys.argsort().to(device))
         return self._on[device]
 
     def cut(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,18 +161,68 @@ class ContextParallel:
         gqa: bool = False,
     ) -> torch.Tensor:
         """Return causal attention of this rank's queries over ``k_all`` and ``v_all``, the
-        group's keys and values joined in cp-rank order (what :meth:`attention` gathers)."""
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=self.bias(q), dropout_p=dropout_p, enable_gqa=gqa
-        )
+        group's keys and values joined in cp-rank order (what :meth:`attention` gathers).
 
-    def bias(self, q: torch.Tensor) -> torch.Tensor:
-        """Return :meth:`mask` as the additive bias scaled_dot_product_attention takes (0 or
-        −inf, in q's dtype), made once per device and dtype: a boolean mask would be turned
-        into a new one in every layer, each kept for the backward (s²/cp values a layer);
-        this one is kept once."""
-        key = (q.device, q.dtype)
-        if key not in self._bias:
-            bias = torch.zeros(self.mask(q.device).shape, dtype=q.dtype, device=q.device)
-            self._bias[key] = bias.masked_fill_(~self.mask(q.device), float("-inf"))
-        return self._bias[key]
+        The keys are put in sequence order, and each of this rank's two chunks attends to the
+        keys up to its own end only, causally with the diagonal at the lower right (its own
+        chunk's block): the keys after a chunk are never computed, as whole causal attention
+        skips them, and no (s/cp × s) mask is made."""
+        order = self._tensors(q.device)[2]
+        k_seq, v_seq = k_all.index_select(2, order), v_all.index_select(2, order)
+        c = self.seq_len // (2 * self.size)
+        outs = []
+        for part, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            end = (chunk + 1) * c
+            outs.append(
+                lower_right_attention(
+                    q[:, :, part * c : (part + 1) * c],
+                    k_seq[:, :, :end],
+                    v_seq[:, :, :end],
+                    dropout_p,
+                    gqa,
+                    self._bias,
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+
+# On CUDA the lower-right causal mask is torch's CausalBias, which runs the flash or the
+# memory-efficient kernel without making the mask; elsewhere (and where this is False) it is
+# an additive bias made once per shape, device and dtype.
+CAUSAL_BIAS_ON_CUDA = True
+
+
+def lower_right_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    gqa: bool,
+    cache: dict[Any, torch.Tensor],
+    causal_bias: bool | None = None,
+) -> torch.Tensor:
+    """Return causal attention of ``q`` (its tokens the last of ``k``'s) over ``k`` and
+    ``v``: query i sees the keys up to len(k) − len(q) + i. ``cache`` keeps the additive
+    masks made (one per shape, device and dtype, kept once for every layer's backward);
+    ``causal_bias`` (None: on CUDA, as :data:`CAUSAL_BIAS_ON_CUDA` says) uses torch's
+    lower-right CausalBias instead."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    lq, lk = q.shape[2], k.shape[2]
+    if lq == lk:
+        return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    if causal_bias is None:
+        causal_bias = CAUSAL_BIAS_ON_CUDA and q.device.type == "cuda"
+    if causal_bias:
+        from torch.nn.attention.bias import causal_lower_right
+
+        if gqa:  # the bias's kernels take as many key/value heads as query heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return sdpa(q, k, v, attn_mask=causal_lower_right(lq, lk), dropout_p=dropout_p)
+    key = (lq, lk, q.device, q.dtype)
+    if key not in cache:
+        rows = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        seen = torch.arange(lk, device=q.device)[None, :] <= rows
+        bias = torch.zeros((lq, lk), dtype=q.dtype, device=q.device)
+        cache[key] = bias.masked_fill_(~seen, float("-inf"))
+    return sdpa(q, k, v, attn_mask=cache[key], dropout_p=dropout_p, enable_gqa=gqa)
