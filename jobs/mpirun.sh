@@ -49,11 +49,12 @@ for var in $(compgen -e | sort); do
   esac
 done
 
-# The tensor- and expert-parallel sizes, if the arguments give them: a tensor-parallel group
-# must not span nodes, and an expert-parallel group's all-to-all (t·ep consecutive ranks)
-# should not either.
+# The tensor-, expert- and context-parallel sizes, if the arguments give them: a tensor-parallel
+# group must not span nodes, and neither should an expert-parallel group's all-to-all (t·ep
+# consecutive ranks) nor a context-parallel group's key/value gathers (t·cp consecutive ranks).
 tp=1
 ep=1
+cp=1
 words=("$@")
 for i in "${!words[@]}"; do
   case "${words[$i]}" in
@@ -63,6 +64,9 @@ for i in "${!words[@]}"; do
     --ep) ep=${words[$((i + 1))]:-1} ;;
     --ep=*) ep=${words[$i]#--ep=} ;;
     parallel.ep=*) ep=${words[$i]#parallel.ep=} ;;
+    --cp) cp=${words[$((i + 1))]:-1} ;;
+    --cp=*) cp=${words[$i]#--cp=} ;;
+    parallel.cp=*) cp=${words[$i]#parallel.cp=} ;;
   esac
 done
 if [[ "$tp" =~ ^[1-9][0-9]*$ ]] && ((GPUS_PER_NODE % tp)); then
@@ -70,6 +74,9 @@ if [[ "$tp" =~ ^[1-9][0-9]*$ ]] && ((GPUS_PER_NODE % tp)); then
 fi
 if [[ "$tp" =~ ^[1-9][0-9]*$ && "$ep" =~ ^[1-9][0-9]*$ ]] && ((tp * ep > GPUS_PER_NODE)); then
   echo "hpcllm: warning: tp*ep = $((tp * ep)) exceeds GPUS_PER_NODE=$GPUS_PER_NODE: expert-parallel all-to-alls will cross nodes" >&2
+fi
+if [[ "$tp" =~ ^[1-9][0-9]*$ && "$cp" =~ ^[1-9][0-9]*$ ]] && ((tp * cp > GPUS_PER_NODE)); then
+  echo "hpcllm: warning: tp*cp = $((tp * cp)) exceeds GPUS_PER_NODE=$GPUS_PER_NODE: context-parallel key/value gathers will cross nodes" >&2
 fi
 
 if [ "${DRY_RUN:-0}" = 1 ]; then

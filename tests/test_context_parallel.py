@@ -146,6 +146,8 @@ def _same(records: list, reference: list, rel: float = 1e-5) -> None:
     for key in ("loss", "grad_norm"):
         got, want = [r[key] for r in records], [r[key] for r in reference]
         assert len(got) == len(want) == 4 and got == pytest.approx(want, rel=rel), (key, got, want)
+    # The final validation, every micro-batch cut alike.
+    assert records[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=rel)
 
 
 @pytest.mark.mpi
@@ -255,3 +257,16 @@ def test_lower_right_causal_attention_by_either_mask_is_the_masked_reference(kv_
     plain = F.scaled_dot_product_attention(q, k[:, :, :8], v[:, :, :8], is_causal=True,
                                            enable_gqa=gqa)  # fmt: skip
     torch.testing.assert_close(same, plain, rtol=0, atol=0)
+
+
+def test_the_documented_yaml_loads_and_takes_its_grid(tmp_path):
+    from hpcllm.train.preflight import preflight
+
+    text = (Path(__file__).parent.parent / "docs" / "context-parallel.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "cp.yaml").write_text(block)
+    cfg = load_config(tmp_path / "cp.yaml", [])
+    assert (cfg.parallel.cp, cfg.parallel.tp, cfg.model.seq_len) == (2, 2, 8192)
+    preflight(cfg, 8)  # t·cp = 4, d = 2
+    with pytest.raises(UserError, match="tp\\*cp\\*pp = 2\\*2\\*1 = 4"):
+        preflight(cfg, 6)

@@ -121,6 +121,12 @@ def test_dry_run_warns_of_groups_across_nodes_and_refuses_too_few_hosts(tmp_path
                  "--set", "parallel.tp=2"]):  # fmt: skip
         wide = _dry_run(tmp_path, args, NP="16", GPUS_PER_NODE="8", HOSTFILE=str(hostfile))
         assert wide.returncode == 0 and "tp*ep = 16 exceeds GPUS_PER_NODE=8" in wide.stderr, args
+    # t·cp past a node: the context-parallel gathers cross nodes (both spellings).
+    for args in (["topo", "--tp", "4", "--cp", "4"], ["train", "--set", "parallel.cp=4",
+                 "--set", "parallel.tp=4"]):  # fmt: skip
+        wide = _dry_run(tmp_path, args, NP="16", GPUS_PER_NODE="8", HOSTFILE=str(hostfile))
+        assert wide.returncode == 0 and "tp*cp = 16 exceeds GPUS_PER_NODE=8" in wide.stderr, args
+        assert "key/value gathers will cross nodes" in wide.stderr
     short = _dry_run(tmp_path, ["topo"], NP="24", GPUS_PER_NODE="8", HOSTFILE=str(hostfile))
     assert short.returncode == 2
     assert short.stderr.strip() == (
