@@ -5,7 +5,8 @@ rank), attention over the gathered keys and values against whole causal attentio
 and the gradients of q, k and v, with and without grouped key/value heads), the grid's rank
 order (cp next to t; nothing moves at cp = 1) and the config's refusals. Under mpirun, each
 family's tiny model at cp = 2, at cp = 2 with recomputation, and at cp = 2 × t = 2 (SP),
-× p = 2 and × d = 2 under DDP, Horovod and ZeRO-1 logs the cp = 1 losses and gradient norms;
+× p = 2 and × d = 2 under DDP, Horovod and ZeRO-1, and under the parameter server, logs the
+cp = 1 losses, gradient norms and final validation loss;
 after the first step each rank's gradients are cp = 1's; a run stopped at cp = 2 resumes at
 cp = 1 (and the reverse) with the uninterrupted losses. One launch of 2 ranks and one of 4
 per family (tests/mpi_scripts/ep_runs.py, which trains any list of runs).
@@ -159,6 +160,7 @@ def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
     two = [
         ["cp1", "cp1", base],  # d = 2: the reference, two ranks like every cp = 2 run here
         ["cp2", "cp2", [*base, *CP2]],
+        ["cp2-ps", "cp2-ps", [*base, *CP2, "parallel.dp_engine=ps"]],
         ["cp1-more", "cp1-more", [*base, *MORE[arch]]],
         ["cp2-more", "cp2-more", [*base, *MORE[arch], *CP2]],
         # Stopped after step 2 at one cp, resumed to step 4 at the other (d·cp stays 2).
@@ -179,7 +181,7 @@ def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
     logged |= _runs(4, stdlib, tmp_path, four)
 
     reference = logged["cp1"]
-    for name in ("cp2", "from-cp2", "from-cp1", *(name for name, _, _ in four)):
+    for name in ("cp2", "cp2-ps", "from-cp2", "from-cp1", *(name for name, _, _ in four)):
         _same(logged[name], reference)
     # GPT-2's is fp16: the masked attention rounds apart from the causal one (5.7e-5 seen).
     _same(logged["cp2-more"], logged["cp1-more"], rel=1e-5 if arch == "llama" else 5e-4)
@@ -197,6 +199,12 @@ def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
     )
     assert (meta["cp"], meta["dp"]) == (2, 2)
     assert load_config(tmp_path / "from-cp2" / "config.yaml", []).parallel.cp == 1
+    # Read back whole (generate, evaluate, convert), the cp = 2 run is the cp = 1 model.
+    import hpcllm
+
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    split, whole = (hpcllm.load_model(tmp_path / name)(ids) for name in ("cp2", "cp1"))
+    torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-4)
 
 
 def test_activation_bytes_count_each_saved_storage_once_and_no_parameter():
