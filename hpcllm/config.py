@@ -1103,6 +1103,12 @@ def check_cp(cfg: Config) -> None:
             f"parallel.cp {parallel.cp} with parallel.ep {parallel.ep}: expert parallelism is "
             "not carved out of d x cp; set one of them to 1"
         )
+    if m.moe_experts:
+        raise UserError(
+            f"parallel.cp {parallel.cp} with model.moe_experts {m.moe_experts}: the MoE blocks' "
+            "balancing loss and capacity count one rank's tokens, not the sequence's; train "
+            "mixtures of experts at parallel.cp: 1"
+        )
     if parallel.dp_engine in ("ps-async", "local-sgd"):
         raise UserError(
             f"parallel.dp_engine {parallel.dp_engine} lets replicas step apart, but the "

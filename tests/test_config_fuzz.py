@@ -346,10 +346,11 @@ def test_expert_parallel_sizes_end_in_a_config_or_one_user_error(
     tp=st.sampled_from(["1", "1", "2"]),
     sp=st.booleans(),
     ep=st.sampled_from(["1", "1", "2"]),
+    experts=st.sampled_from(["0", "0", "4"]),
     engine=st.sampled_from(["ddp", "horovod", *choices("parallel", "dp_engine")]),
 )
 def test_context_parallel_sizes_end_in_a_config_or_one_user_error(
-    cp: str, seq: str, tp: str, sp: bool, ep: str, engine: str
+    cp: str, seq: str, tp: str, sp: bool, ep: str, experts: str, engine: str
 ) -> None:
     # Drawn together: cp cuts the sequence (by t too under SP), refuses ep and the engines
     # whose replicas step apart, and takes t·cp·p of the world.
@@ -359,7 +360,7 @@ def test_context_parallel_sizes_end_in_a_config_or_one_user_error(
         f"parallel.tp={tp}",
         f"parallel.sequence_parallel={str(sp).lower()}",
         f"parallel.ep={ep}",
-        "model.moe_experts=4",
+        f"model.moe_experts={experts}",
         f"parallel.dp_engine={engine}",
     ]
     messages = _run(None, overrides)
@@ -368,4 +369,5 @@ def test_context_parallel_sizes_end_in_a_config_or_one_user_error(
             size = int(cp)
             cut = 2 * size * (int(tp) if sp else 1)
             assert int(seq) % cut == 0 and world_size % (size * int(tp)) == 0, overrides
-            assert ep == "1" and engine in ("ddp", "horovod", "ps"), overrides
+            assert ep == "1" and experts == "0", overrides
+            assert engine in ("ddp", "horovod", "ps"), overrides

@@ -118,6 +118,7 @@ def test_the_grid_puts_cp_next_to_t_and_moves_nothing_at_cp1():
             ["parallel.cp=2", "parallel.ep=2", "model.moe_experts=4"],
             "expert parallelism is not carved out of d x cp",
         ),
+        (["parallel.cp=2", "model.moe_experts=4"], "train mixtures of experts at parallel.cp: 1"),
     ],
 )
 def test_a_context_split_that_cannot_work_is_refused_in_one_line(sets, says):

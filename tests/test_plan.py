@@ -937,3 +937,13 @@ def test_a_context_size_the_request_cannot_take_is_one_line(args, says):
                "--global-batch", "16", "--cluster", str(DGX_H100), *args)  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_long_sequence_keeps_cp1_and_a_mixture_of_experts_plans_at_cp1_only():
+    # 8200 tokens: no cp > 1 cuts them into 2·cp·8 parts, and cp = 1 still plans.
+    odd = Model.of("llama", 4, 512, 8, 8200, 32000, kv_heads=2, ffn=1536, tied=False)
+    assert {lay.cp for lay in layouts(odd, 16, 16, Fixed(tp=8), Software.hpcllm())} == {1}
+    done = cli("plan", "--model", "mixtral-tiny", "--seq", "8192", "--gpus", "8",
+               "--global-batch", "8", "--cluster", str(DGX_H100), "--cp", "2")  # fmt: skip
+    assert done.returncode == 2 and "mixtures of experts at cp = 1 only" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -25,6 +25,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     )
     tl.add_argument("--dp-rank", type=int, default=0, help="which replica's pipeline")
     tl.add_argument("--tp-rank", type=int, default=0, help="which tp rank's pipeline")
+    tl.add_argument("--cp-rank", type=int, default=0, help="which context-parallel rank's pipeline")
     tl.set_defaults(run=run)
 
 
@@ -36,12 +37,14 @@ def run(args: argparse.Namespace) -> int:
     records = []
     for path in sorted((args.run_dir / "timeline").glob("rank*.json")):
         record = json.loads(path.read_text())
-        if (record["dp_rank"], record["tp_rank"]) == (args.dp_rank, args.tp_rank):
+        mine = (record["dp_rank"], record["tp_rank"], record.get("cp_rank", 0))
+        if mine == (args.dp_rank, args.tp_rank, args.cp_rank):
             records.append(record)
     if not records:
         raise UserError(
             f"{args.run_dir / 'timeline'} holds no timeline of dp rank "
-            f"{args.dp_rank}, tp rank {args.tp_rank}; a run with parallel.pp > 1 "
+            f"{args.dp_rank}, tp rank {args.tp_rank}, cp rank {args.cp_rank}; a run with "
+            "parallel.pp > 1 "
             "writes one when it ends"
         )
     records.sort(key=lambda r: r["pp_rank"])

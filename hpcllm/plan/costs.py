@@ -587,7 +587,8 @@ def kv_gather_bytes(model: Model, layout: Layout, software: Software) -> float:
     """Return the bytes of one layer's keys and values of the whole sequence on a rank (its
     t-th of the key/value heads): what the cp all-gather hands each rank."""
     shape = model.shape
-    kv = (shape.kv_heads or shape.heads) * shape.head_size / layout.tp
+    # With fewer key/value heads than tp ranks each rank keeps the one its queries use.
+    kv = max(shape.head_size, (shape.kv_heads or shape.heads) * shape.head_size // layout.tp)
     return 2 * layout.micro_batch * shape.seq * kv * _bytes_per_value(software.precision)
 
 
@@ -597,9 +598,17 @@ def _context_layer(
     """Return a layer's times at cp > 1 from ``local``, its times on s/cp tokens: the
     attention core cp times as long (s/cp queries over s keys), and the keys' and values'
     all-gather (its reverse, a reduce-scatter, in the backward)."""
-    cp = layout.cp
-    link = "intra_node" if layout.tp * cp <= cluster.gpus_per_node else "inter_node"
-    gather = collective_s(cluster, link, "all_gather", kv_gather_bytes(model, layout, software), cp)
+    cp, t = layout.cp, layout.tp
+    nbytes = kv_gather_bytes(model, layout, software)
+    if t * cp <= cluster.gpus_per_node:
+        gather = collective_s(cluster, "intra_node", "all_gather", nbytes, cp)
+    else:
+        # Across nodes, t ranks apart: each node holds gpus_per_node / t members of the group,
+        # each with its own adapter (as the data-parallel all-reduce's ring).
+        members = max(1, cluster.gpus_per_node // t)
+        across = collective_s(cluster, "inter_node", "all_gather", nbytes, cp, members)
+        inside = collective_s(cluster, "intra_node", "all_gather", nbytes, cp, latency=False)
+        gather = max(across, inside)
     return replace(
         local, attention_f=cp * local.attention_f, attention_b=cp * local.attention_b, cp_f=gather
     )
@@ -761,8 +770,12 @@ def memory_parts(
         optimizer_b /= layout.replicas
         expert_optimizer_b /= layout.replicas // layout.ep
     per_layer = _activation_bytes_per_layer(model, layout, software)
-    if layout.cp > 1 and layout.recompute == "none":
-        per_layer += kv_gather_bytes(whole, layout, software)  # kept for the backward
+    if layout.cp > 1:
+        # Unfused attention's scores: s/cp queries over s keys, cp times those of s/cp tokens.
+        fused = _activation_bytes_per_layer(model, layout, replace(software, attention="flash"))
+        per_layer += (layout.cp - 1) * (per_layer - fused)
+        if layout.recompute == "none":
+            per_layer += kv_gather_bytes(whole, layout, software)  # kept for the backward
     moe_blocks = moe_blocks_per_rank(model, layout)
     per_moe = _moe_activation_bytes(model, layout, software)
     e = _bytes_per_value(software.precision)

@@ -108,21 +108,24 @@ def _check_context(model: Model, gpus: int, grid: int, fixed: Fixed) -> None:
         raise UserError(f"--cp {cp} cuts --seq {model.shape.seq} into 2 x cp chunks; it does not")
     if gpus % (grid * cp):
         raise UserError(f"--gpus {gpus} is not divisible by tp x pp x cp = {grid * cp}")
-    if fixed.ep and fixed.ep > 1:
+    if model.experts is not None:
         raise UserError(
-            f"--cp {cp} with --ep {fixed.ep}: expert parallelism is not carved out of d x cp"
+            f"--cp {cp}: hpcllm trains mixtures of experts at cp = 1 only (their balancing loss "
+            "and capacity count one rank's tokens)"
         )
 
 
 def _context_sizes(model: Model, rest: int, t: int, fixed: Fixed) -> list[int]:
     """Return the cp sizes to plan with ``rest`` GPUs left after t: the fixed one where it
-    divides them, every divisor that cuts the sequence into 2·cp·t parts for a long sequence
-    (:data:`LONG_SEQUENCE`), else 1."""
+    divides them (and cuts the sequence into 2·cp·t parts), every divisor that does for a long
+    sequence (:data:`LONG_SEQUENCE`), else 1; 1 only for a mixture of experts."""
+    seq = model.shape.seq
     if fixed.cp is not None:
-        return [fixed.cp] if rest % fixed.cp == 0 else []
-    if model.shape.seq < LONG_SEQUENCE:
+        cp = fixed.cp
+        return [cp] if rest % cp == 0 and (cp == 1 or seq % (2 * cp * t) == 0) else []
+    if seq < LONG_SEQUENCE or model.experts is not None:  # MoE blocks train at cp = 1 only
         return [1]
-    return [c for c in _divisors(rest) if model.shape.seq % (2 * c * t) == 0]
+    return [1] + [c for c in _divisors(rest) if c > 1 and seq % (2 * c * t) == 0]
 
 
 def _check_experts(model: Model, gpus: int, grid: int, fixed: Fixed) -> None:

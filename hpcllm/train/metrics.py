@@ -330,6 +330,7 @@ class Metrics:
             "pp_rank": g.pp_rank,
             "tp_rank": g.tp_rank,
             "dp_rank": g.dp_rank,
+            "cp_rank": g.cp_rank,
             "step": step,
             "schedule": self.cfg.parallel.schedule,
             "pp": g.pp,

@@ -46,6 +46,7 @@ from hpcllm.config import (
     BatchPlan,
     Config,
     ModelConfig,
+    check_cp,
     check_ep,
     config_from_dict,
     load_yaml,
@@ -466,6 +467,7 @@ def _target_config(
     cfg.train.global_batch_size = batch
     parallel.dp = dp
     check_ep(cfg)  # the new ep (or the saved one) against the experts, the new d, the engine
+    check_cp(cfg)  # the saved cp against the new t (its sequence cut into 2·cp·t parts)
     check_pipeline(cfg, accumulation)  # the schedule, v and the stage cut; m once d is known
     return cfg
 
@@ -506,7 +508,9 @@ def convert(
     )
     layout = Cut.of(cfg)
     cfg.run.dir = str(out_dir.resolve())  # resumes from wherever training starts
-    written_anew = ("tp", "pp", "dp", "ep", "step", "format_version")
+    # A converted checkpoint's files are cut by t and p only; its dp is --dp, and no cp is
+    # kept (the run's config still says which cp it trains at).
+    written_anew = ("tp", "pp", "dp", "ep", "cp", "step", "format_version")
     meta = {k: v for k, v in saved.meta.items() if k not in written_anew}
     try:
         with new_folder(out_dir) as partial:
