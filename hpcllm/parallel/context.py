@@ -76,13 +76,7 @@ class _GatherSequence(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Return ``x`` (b, heads, s_local, d) of every rank of ``group`` joined along the
-    sequence in rank order; its gradient is reduce-scattered back. Outside any compiled
-    graph: the collective runs eagerly between the compiled regions."""
-    return _gather(x, group)
-
-
-@torch.compiler.disable
-def _gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+    sequence in rank order; its gradient is reduce-scattered back."""
     return _GatherSequence.apply(x, group)
 
 
@@ -99,6 +93,9 @@ class ContextParallel:
                 f"a context-parallel group of {size} ranks has {dist.get_world_size(group)}"
             )
         self.group, self.size, self.rank, self.seq_len = group, size, rank, seq_len
+        # Outside any compiled graph: the collective runs eagerly between the compiled
+        # regions. Made here, not at import, where torch.compiler would import Triton.
+        self._gather = torch.compiler.disable(gather_sequence) if self.active else gather_sequence
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._bias: dict[Any, torch.Tensor] = {}
 
@@ -149,7 +146,7 @@ class ContextParallel:
         """Return causal attention of this rank's queries (b, heads, s/cp, d) over the keys
         and values of the whole sequence, gathered from the group."""
         return self.attend(
-            q, gather_sequence(k, self.group), gather_sequence(v, self.group), dropout_p, gqa
+            q, self._gather(k, self.group), self._gather(v, self.group), dropout_p, gqa
         )
 
     def attend(
