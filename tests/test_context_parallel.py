@@ -6,7 +6,7 @@ and the gradients of q, k and v, with and without grouped key/value heads), the 
 order (cp next to t; nothing moves at cp = 1) and the config's refusals. Under mpirun, each
 family's tiny model at cp = 2, at cp = 2 with recomputation, and at cp = 2 × t = 2 (SP),
 × p = 2 and × d = 2 under DDP, Horovod and ZeRO-1, and under the parameter server, logs the
-cp = 1 losses, gradient norms and final validation loss;
+cp = 1 losses and gradient norms (and, at d = 2, its final validation loss);
 after the first step each rank's gradients are cp = 1's; a run stopped at cp = 2 resumes at
 cp = 1 (and the reverse) with the uninterrupted losses. One launch of 2 ranks and one of 4
 per family (tests/mpi_scripts/ep_runs.py, which trains any list of runs).
@@ -144,12 +144,12 @@ def _runs(np: int, data: Path, scratch: Path, runs: list) -> dict:
     return json.loads(result.rank_stdout[0].splitlines()[-1])
 
 
-def _same(records: list, reference: list, rel: float = 1e-5) -> None:
+def _same(records: list, reference: list, rel: float = 1e-5, val: bool = False) -> None:
     for key in ("loss", "grad_norm"):
         got, want = [r[key] for r in records], [r[key] for r in reference]
         assert len(got) == len(want) == 4 and got == pytest.approx(want, rel=rel), (key, got, want)
-    # The final validation, every micro-batch cut alike.
-    assert records[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=rel)
+    if val:  # the final validation, at the reference's d (d ranks read d shares of it)
+        assert records[-1]["val_loss"] == pytest.approx(reference[-1]["val_loss"], rel=rel)
 
 
 @pytest.mark.mpi
@@ -183,7 +183,8 @@ def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
 
     reference = logged["cp1"]
     for name in ("cp2", "cp2-ps", "from-cp2", "from-cp1", *(name for name, _, _ in four)):
-        _same(logged[name], reference)
+        _same(logged[name], reference, val=name in ("from-cp2", "cp2-d2", "cp2-d2-horovod",
+                                                     "cp2-d2-zero"))  # fmt: skip
     # GPT-2's is fp16: the masked attention rounds apart from the causal one (5.7e-5 seen).
     _same(logged["cp2-more"], logged["cp1-more"], rel=1e-5 if arch == "llama" else 5e-4)
     # After the first step's reduction every rank holds cp = 1's whole gradients.
