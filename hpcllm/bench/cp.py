@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hpcllm.errors import UserError
-from hpcllm.launcher import mpirun_command, mpirun_env
 from hpcllm.observe import CaseProgress
 
 # The model a config without one is measured with.
@@ -90,7 +88,7 @@ def bench_cp(
     """Run every case; return the table's rows and the settings they shared."""
     import torch
 
-    from hpcllm.bench.runs import fresh_run_dir
+    from hpcllm.bench.runs import fresh_run_dir, launch_ranks
 
     gpu = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0))
@@ -108,23 +106,10 @@ def bench_cp(
             }
             # On CPU the ranks share the cores, each an equal part, as in bench dp.
             threads = None if gpu else max(1, cores // cp)
-            settings = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-            cmd = [sys.executable, "-m", "hpcllm.bench.cp", json.dumps(job)]
-            cmd = mpirun_command(cp, cmd, export=settings) if cp > 1 else cmd
             started = time.perf_counter()
-            try:
-                subprocess.run(
-                    cmd,
-                    check=True,
-                    env=mpirun_env(settings),
-                    timeout=3600,
-                    stdout=subprocess.DEVNULL,
-                )
-            except subprocess.CalledProcessError as err:
-                raise UserError(
-                    f"bench cp's run at seq {seq}, cp {cp} failed (exit {err.returncode}); its "
-                    "ranks said why above"
-                ) from None
+            launch_ranks(
+                cp, [json.dumps(job)], timeout=3600, threads=threads, module="hpcllm.bench.cp"
+            )
             measured = json.loads(result.read_text())
             rows.append(
                 {

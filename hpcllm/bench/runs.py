@@ -24,15 +24,16 @@ def launch_ranks(
     force_mpirun: bool = False,
     threads: int | None = None,
     env: dict[str, str] | None = None,
+    module: str = "hpcllm",
 ) -> None:
-    """Run ``hpcllm ARGS`` on ``np_`` ranks (through mpirun when more than one, or forced),
-    with ``env`` added to the environment of every rank."""
+    """Run ``hpcllm ARGS`` (``python -m MODULE ARGS``) on ``np_`` ranks (through mpirun when
+    more than one, or forced), with ``env`` added to the environment of every rank."""
     # Horovod's CPU collectives go through MPI under mpirun (its gloo path crashes there).
     settings = {"HOROVOD_CPU_OPERATIONS": os.environ.get("HOROVOD_CPU_OPERATIONS", "MPI")}
     settings.update(env or {})
     if threads is not None:
         settings["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "hpcllm", *args]
+    cmd = [sys.executable, "-m", module, *args]
     if np_ > 1 or force_mpirun:
         cmd = mpirun_command(np_, cmd, export=settings)
     try:
