@@ -326,12 +326,84 @@ class ParallelConfig:
     )
 
 
+# data.blend's type: entries [path, weight, name], as blend_sources returns them.
+BlendSources = list[list[str | float]]
+BLEND_FORM = (
+    "a list of [PATH, WEIGHT] or [PATH, WEIGHT, NAME] (weights > 0, normalised), or "
+    "Megatron's 'W1 PATH1 W2 PATH2 ...'"
+)
+# A source's name is a metrics key (val_loss/NAME) and a TensorBoard tag.
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def blend_sources(key: str, value: Any) -> list[list[str | float]]:
+    """Return a blend as ``[[path, weight, name], ...]``: ``~`` and ``$VARS`` expanded, each
+    source named (by its folder where no name is given); a UserError naming ``key`` for a
+    value that is no blend.
+
+    Takes a list of ``[PATH, WEIGHT]`` or ``[PATH, WEIGHT, NAME]`` entries, or Megatron-LM's
+    ``--data-path`` form, the text ``"W1 PATH1 W2 PATH2 ..."``.
+    """
+    if isinstance(value, str):
+        words = value.split()
+        if not words or len(words) % 2:
+            raise UserError(
+                f"{key} as text is Megatron's 'W1 PATH1 W2 PATH2 ...' (a weight before each "
+                f"folder), got {_show(value)}"
+            )
+        value = [[path, weight] for weight, path in zip(words[::2], words[1::2], strict=True)]
+    if not isinstance(value, list) or not value:
+        if value == []:
+            raise UserError(f"{key} needs at least one source (null: read data.path)")
+        raise UserError(f"{key} must be {BLEND_FORM}, got {_show(value)}")
+    sources: list[list[str | float]] = []
+    for number, entry in enumerate(value, start=1):
+        where = f"{key} entry {number}"
+        if not isinstance(entry, list | tuple) or len(entry) not in (2, 3):
+            raise UserError(
+                f"{where} must be [PATH, WEIGHT] or [PATH, WEIGHT, NAME], got {_show(entry)}"
+            )
+        path, weight = entry[0], entry[1]
+        if not isinstance(path, str) or not path.strip() or "\x00" in path:
+            raise UserError(f"{where}: PATH must be a folder path, got {_show(path)}")
+        path = os.path.normpath(os.path.expandvars(os.path.expanduser(path.strip())))
+        try:
+            weight = float(weight) if not isinstance(weight, bool) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            weight = math.nan
+        if not math.isfinite(weight) or weight <= 0:
+            raise UserError(f"{where}: WEIGHT must be a number above 0, got {_show(entry[1])}")
+        name = entry[2] if len(entry) == 3 else Path(path).name
+        if not isinstance(name, str) or not _SOURCE_NAME.fullmatch(name):
+            given = "NAME" if len(entry) == 3 else f"its folder's name {_show(name)}"
+            raise UserError(
+                f"{where}: {given} must be letters, digits, '_', '.' or '-' (a metrics key)"
+                + ("" if len(entry) == 3 else "; give the source a name, [PATH, WEIGHT, NAME]")
+                + f", got {_show(entry)}"
+            )
+        for other in sources:
+            if other[0] == path:
+                raise UserError(f"{key} lists {path} twice; give each folder once")
+            if other[2] == name:
+                raise UserError(
+                    f"{key} names two sources {name} ({other[0]} and {path}); name them apart "
+                    "with a third element, [PATH, WEIGHT, NAME]"
+                )
+        sources.append([path, weight, name])
+    return sources
+
+
 @dataclass
 class DataConfig:
-    """Where the prepared shards are, and the sampling seed."""
+    """Where the prepared shards are (one folder, or a weighted blend), and the sampling seed."""
 
     path: str = key(
         "data/stdlib", "folder of the prepared shards (hpcllm prepare --out)", form="a folder"
+    )
+    blend: BlendSources | None = key(
+        None,
+        "prepared folders mixed by weight, in place of data.path (docs/data.md); null: none",
+        form=BLEND_FORM,
     )
     synthetic: bool = key(
         False,
@@ -490,6 +562,8 @@ class Field:
                 names.append("None")
             elif typing.get_origin(kind) is Literal:
                 names.append("str")
+            elif kind == BlendSources:
+                names.append("list")
             elif typing.get_origin(kind) is list:
                 names.append("list[int]")
             else:
@@ -683,6 +757,8 @@ def _coerce(section: str, key: str, value: Any, annotation: Any) -> Any:
             if not -_INT_LIMIT <= value < _INT_LIMIT:
                 raise UserError(f"{section}.{key} must fit in 64 bits, got {_show(value)}")
             return value
+        if kind == BlendSources:
+            return blend_sources(f"{section}.{key}", value)
         if (
             typing.get_origin(kind) is list
             and isinstance(value, list)
@@ -866,19 +942,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply(cfg, *parse_override(text))
     _fill_preset(cfg.model, _given_model_keys(raw, overrides or []))
     check(cfg)
+    if cfg.data.blend is not None and _given(raw, overrides or [], "data", "path"):
+        raise UserError(
+            "data.blend and data.path are both given; a run reads a blend or one folder "
+            "(a folder of its own is a blend of one: [[PATH, 1]])"
+        )
     return cfg
+
+
+def _given(raw: Any, overrides: list[str], section: str, name: str) -> bool:
+    """Return whether the file data ``raw`` or an override sets ``section.name``."""
+    if any(parse_override(text)[:2] == (section, name) for text in overrides):
+        return True
+    return isinstance(raw, dict) and isinstance(raw.get(section), dict) and name in raw[section]
 
 
 def is_given(path: str | Path | None, overrides: list[str] | None, dotted: str) -> bool:
     """Return whether the key ``dotted`` (``section.key``) is set by the config file at
     ``path`` or by an override, rather than left at its default (the file is read again)."""
     section, name = dotted.split(".", 1)
-    if any(parse_override(text)[:2] == (section, name) for text in overrides or []):
-        return True
-    if path is None:
-        return False
-    raw = _read_yaml_file(Path(path))
-    return isinstance(raw, dict) and isinstance(raw.get(section), dict) and name in raw[section]
+    raw = None if path is None else _read_yaml_file(Path(path))
+    return _given(raw, overrides or [], section, name)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -1056,6 +1140,10 @@ def check(cfg: Config) -> None:
         parse_profile_steps(train.profile_steps)
     if not cfg.data.path or "\x00" in cfg.data.path:
         raise UserError(f"data.path must be a folder path, got {_show(cfg.data.path)}")
+    if cfg.data.blend is not None and cfg.data.synthetic:
+        raise UserError(
+            "data.synthetic reads no folder, so it cannot blend data.blend's; set one of them"
+        )
     check_folder("run.dir", cfg.run.dir)
 
 

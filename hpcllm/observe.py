@@ -307,6 +307,12 @@ def interval_line(
         ]
     if record.get("moe_all_to_all_s") is not None:  # ep > 1: this rank's token exchanges
         fields.append(f"a2a ms {record['moe_all_to_all_s'] * 1e3:7.1f}")
+    if record.get("val_loss") is not None:  # a validated step (a blend's: each source's too)
+        sources = {k[len("val_loss/") :]: v for k, v in record.items() if k.startswith("val_loss/")}
+        fields.append(
+            f"val_loss {record['val_loss']:8.4f}"
+            + "".join(f" {name} {loss:.4f}" for name, loss in sources.items())
+        )
     return " | ".join(fields)
 
 

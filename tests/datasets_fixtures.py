@@ -65,3 +65,32 @@ def full_stream(out: Path, split: str = "train") -> np.ndarray:
         with h5py.File(out / shard["file"], "r") as f:
             parts.append(f["tokens"][:])
     return np.concatenate(parts)
+
+
+def letter_dataset(
+    root: Path, letter: str, documents: int, tokenizer: str = "byte", val_fraction: float = 0.2
+) -> Path:
+    """Prepare ``root/letter``: ``documents`` documents of ``letter`` followed by the document's
+    number, repeated (``A0007 A0007 ...``), so any 16-token window names its source by its one
+    capital letter, and most windows differ. Return the prepared folder."""
+    texts = root / f"{letter}-texts"
+    texts.mkdir(parents=True)
+    for i in range(documents):
+        (texts / f"{i:04d}.txt").write_text(f"{letter}{i:04d} " * (3 + i % 7))
+    out = root / letter.lower()
+    options = PrepareOptions(
+        out=out,
+        inputs=(str(texts),),
+        tokenizer=tokenizer,
+        val_fraction=val_fraction,
+        vocab_size=300 if tokenizer == "bpe" else None,
+    )
+    prepare(options, progress=False)
+    return out
+
+
+def source_letter(window: np.ndarray) -> str:
+    """Return the capital letter a window of :func:`letter_dataset`'s tokens holds (byte ids)."""
+    letters = {chr(t) for t in window.tolist() if 65 <= t <= 90}
+    assert len(letters) == 1, letters
+    return letters.pop()

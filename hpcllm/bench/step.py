@@ -261,14 +261,14 @@ def _time_loop(trainer: Trainer, steps: int) -> dict[str, Any]:
     # So would validation (the final one, and any the interval puts inside the loop), which
     # under compile: full first compiles the model's eval-mode graph (on an H100, llama3.2-1b's
     # bench step was cut off by its time limit at the end of its loop, likely there).
-    validation, trainer.validator.reader = trainer.validator.reader, None
+    validation, trainer.validator.readers = trainer.validator.readers, {}
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
     try:
         summary = trainer.run(progress=False)
     finally:
-        trainer.validator.reader = validation
+        trainer.validator.readers = validation
     trainer.grad_hooks.pop()
     wall, cpu = zip(*stamps[1:], strict=True)
     return {

@@ -123,11 +123,21 @@ def run(args: argparse.Namespace) -> int:
         from hpcllm.launcher import detect_launcher
         from hpcllm.train.preflight import check_job
 
-        # The trainer's checks, those against the data where data.path exists and is read
-        # (synthetic data reads none).
-        data = Path(cfg.data.path)
-        manifest = load_manifest(data) if data.exists() and not cfg.data.synthetic else None
-        check_job(cfg, args.world_size or detect_launcher().world_size, manifest)
+        # The trainer's checks, those against the data where data.path (or every folder of
+        # data.blend) exists and is read (synthetic data reads none).
+        world_size = args.world_size or detect_launcher().world_size
+        if cfg.data.blend is not None:
+            from hpcllm.datasets.blend import Blend
+
+            if all(Path(path).exists() for path, _, _ in cfg.data.blend):
+                blend = Blend(cfg.data.blend)
+                check_job(cfg, world_size, blend.manifest, blend)
+            else:
+                check_job(cfg, world_size, None)
+        else:
+            data = Path(cfg.data.path)
+            manifest = load_manifest(data) if data.exists() and not cfg.data.synthetic else None
+            check_job(cfg, world_size, manifest)
         print(render_yaml(cfg), end="", flush=True)
         return 0
     if args.world_size is not None:

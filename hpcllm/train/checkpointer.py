@@ -410,12 +410,19 @@ class Checkpointer:
             split = getattr(part.obj, "by_ep", None)
             if self.grid.ep > 1 and split is not None:
                 shard[name], by_ep[name] = split(shard[name])
+        meta = state.meta(global_batch, self.vocab_size)
+        for name, part in self._parts.items():
+            # A part may say something of itself in meta.json, for `hpcllm inspect` to read
+            # without loading the shards (a blend: how many samples each source gave).
+            describe = getattr(part.obj, "meta", None)
+            if describe is not None:
+                meta[name] = describe()
         folder = checkpoint.save(
             self.run_dir,
             state.step,
             self.grid,
             shard,
-            state.meta(global_batch, self.vocab_size),
+            meta,
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False),
             on_failure="fail" if final else self.cfg.run.save_failure,
             warn=self.warn,

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from hpcllm.datasets.blend import BLEND_PART
 from hpcllm.datasets.shards import MANIFEST
 from hpcllm.errors import UserError
 from hpcllm.train import checkpoint
@@ -38,6 +41,7 @@ class RunCheck:
     # Saves a killed job did not finish (hidden .step_N.partial folders): (name, step, bytes).
     unfinished: tuple[tuple[str, int, int], ...] = ()
     lock: str | None = None  # who holds (or left) the run's lock file, None if there is none
+    blend: tuple[str, ...] = ()  # a blended run's sources, and what the newest save drew
 
     @property
     def newest_unfinished(self) -> bool:
@@ -65,7 +69,11 @@ def verify_run(run_dir: Path) -> RunCheck:
         (folder.name, _partial_step(folder), _bytes(folder))
         for folder in run_folder.unfinished_checkpoints(Path(run_dir))
     )
-    others = {"unfinished": unfinished, "lock": run_folder.lock_holder(Path(run_dir))}
+    others = {
+        "unfinished": unfinished,
+        "lock": run_folder.lock_holder(Path(run_dir)),
+        "blend": describe_blend(Path(run_dir), good),
+    }
     try:
         pointed = checkpoint.latest(run_dir)
     except UserError as err:
@@ -96,8 +104,30 @@ def describe_checkpoint(folder: Path) -> str:
     )
 
 
+def describe_blend(run_dir: Path, newest: Path | None) -> tuple[str, ...]:
+    """Return a blended run's lines: each source of its config.yaml (name, weight, folder) and
+    the samples it had given at the ``newest`` good checkpoint; none for another run."""
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+        entries = raw["data"]["blend"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return ()
+    if not isinstance(entries, list) or not entries:
+        return ()
+    drawn: dict[str, Any] = {}
+    if newest is not None:
+        drawn = checkpoint.read_meta(newest).get(BLEND_PART, {}).get("samples", {})
+    total = sum(float(e[1]) for e in entries)
+    step = f" (at {newest.name})" if newest is not None else ""
+    lines = [f"blend of {len(entries)} (data.blend): name, weight, samples drawn{step}, folder"]
+    for path, weight, name in entries:
+        lines.append(f"  {name}  {float(weight) / total:.4f}  {drawn.get(name, '-')}  {path}")
+    return tuple(lines)
+
+
 def render_run(check: RunCheck) -> str:
-    """Return :func:`verify_run`'s answer as a table, one row per checkpoint."""
+    """Return :func:`verify_run`'s answer as a table, one row per checkpoint (and a blended
+    run's sources)."""
     lines = [
         f"unfinished: {name} ({size / 1e6:.3g} MB), a save of step {step} that did not finish "
         "(the next run here removes it)"
@@ -105,6 +135,7 @@ def render_run(check: RunCheck) -> str:
     ]
     if check.lock is not None:
         lines.append(f"lock: {check.lock}")
+    lines += check.blend
     if not check.verdicts and check.latest_problem is None:
         return "\n".join([f"{check.run_dir}: no checkpoints", *lines])
     cells = [("step", "files", "bytes", "status")]

@@ -134,13 +134,13 @@ class Metrics:
             f"{held / 2**20:.1f} MiB on the busiest rank"
         ]
 
-    def banner(self, resume: str, vocab_size: int, data: str) -> list[str]:
+    def banner(self, resume: str, vocab_size: int, data: str | list[str]) -> list[str]:
         """Return the run's start-up lines (every rank must call this: it gathers memory and
         counts parameters).
 
         Versions, launcher, grid, memory, engine, run folder and where it resumes from
-        (``resume``), model, data (``data`` describes it) and the path of the resolved
-        config, each line prefixed ``hpcllm:`` for grep.
+        (``resume``), model, data (``data`` describes it, in a line or several: a blend's
+        sources) and the path of the resolved config, each line prefixed ``hpcllm:`` for grep.
         """
         from hpcllm import __version__
 
@@ -164,7 +164,11 @@ class Metrics:
             f"n_head {m.n_head}, d_model {m.d_model}, seq_len {m.seq_len}, vocab "
             f"{vocab_size} (padded {self.padded_vocab})",
             *self._moe_line(parameters),
-            f"data {data}",
+            *(
+                [f"data {data}"]
+                if isinstance(data, str)
+                else [f"data {data[0]}", *(f"  {line}" for line in data[1:])]
+            ),
             f"train {cfg.train.steps} steps, global batch {self.global_batch} "
             f"({self.tokens_per_step} tokens/step), precision {cfg.train.precision}, "
             f"log every {cfg.train.log_interval}",
@@ -220,15 +224,24 @@ class Metrics:
         if state.step > self._first_step + 1 or self._last_step - self._first_step == 1:
             self._step_times += [record["step_time_s"]] * outcome.steps
 
-    def log(self, outcome: StepOutcome, state: TrainState, val_loss: float | None = None) -> None:
+    def log(
+        self,
+        outcome: StepOutcome,
+        state: TrainState,
+        val_loss: float | None = None,
+        val_by_source: dict[str, float] | None = None,
+    ) -> None:
         """Log the step that ended at ``state``: metrics.jsonl, TensorBoard and a line (a
-        collective: every rank gathers its times)."""
+        collective: every rank gathers its times). A blend's validation logs each source's
+        loss too, as ``val_loss/NAME``."""
         record = outcome.record
         for key in ("loss", "grad_norm"):  # device tensors unless waited for
             record[key] = float(record[key])
         record["skipped"] = bool(record["skipped"])
         if val_loss is not None:
             record["val_loss"] = self._summary["val_loss"] = val_loss
+            for name, loss in (val_by_source or {}).items():
+                record[f"val_loss/{name}"] = self._summary[f"val_loss/{name}"] = loss
         record["loss_mean"] = float(self._loss_sum) / self._loss_steps
         self._loss_sum, self._loss_steps = 0.0, 0
         self._summary["last_loss"] = record["loss"]

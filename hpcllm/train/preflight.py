@@ -19,6 +19,7 @@ from typing import overload
 import torch
 
 from hpcllm.config import Config, batch_plan, check
+from hpcllm.datasets.blend import Blend
 from hpcllm.datasets.reader import TRAIN_ADVICE, micro_steps_per_epoch
 from hpcllm.datasets.shards import Manifest
 from hpcllm.errors import UserError
@@ -95,11 +96,15 @@ def check_vocab(cfg: Config, manifest: Manifest) -> int:
     return vocab
 
 
-def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> int:
+def check_against_data(cfg: Config, manifest: Manifest, dp: int, blend: Blend | None = None) -> int:
     """Return the model's vocabulary; a UserError for what the prepared data cannot give this
     run: the vocabulary (:func:`check_vocab`), or a train split without one global micro-batch
-    (as the reader refuses it)."""
+    (as the reader refuses it). A blend (``manifest`` its first source's) needs a sample of
+    every source: its stream never ends."""
     vocab = check_vocab(cfg, manifest)
+    if blend is not None:
+        blend.check(cfg.model.seq_len)
+        return vocab
     samples = _samples(manifest.n_tokens("train"), cfg.model.seq_len)
     plan = batch_plan(cfg.train, dp)
     micro_steps_per_epoch(samples, "train", cfg.model.seq_len, plan, TRAIN_ADVICE)
@@ -107,13 +112,18 @@ def check_against_data(cfg: Config, manifest: Manifest, dp: int) -> int:
 
 
 @overload
-def check_job(cfg: Config, world_size: int, manifest: Manifest) -> int: ...
+def check_job(
+    cfg: Config, world_size: int, manifest: Manifest, blend: Blend | None = None
+) -> int: ...
 @overload
-def check_job(cfg: Config, world_size: int, manifest: None) -> None: ...
-def check_job(cfg: Config, world_size: int, manifest: Manifest | None) -> int | None:
+def check_job(cfg: Config, world_size: int, manifest: None, blend: None = None) -> None: ...
+def check_job(
+    cfg: Config, world_size: int, manifest: Manifest | None, blend: Blend | None = None
+) -> int | None:
     """Raise a UserError (one line) for the first thing that keeps ``cfg`` from training on
     ``world_size`` ranks, touching nothing: :func:`preflight`, then, given the prepared data's
-    manifest, :func:`check_against_data`. Return the model's vocabulary (None without data).
+    manifest (a blend's first source's, with the ``blend``), :func:`check_against_data`.
+    Return the model's vocabulary (None without data).
 
     The trainer and ``hpcllm train --print-config`` both call it, so the printed config has
     passed the checks the run would make before it starts.
@@ -121,7 +131,7 @@ def check_job(cfg: Config, world_size: int, manifest: Manifest | None) -> int | 
     preflight(cfg, world_size)
     if manifest is None:
         return None
-    return check_against_data(cfg, manifest, _layout(cfg, world_size).dp)
+    return check_against_data(cfg, manifest, _layout(cfg, world_size).dp, blend)
 
 
 def startup_warnings(

@@ -188,7 +188,12 @@ class MicroBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
             raise IndexError(index)
         while len(self._read) <= index:
             started = time.perf_counter()
-            with observe.nvtx_range(f"data mb{len(self._read)}"):
+            # A reader stuck on its files (a stalled file system) is named as such, not as
+            # the step around it.
+            with (
+                observe.nvtx_range(f"data mb{len(self._read)}"),
+                watchdog.waiting("micro-batch from the data reader", microbatch=len(self._read)),
+            ):
                 batch = next(self._batches)
                 self._read.append(
                     (

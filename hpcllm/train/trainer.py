@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hpcllm import kernels, observe, startup, topology, watchdog
 from hpcllm.config import Config, batch_plan, padded_vocab
+from hpcllm.datasets.blend import BLEND_PART, Blend, BlendedReader, BlendPosition, blend_lines
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.synthetic import load_data
 from hpcllm.errors import UserError
@@ -99,12 +100,16 @@ class Trainer:
                 f"train.straggler_rank {train.straggler_rank} is not a rank of this job "
                 f"(world size {self.grid.world_size})"
             )
-        self.manifest = load_data(
-            cfg.data.synthetic, cfg.data.path, cfg.model.vocab_size, cfg.data.seed
+        # A blend's first source speaks for its tokenizer (every source has the same).
+        self.blend = Blend(cfg.data.blend) if cfg.data.blend is not None else None
+        self.manifest = (
+            self.blend.manifest
+            if self.blend is not None
+            else load_data(cfg.data.synthetic, cfg.data.path, cfg.model.vocab_size, cfg.data.seed)
         )
         # Every check of the config against the job and its data before the run folder is
         # touched: the checks `hpcllm train --print-config` makes.
-        vocab = self.vocab_size = check_job(cfg, self.grid.world_size, self.manifest)
+        vocab = self.vocab_size = check_job(cfg, self.grid.world_size, self.manifest, self.blend)
         self._set_process()
         self.batch = batch_plan(train, self.grid.dp)
         self.accumulation = self.batch.accumulation
@@ -120,8 +125,9 @@ class Trainer:
                 world_size=self.grid.world_size,
                 device_type=self.device.type,
                 cpu_has_bf16=cpu_has_native_bf16(),
-                train_tokens=self.manifest.n_tokens("train"),
-                val_tokens=self.manifest.n_tokens("val"),
+                # A blend's repeats are its banner's (each source's epochs).
+                train_tokens=self.manifest.n_tokens("train") if self.blend is None else None,
+                val_tokens=self.manifest.n_tokens("val") if self.blend is None else None,
             ):
                 self._warn(line)
         self.run_dir = Path(cfg.run.dir)
@@ -140,20 +146,30 @@ class Trainer:
         )
         for name, part in self.parts.items():
             self.checkpointer.track(name, part)
+        position = None
+        if self.blend is not None:
+            # The blend's position is the checkpoint's `data_blend` part: the samples each
+            # source has given, at the consumed samples of the state saved with it.
+            position = BlendPosition(self.blend, lambda: self.state.consumed_samples)
+            self.checkpointer.track(BLEND_PART, position)
         self.state = self.checkpointer.load(self.global_batch)
         self.engine.resume_at(self.state.step)
         self.engine.broadcast_state()
-        self.reader = MicroBatchReader(
-            self.manifest,
-            seq_len=cfg.model.seq_len,
-            micro_batch_size=train.micro_batch_size,
-            dp_rank=self.grid.dp_rank,
-            dp_size=self.grid.dp,
-            seed=cfg.data.seed,
-            consumed_samples=self.state.consumed_samples,
-            prefetch=cfg.data.prefetch,
+        read = {
+            "seq_len": cfg.model.seq_len,
+            "micro_batch_size": train.micro_batch_size,
+            "dp_rank": self.grid.dp_rank,
+            "dp_size": self.grid.dp,
+            "seed": cfg.data.seed,
+            "consumed_samples": self.state.consumed_samples,
+            "prefetch": cfg.data.prefetch,
+        }
+        self.reader: MicroBatchReader | BlendedReader = (
+            position.reader_for(**read)
+            if position is not None
+            else MicroBatchReader(self.manifest, **read)
         )
-        self.validator = Validator(cfg, self.grid, self.manifest)
+        self.validator = Validator(cfg, self.grid, self.manifest, self.blend)
         self.metrics = Metrics(
             cfg, self.grid, self.parallelized, self.scaler, self.global_batch, self.padded_vocab
         )
@@ -249,10 +265,18 @@ class Trainer:
             if self.manifest.synthetic
             else self.cfg.data.path
         )
-        data = (
-            f"{where}: {self.manifest.n_tokens('train')} train tokens, "
-            f"{self.reader.dataset.n_samples} samples"
-        )
+        data: str | list[str]
+        if self.blend is not None:
+            data = blend_lines(
+                self.blend, self.cfg.train.steps * self.global_batch, self.cfg.model.seq_len
+            )
+        else:
+            reader = self.reader
+            assert isinstance(reader, MicroBatchReader)
+            data = (
+                f"{where}: {self.manifest.n_tokens('train')} train tokens, "
+                f"{reader.dataset.n_samples} samples"
+            )
         resume = self.checkpointer.describe_resume(self.state.step)
         return self.metrics.banner(resume, self.vocab_size, data)
 
@@ -403,7 +427,8 @@ class Trainer:
                     with watchdog.at(phase="evaluation", step=state.step):
                         val_loss = self.evaluate()
                 if metrics.should_log(state.step, last) or val_loss is not None or stop:
-                    metrics.log(outcome, state, val_loss)
+                    by_source = self.validator.by_source if val_loss is not None else None
+                    metrics.log(outcome, state, val_loss, by_source)
                 metrics.advance(outcome)
                 if stop:
                     stopped_by = signal.Signals(self._stop_signal or signal.SIGTERM).name

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hpcllm import observe, watchdog
 from hpcllm.config import Config
+from hpcllm.datasets.blend import Blend, validation_readers
 from hpcllm.datasets.reader import VAL_ADVICE, MicroBatchReader
 from hpcllm.datasets.shards import Manifest
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
@@ -24,23 +25,57 @@ from hpcllm.train.state import Cadence
 
 
 class Validator:
-    """Computes the validation loss on its cadence; never, when the data has no val split."""
+    """Computes the validation loss on its cadence; never, when the data has no val split.
 
-    def __init__(self, cfg: Config, grid: Grid, manifest: Manifest) -> None:
+    A blend (``data.blend``) validates each source with a val split on its own, the same
+    ``train.eval_iters`` micro-batches each time; its loss is their mean weighed by the
+    sources' weights (renormalised over those with a val split), and :attr:`by_source` holds
+    each source's.
+    """
+
+    def __init__(
+        self, cfg: Config, grid: Grid, manifest: Manifest, blend: Blend | None = None
+    ) -> None:
         self.cfg, self.grid = cfg, grid
         self.cadence = Cadence(cfg.train.eval_interval)
-        self.reader = self._reader(manifest)
+        # Each source's (weight, reader) by name; one unnamed source without a blend.
+        self.readers: dict[str, tuple[float, MicroBatchReader]] = {}
+        if blend is not None:
+            self.readers = validation_readers(
+                blend,
+                seq_len=cfg.model.seq_len,
+                micro_batch_size=cfg.train.micro_batch_size,
+                dp_rank=grid.dp_rank,
+                dp_size=grid.dp,
+                seed=cfg.data.seed,
+                warn=self._warn,
+            )
+            if not self.readers:
+                self._warn(
+                    "no source of data.blend has a validation split; val_loss is not computed"
+                )
+        else:
+            reader = self._reader(manifest)
+            if reader is not None:
+                self.readers[""] = (1.0, reader)
+        self.by_source: dict[str, float] = {}
+
+    @property
+    def reader(self) -> MicroBatchReader | None:
+        """The validation reader (the first source's of a blend; None without a val split)."""
+        return next(iter(self.readers.values()))[1] if self.readers else None
+
+    def _warn(self, message: str) -> None:
+        if self.grid.rank == 0:
+            print(f"hpcllm: warning: {message}", file=sys.stderr, flush=True)
 
     def _reader(self, manifest: Manifest) -> MicroBatchReader | None:
         """Return the validation reader, None (with a warning) if the data has no val split."""
         if manifest.n_tokens("val") == 0:
-            if self.grid.rank == 0:
-                print(
-                    "hpcllm: warning: the data has no validation split; val_loss is not "
-                    "computed (prepare with --val-fraction > 0)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            self._warn(
+                "the data has no validation split; val_loss is not computed (prepare with "
+                "--val-fraction > 0)"
+            )
             return None
         # Built now so that a validation split too small for one global micro-batch stops the
         # run before training, not after it.
@@ -58,20 +93,30 @@ class Validator:
 
     def should_validate(self, step: int, last_step: int) -> bool:
         """Return whether validation is due once ``step`` steps are done."""
-        return self.reader is not None and self.cadence.due(step, last_step)
+        return bool(self.readers) and self.cadence.due(step, last_step)
 
     def next_due(self, step: int, last_step: int) -> int:
         """Return the next step after ``step`` that validates (the last step without a split)."""
-        return self.cadence.next_due(step, last_step) if self.reader is not None else last_step
+        return self.cadence.next_due(step, last_step) if self.readers else last_step
 
     @torch.no_grad()
     def validate(self, model: ParallelModel) -> float:
-        """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks."""
-        if self.reader is None:
+        """Return the mean validation loss over ``train.eval_iters`` micro-batches, all ranks
+        (a blend's: its sources' weighed, each in :attr:`by_source`)."""
+        if not self.readers:
             raise RuntimeError("the data has no validation split")
+        losses = {name: self._loss(model, reader) for name, (_, reader) in self.readers.items()}
+        if list(losses) == [""]:
+            self.by_source = {}
+            return losses[""]
+        self.by_source = losses
+        total = sum(weight for weight, _ in self.readers.values())
+        return sum(w * losses[name] for name, (w, _) in self.readers.items()) / total
+
+    def _loss(self, model: ParallelModel, reader: MicroBatchReader) -> float:
+        """Return ``reader``'s mean loss over ``train.eval_iters`` micro-batches, all ranks."""
         train, device = self.cfg.train, self.grid.device
         model.chunks.eval()
-        reader = self.reader
         reader.consumed_samples = 0  # the same validation batches every time
         batches = iter(reader)
         iters = min(train.eval_iters, reader.steps_per_epoch)

@@ -1,0 +1,349 @@
+"""Weighted blends of prepared folders (``data.blend``): the order, the reader, resume, checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from datasets_fixtures import letter_dataset, source_letter
+from family_runs import SMALLEST, cli
+
+from hpcllm.config import load_config
+from hpcllm.datasets.blend import (
+    BLEND_PART,
+    Blend,
+    BlendedReader,
+    BlendOrder,
+    BlendPosition,
+    data_hash,
+)
+from hpcllm.datasets.reader import ShardDataset, epoch_permutation
+from hpcllm.errors import UserError
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three byte-tokenized folders of different sizes (A small, so that it runs out), and one
+    made with a BPE tokenizer."""
+    root = tmp_path_factory.mktemp("blend")
+    made = {
+        letter: letter_dataset(root, letter, n) for letter, n in (("A", 12), ("B", 60), ("C", 30))
+    }
+    made["BPE"] = letter_dataset(root, "D", 40, tokenizer="bpe")
+    return made
+
+
+def _blend(folders: dict[str, Path], *weighted: tuple[str, float]) -> Blend:
+    return Blend([[str(folders[name]), weight, name.lower()] for name, weight in weighted])
+
+
+def _deviation(weights: tuple[float, ...], samples: int) -> np.ndarray:
+    """Return, for every prefix n = 1..samples, the largest |count_i(n) - w_i n| over i."""
+    order = BlendOrder(weights)
+    sources = order.take(0, [0] * len(weights), samples)
+    counts = np.cumsum(np.eye(len(weights), dtype=np.int64)[sources], axis=0)
+    n = np.arange(1, samples + 1)[:, None]
+    w = np.array(weights) / sum(weights)
+    return np.abs(counts - w * n).max(axis=1)
+
+
+@pytest.mark.parametrize("weights", [(0.3, 0.7), (0.2, 0.3, 0.5), (0.15, 0.6, 0.25)])
+def test_every_prefix_of_10000_samples_is_within_one_sample_of_the_weights(weights):
+    deviation = _deviation(weights, 10_000)
+    assert deviation.max() <= 1
+    assert deviation.max() <= BlendOrder(weights).bound + 1e-9  # 1/2 for two, 3/4 for three
+
+
+def test_the_bound_holds_for_up_to_eight_sources_where_megatrons_greedy_rule_strays():
+    rng = np.random.default_rng(7)
+    for k in range(2, 9):
+        for _ in range(6):
+            weights = tuple(rng.dirichlet(np.full(k, 0.5)) + 1e-3)
+            assert _deviation(weights, 1500).max() <= 1 - 1 / (2 * k - 2) + 1e-9, weights
+    # Megatron's BlendedDataset: the source furthest behind its share, argmax w_i (n+1) - c_i.
+    weights = np.array([0.01, 0.44, 0.03, 0.51, 0.01])
+    counts, worst = np.zeros(5), 0.0
+    for n in range(400):
+        counts[np.argmax(weights * (n + 1) - counts)] += 1
+        worst = max(worst, np.abs(counts - weights * (n + 1)).max())
+    assert worst > 1.05
+    assert _deviation(tuple(weights), 400).max() <= 0.875 + 1e-9
+
+
+def test_the_order_goes_on_from_any_position_and_weights_are_normalised():
+    order = BlendOrder([3, 7, 5])
+    whole = order.take(0, [0, 0, 0], 3000)
+    assert order.weights == pytest.approx([0.2, 7 / 15, 1 / 3])
+    pieces, counts, start = [], [0, 0, 0], 0
+    for size in (1, 7, 500, 999, 1493):
+        pieces.append(order.take(start, counts, size))
+        start += size
+    assert np.array_equal(np.concatenate(pieces), whole)
+    assert order.counts_at(1234) == np.bincount(whole[:1234], minlength=3).tolist()
+    assert order.counts_at(3000, 1234, order.counts_at(1234)) == counts
+    assert BlendOrder([1]).take(5, [5], 4).tolist() == [0, 0, 0, 0]
+
+
+def _stream(reader: BlendedReader, steps: int) -> list[np.ndarray]:
+    """Return ``steps`` micro-batches of ``reader`` as (b, seq + 1) token arrays."""
+    batches = iter(reader)
+    out = []
+    for _ in range(steps):
+        batch = next(batches)
+        out.append(np.concatenate([batch.input_ids, batch.labels[:, -1:]], axis=1))
+    batches.close()
+    return out
+
+
+def test_each_source_gives_its_samples_in_its_own_order_epoch_after_epoch(folders):
+    blend = _blend(folders, ("A", 0.5), ("B", 0.3), ("C", 0.2))
+    reader = BlendedReader(blend, seq_len=SEQ, micro_batch_size=4, seed=3)
+    windows = [w for batch in _stream(reader, 40) for w in batch]
+    order = blend.order.take(0, [0, 0, 0], len(windows))
+    for index, letter in enumerate("ABC"):
+        dataset = ShardDataset(folders[letter], "train", SEQ)
+        mine = [w for w, source in zip(windows, order, strict=True) if source == index]
+        assert {source_letter(w) for w in mine} == {letter}
+        n = dataset.n_samples
+        expected = [
+            dataset.window(int(epoch_permutation(n, 3, j // n)[j % n])) for j in range(len(mine))
+        ]
+        assert all(np.array_equal(a, b) for a, b in zip(mine, expected, strict=True))
+    assert (
+        len([s for s in order if s == 0]) > 2 * ShardDataset(folders["A"], "train", SEQ).n_samples
+    )
+
+
+def test_d_ranks_together_read_what_one_rank_reads_and_resume_anywhere_at_any_d(folders):
+    blend = _blend(folders, ("A", 0.3), ("B", 0.7))
+    single = _stream(BlendedReader(blend, seq_len=SEQ, micro_batch_size=4, seed=1), 10)
+    ranks = [
+        _stream(
+            BlendedReader(blend, seq_len=SEQ, micro_batch_size=2, dp_rank=r, dp_size=2, seed=1), 10
+        )
+        for r in (0, 1)
+    ]
+    for step in range(10):
+        assert np.array_equal(np.concatenate([ranks[0][step], ranks[1][step]]), single[step])
+    # Stopped after 4 micro-steps at d = 2, resumed at d = 1 and at d = 4 from the position.
+    first = BlendedReader(blend, seq_len=SEQ, micro_batch_size=2, dp_size=2, seed=1)
+    _stream(first, 4)
+    counts = first.counts_at(16)
+    assert counts == blend.order.counts_at(16) and sum(counts) == 16
+    again = BlendedReader(
+        blend, seq_len=SEQ, micro_batch_size=4, seed=1, consumed_samples=16, counts=counts
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(_stream(again, 6), single[4:], strict=True))
+    quarter = [
+        _stream(
+            BlendedReader(
+                blend,
+                seq_len=SEQ,
+                micro_batch_size=1,
+                dp_rank=r,
+                dp_size=4,
+                seed=1,
+                consumed_samples=16,
+            ),
+            6,
+        )
+        for r in range(4)
+    ]
+    for step in range(6):
+        assert np.array_equal(np.concatenate([q[step] for q in quarter]), single[4 + step])
+
+
+def test_a_blend_of_two_tokenizers_is_refused_naming_the_odd_one_out(folders):
+    with pytest.raises(UserError) as err:
+        _blend(folders, ("A", 1), ("BPE", 1), ("C", 1))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"data.blend source bpe ({folders['BPE']}) was made with another tokenizer"
+    )
+    assert "than a, c" in message and "--tokenizer" in message
+    with pytest.raises(UserError, match=r"data.blend source x: .* does not exist"):
+        Blend([[str(folders["A"]), 1, "a"], [str(folders["A"].parent / "none"), 1, "x"]])
+
+
+def test_a_source_too_short_for_one_sample_is_named(folders):
+    blend = _blend(folders, ("A", 1), ("B", 1))
+    with pytest.raises(UserError, match=r"^data.blend source a: sequence length 100000 is longer"):
+        blend.check(100_000)
+
+
+def test_the_position_refuses_another_blend_or_changed_data(folders, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(folders["B"], copy)
+    blend = Blend([[str(folders["A"]), 0.3, "a"], [str(copy), 0.7, "b"]])
+    saved = BlendPosition(blend, lambda: 40).state_dict()
+    assert saved["counts"] == blend.order.counts_at(40)
+    assert [s["name"] for s in saved["sources"]] == ["a", "b"]
+    BlendPosition(blend, lambda: 0).load_state_dict(saved)  # the same blend resumes
+    # The same data prepared again (a prepare's timings differ) is the same data.
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["prepare"]["seconds"] = 123.0
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    again = Blend([[str(folders["A"]), 0.3, "a"], [str(copy), 0.7, "b"]])
+    assert data_hash(again.sources[1].manifest) == saved["sources"][1]["hash"]
+    BlendPosition(again, lambda: 0).load_state_dict(saved)
+    other = Blend([[str(folders["A"]), 0.5, "a"], [str(copy), 0.5, "b"]])
+    with pytest.raises(
+        UserError,
+        match=r"^data.blend is not the checkpoint's blend \(its sources and weights: "
+        r"a 0.3, b 0.7; now: a 0.5, b 0.5\)",
+    ):
+        BlendPosition(other, lambda: 0).load_state_dict(saved)
+    shutil.rmtree(copy)
+    letter_dataset(tmp_path / "changed", "B", 61)  # one document more
+    shutil.copytree(tmp_path / "changed" / "b", copy)
+    changed = Blend([[str(folders["A"]), 0.3, "a"], [str(copy), 0.7, "b"]])
+    with pytest.raises(
+        UserError, match=r"^data.blend source b \(.*\) is not the data the checkpoint drew from"
+    ):
+        BlendPosition(changed, lambda: 0).load_state_dict(saved)
+
+
+def test_blend_config_forms_and_refusals(tmp_path):
+    sets = ["data.blend=[[data/a, 3], [data/b, 7, bee]]"]
+    assert load_config(None, sets).data.blend == [["data/a", 3.0, "a"], ["data/b", 7.0, "bee"]]
+    megatron = load_config(None, ["data.blend=0.3 data/a 0.7 data/b/"]).data.blend
+    assert megatron == [["data/a", 0.3, "a"], ["data/b", 0.7, "b"]]
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  blend:\n    - [data/a, 0.3]\n    - [data/b, 0.7]\n")
+    assert load_config(path).data.blend == megatron
+    refused = {
+        "data.blend=[]": "data.blend needs at least one source (null: read data.path)",
+        "data.blend=[[data/a, 0]]": "data.blend entry 1: WEIGHT must be a number above 0, got 0",
+        "data.blend=[[data/a, .nan]]": "data.blend entry 1: WEIGHT must be a number above 0",
+        "data.blend=[[data/a, 1], [data/a/, 2]]": "data.blend lists data/a twice",
+        "data.blend=[[x/a, 1], [y/a, 2]]": "data.blend names two sources a (x/a and y/a)",
+        "data.blend=[[data/a, 1, 'a b']]": "data.blend entry 1: NAME must be letters, digits",
+        "data.blend=0.3 data/a 0.7": "data.blend as text is Megatron's 'W1 PATH1 W2 PATH2 ...'",
+        "data.blend=[data/a]": "data.blend entry 1 must be [PATH, WEIGHT] or [PATH, WEIGHT, NAME]",
+        "data.blend={a: 1}": "data.blend must be a list of [PATH, WEIGHT]",
+    }
+    for text, message in refused.items():
+        with pytest.raises(UserError) as err:
+            load_config(None, [text])
+        assert str(err.value).startswith(message), (text, str(err.value))
+    both = "data.blend and data.path are both given"
+    with pytest.raises(UserError, match=both):
+        load_config(None, [*sets, "data.path=data/x"])
+    path.write_text("data:\n  path: data/x\n  blend: [[data/a, 1]]\n")
+    with pytest.raises(UserError, match=both):
+        load_config(path)
+    with pytest.raises(UserError, match="data.synthetic reads no folder"):
+        load_config(None, [*sets, "data.synthetic=true"])
+
+
+@pytest.mark.slow
+def test_print_config_and_a_refused_blend_on_the_command_line(folders, tmp_path):
+    blend = f"data.blend=[[{folders['A']}, 0.25], [{folders['C']}, 0.75, cee]]"
+    done = cli(
+        "train", "--print-config", "--set", blend, "--set", f"run.dir={tmp_path / 'r'}", check=True
+    )
+    printed = yaml.safe_load(done.stdout)
+    assert printed["data"]["blend"] == [
+        [str(folders["A"]), 0.25, "a"],
+        [str(folders["C"]), 0.75, "cee"],
+    ]
+    bad = f"data.blend=0.5 {folders['A']} 0.5 {folders['BPE']}"
+    done = cli("train", "--set", bad, "--set", f"run.dir={tmp_path / 'r'}")
+    assert done.returncode == 2 and not (tmp_path / "r").exists()
+    lines = done.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1 and "data.blend source d (" in lines[0] and "another tokenizer" in lines[0]
+    )
+
+
+def _run_cfg(folders: dict[str, Path], run: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            *SMALLEST,
+            f"model.seq_len={SEQ}",
+            f"data.blend=[[{folders['A']}, 0.2], [{folders['B']}, 0.5], [{folders['C']}, 0.3]]",
+            f"run.dir={run}",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.eval_interval=3",
+            "train.eval_iters=2",
+            "train.save_interval=3",
+            "train.log_interval=1",
+            "train.lr=3e-3",
+            *extra,
+        ],
+    )
+
+
+@pytest.mark.slow
+def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders, tmp_path):
+    from hpcllm.observe import read_metrics
+    from hpcllm.train import checkpoint
+    from hpcllm.train.inspect_run import render_run, verify_run
+    from hpcllm.train.trainer import Trainer
+
+    with Trainer(_run_cfg(folders, tmp_path / "whole", "train.steps=6")) as trainer:
+        banner = trainer.banner()
+        trainer.run(progress=False)
+    with Trainer(_run_cfg(folders, tmp_path / "split", "train.steps=3")) as trainer:
+        trainer.run(progress=False)
+    with Trainer(_run_cfg(folders, tmp_path / "split", "train.steps=6")) as trainer:
+        assert trainer.reader.consumed_samples == 12
+        trainer.run(progress=False)
+    whole = {r["step"]: r for r in read_metrics(tmp_path / "whole")}
+    split = {r["step"]: r for r in read_metrics(tmp_path / "split")}
+    for step in range(1, 7):
+        assert split[step]["loss"] == whole[step]["loss"], step
+        assert split[step]["grad_norm"] == whole[step]["grad_norm"], step
+    # Each source's validation loss, and the blend's: their mean by weight.
+    for step in (3, 6):
+        record = whole[step]
+        by = {name: record[f"val_loss/{name}"] for name in "abc"}
+        assert record["val_loss"] == pytest.approx(0.2 * by["a"] + 0.5 * by["b"] + 0.3 * by["c"])
+        assert split[step]["val_loss"] == record["val_loss"]
+        assert len(set(by.values())) == 3
+    meta = checkpoint.read_meta(tmp_path / "whole" / "checkpoints" / "step_00000006")
+    assert meta[BLEND_PART] == {
+        "consumed_samples": 24,
+        "samples": dict(zip("abc", BlendOrder([0.2, 0.5, 0.3]).counts_at(24), strict=True)),
+    }
+    text = "\n".join(banner)
+    assert "blend of 3 folder(s) (data.blend), one tokenizer; the run's 24 samples draw:" in text
+    assert "b  weight 0.5000  12 samples" in text
+    shown = render_run(verify_run(tmp_path / "whole"))
+    assert (
+        "blend of 3 (data.blend): name, weight, samples drawn (at step_00000006), folder" in shown
+    )
+    assert f"  b  0.5000  {meta[BLEND_PART]['samples']['b']}  {folders['B']}" in shown
+    # The TensorBoard events hold each source's validation loss.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "whole" / "tensorboard"))
+    events.Reload()
+    assert {"val_loss", "val_loss/a", "val_loss/b", "val_loss/c"} <= set(events.Tags()["scalars"])
+    # A resumed run on another blend is refused in one line, the folder left as it was.
+    with pytest.raises(UserError, match="data.blend is not the checkpoint's blend"):
+        Trainer(
+            load_config(
+                None,
+                [
+                    *SMALLEST,
+                    f"model.seq_len={SEQ}",
+                    f"data.blend=[[{folders['A']}, 0.5], [{folders['B']}, 0.5]]",
+                    f"run.dir={tmp_path / 'whole'}",
+                    "train.micro_batch_size=2",
+                    "train.global_batch_size=4",
+                    "train.steps=9",
+                ],
+            )
+        )
+    assert math.isfinite(whole[6]["loss"])
