@@ -347,3 +347,48 @@ def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders,
             )
         )
     assert math.isfinite(whole[6]["loss"])
+
+
+@pytest.mark.mpi
+def test_a_blended_run_resumes_exactly_at_another_d_and_after_a_recut(folders, tmp_path):
+    from mpirun import python, run_mpi
+
+    from hpcllm.observe import read_metrics
+    from hpcllm.train.trainer import Trainer
+
+    # d = 2, two micro-batches a rank and step; resumed at d = 2, at t = 2 (d = 1, re-cut) and,
+    # here, in one process (d = 1): each logs the uninterrupted run's losses and norms.
+    sets = [
+        *SMALLEST,
+        "model.n_head=4",
+        f"model.seq_len={SEQ}",
+        f"data.blend=[[{folders['A']}, 0.2], [{folders['B']}, 0.5], [{folders['C']}, 0.3]]",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+        "train.eval_interval=0",
+        "train.log_interval=1",
+        "train.lr=3e-3",
+        "run.tensorboard=false",
+    ]
+    script = python("tests/mpi_scripts/blend_resume.py", tmp_path, "6", json.dumps(sets))
+    result = run_mpi(2, script, timeout=300).check()
+    runs = json.loads(result.rank_stdout[0].splitlines()[-1])
+    with Trainer(load_config(None, [*sets, f"run.dir={tmp_path / 'half'}", "train.steps=6"])) as t:
+        assert t.grid.dp == 1 and t.reader.consumed_samples == 24
+        t.run(progress=False)
+    runs["d1"] = read_metrics(tmp_path / "half")
+    whole = {r["step"]: r for r in runs["whole"]}
+    for name in ("split", "recut", "d1"):
+        got = {r["step"]: r for r in runs[name]}
+        assert sorted(got) == list(range(1, 7)), name
+        for step in range(4, 7):
+            for key in ("loss", "grad_norm"):
+                if name == "split":  # the same layout: the same numbers
+                    assert got[step][key] == whole[step][key], (name, step, key)
+                else:
+                    assert got[step][key] == pytest.approx(whole[step][key], rel=1e-5), (
+                        name,
+                        step,
+                        key,
+                    )
+            assert got[step]["consumed_samples"] == 8 * step

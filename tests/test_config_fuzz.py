@@ -17,7 +17,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,10 @@ def _plausible(section: str, name: str) -> st.SearchStrategy[str]:
     if values is not None:
         return st.sampled_from(values)
     kind = str(FIELD_TYPES[section, name])
+    if (section, name) == ("data", "blend"):
+        return st.sampled_from(
+            ["[[data/a, 0.3], [data/b, 0.7]]", "0.3 data/a 0.7 data/b", "[[data/a, 1, x]]", "null"]
+        )
     if "list" in kind:
         return st.lists(st.integers(0, 5), max_size=4).map(_yaml_text)
     if "bool" in kind:
@@ -371,3 +377,53 @@ def test_context_parallel_sizes_end_in_a_config_or_one_user_error(
             assert int(seq) % cut == 0 and world_size % (size * int(tp)) == 0, overrides
             assert ep == "1" and experts == "0", overrides
             assert engine in ("ddp", "horovod", "ps"), overrides
+
+
+BLEND_PATHS = st.sampled_from(
+    ["data/a", "data/b", "data/a/", "x/a", "~/d", "$HOME/d", "${HPCLLM_FUZZ_UNSET}/d", "/", "", "."]
+)
+BLEND_WEIGHTS = st.one_of(
+    st.sampled_from([0.3, 0.7, 1, 0, -1, 1e-300, 1e300, "0.5", "x", True, None, [1]]), FLOATS
+)
+BLEND_NAMES = st.one_of(st.sampled_from(["a", "b", "a.b-c_1", "a b", "", "-x", "é", 7]), TEXT)
+
+
+@st.composite
+def blends(draw: st.DrawFn) -> str:
+    """Return a ``data.blend`` value as a user types it: a YAML list of entries of two or three
+    elements (or not), or Megatron's text, or junk."""
+    how = draw(st.integers(0, 5))
+    if how == 0:
+        return _yaml_text(draw(VALUES))
+    if how == 1:  # Megatron's "W1 PATH1 W2 PATH2 ..."
+        words = draw(st.lists(st.one_of(BLEND_PATHS, BLEND_WEIGHTS.map(str)), max_size=6))
+        return " ".join(w for w in words if w) or "0.5"
+    entries = []
+    for _ in range(draw(st.integers(0, 4))):
+        entry = [draw(BLEND_PATHS), draw(BLEND_WEIGHTS)]
+        if draw(st.booleans()):
+            entry.append(draw(BLEND_NAMES))
+        entries.append(entry[: draw(st.integers(1, 4))])
+    return _yaml_text(entries)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(blend=blends(), path=st.booleans(), synthetic=st.booleans())
+def test_blends_end_in_a_config_or_one_user_error(blend: str, path: bool, synthetic: bool) -> None:
+    overrides = [f"data.blend={blend}"]
+    overrides += ["data.path=data/x"] if path else []
+    overrides += ["data.synthetic=true"] if synthetic else []
+    messages = _run(None, overrides)
+    if messages[0] is not None and len(messages) == 1:
+        return  # refused in one line (_run checked it)
+    cfg = load_config(None, overrides)
+    if cfg.data.blend is None:
+        return
+    assert not path and not synthetic, overrides
+    paths = [e[0] for e in cfg.data.blend]
+    names = [e[2] for e in cfg.data.blend]
+    assert len(set(paths)) == len(paths) and len(set(names)) == len(names), overrides
+    for _, weight, name in cfg.data.blend:
+        assert isinstance(weight, float) and math.isfinite(weight) and weight > 0, overrides
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name), overrides

@@ -324,3 +324,27 @@ def test_a_rank_stopped_in_step_1_ends_the_job_by_the_watcher_before_any_collect
     assert "(run.startup_timeout_s)" in said[0]
     for backend_word in ("Traceback", "Gloo", "gloo", "timed out", "Timed out"):
         assert backend_word not in everything, everything
+
+
+def test_a_reader_that_stalls_is_named_not_the_step_around_it(aborts, capsys):
+    import torch
+
+    from hpcllm.train.stage_work import MicroBatches
+
+    release = threading.Event()
+
+    def stalled_reader():  # a reader stuck on its files (a blend's, or one folder's)
+        release.wait(10)
+        yield None
+
+    watchdog.start(0.3, rank=0, abort=aborts)
+    batches = MicroBatches(stalled_reader(), 2, torch.device("cpu"))
+    with watchdog.waiting("train step", allow_s=60, step=9):
+        reader = threading.Thread(target=lambda: aborts.called.wait(5) and release.set())
+        reader.start()
+        with pytest.raises(AttributeError):  # the stub's None is no micro-batch
+            batches[0]
+        reader.join()
+    assert aborts.codes == [1]
+    said = capsys.readouterr().err
+    assert "waiting on micro-batch from the data reader (microbatch=0, step=9)" in said, said

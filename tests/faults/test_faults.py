@@ -44,6 +44,9 @@ SMALL = [
 ]
 
 
+# Stands for a blend of the run's data with a copy of it (_command writes it out).
+BLEND = "data.blend=<stdlib and a copy>"
+
 # What each faulted kind of run sets: an engine or a layout, and the family that runs it, the
 # registered families in turn (family_runs.rotate; any family runs SMALLEST's shared keys).
 # Named "<kind>-<family>".
@@ -74,6 +77,8 @@ KINDS = {
             # Context parallelism: the two ranks split every sequence and gather each
             # other's keys and values in every layer, forward and backward.
             ("cp", ["parallel.dp_engine=ddp", "parallel.cp=2"]),
+            # A blend: its position (each source's samples drawn) resumes with the run.
+            ("blend", ["parallel.dp_engine=ddp", BLEND]),
         ]
     )
 }
@@ -83,7 +88,14 @@ PLAIN = next(iter(KINDS))
 
 
 def _command(stdlib: Path, run_dir: Path, *extra: str) -> list[str]:
-    args = train_args(stdlib, run_dir, *SMALL, *extra)
+    data: Path | None = stdlib
+    if BLEND in extra:  # the built-in corpus blended with a copy of itself, 0.3 : 0.7
+        copy = stdlib.parent / "stdlib-copy"
+        if not copy.exists():
+            shutil.copytree(stdlib, copy)
+        blend = f"data.blend=[[{stdlib}, 0.3, stdlib], [{copy}, 0.7, copy]]"
+        data, extra = None, tuple(blend if item == BLEND else item for item in extra)
+    args = train_args(data, run_dir, *SMALL, *extra)
     return mpirun_command(2, [sys.executable, "-m", "hpcllm", *args])
 
 
