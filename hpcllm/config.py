@@ -402,7 +402,7 @@ class DataConfig:
     )
     blend: BlendSources | None = key(
         None,
-        "prepared folders mixed by weight, in place of data.path (docs/data.md); null: none",
+        "prepared folders mixed by weight, read in place of data.path (docs/data.md)",
         form=BLEND_FORM,
     )
     synthetic: bool = key(
@@ -511,8 +511,13 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the config as plain nested dicts (what ``config.yaml`` holds)."""
-        return dataclasses.asdict(self)
+        """Return the config as plain nested dicts (what ``config.yaml`` holds). A blended
+        run's holds no ``data.path``, which it does not read (given with the blend, a file is
+        refused)."""
+        raw = dataclasses.asdict(self)
+        if self.data.blend is not None:
+            del raw["data"]["path"]
+        return raw
 
     def dump(self, path: Path) -> None:
         """Write the config as YAML, atomically."""
@@ -942,12 +947,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply(cfg, *parse_override(text))
     _fill_preset(cfg.model, _given_model_keys(raw, overrides or []))
     check(cfg)
-    if cfg.data.blend is not None and _given(raw, overrides or [], "data", "path"):
-        raise UserError(
-            "data.blend and data.path are both given; a run reads a blend or one folder "
-            "(a folder of its own is a blend of one: [[PATH, 1]])"
-        )
+    _one_data_source(cfg, raw, overrides or [], path)
     return cfg
+
+
+def _one_data_source(cfg: Config, raw: Any, overrides: list[str], path: Any) -> None:
+    """Refuse ``data.path`` and ``data.blend`` given in one place (the file, or the command
+    line); where the command line gives one and the file the other, the command line's
+    stands, as it does for any key (a blended run's config.yaml with ``--set data.path=D``
+    reads D)."""
+    folder, blend = (_given(None, overrides, "data", key) for key in ("path", "blend"))
+    if folder and blend and cfg.data.blend is not None:
+        raise UserError(
+            "data.blend and data.path are both given on the command line; a run reads a blend "
+            "or one folder: give one (a folder alone is a blend of one, [[PATH, 1]])"
+        )
+    if folder and not blend:
+        cfg.data.blend = None  # the command line's folder in place of the file's blend
+        return
+    if blend:
+        return  # the command line's blend (or null) over the file's folder
+    if _given(raw, [], "data", "path") and cfg.data.blend is not None:
+        raise UserError(
+            f"data.blend and data.path are both given in {path}; a run reads a blend or one "
+            "folder: give one (a folder alone is a blend of one, [[PATH, 1]])"
+        )
 
 
 def _given(raw: Any, overrides: list[str], section: str, name: str) -> bool:

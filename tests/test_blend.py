@@ -234,12 +234,22 @@ def test_blend_config_forms_and_refusals(tmp_path):
         with pytest.raises(UserError) as err:
             load_config(None, [text])
         assert str(err.value).startswith(message), (text, str(err.value))
-    both = "data.blend and data.path are both given"
-    with pytest.raises(UserError, match=both):
+    # Both in one place are refused; the command line's stands over the file's, as for any key.
+    with pytest.raises(UserError, match="data.blend and data.path are both given on the command"):
         load_config(None, [*sets, "data.path=data/x"])
     path.write_text("data:\n  path: data/x\n  blend: [[data/a, 1]]\n")
-    with pytest.raises(UserError, match=both):
+    with pytest.raises(UserError, match=f"data.blend and data.path are both given in {path};"):
         load_config(path)
+    assert load_config(path, ["data.blend=null"]).data.path == "data/x"
+    path.write_text("data:\n  path: data/x\n")
+    assert load_config(path, sets).data.blend == [["data/a", 3.0, "a"], ["data/b", 7.0, "bee"]]
+    # A blended run's config.yaml holds no data.path; with --set data.path=D it reads D.
+    saved = tmp_path / "run-config.yaml"
+    load_config(None, sets).dump(saved)
+    assert "path" not in yaml.safe_load(saved.read_text())["data"]
+    assert load_config(saved).data.blend == [["data/a", 3.0, "a"], ["data/b", 7.0, "bee"]]
+    folder = load_config(saved, ["data.path=data/y"]).data
+    assert folder.blend is None and folder.path == "data/y"
     with pytest.raises(UserError, match="data.synthetic reads no folder"):
         load_config(None, [*sets, "data.synthetic=true"])
 
@@ -392,3 +402,22 @@ def test_a_blended_run_resumes_exactly_at_another_d_and_after_a_recut(folders, t
                         key,
                     )
             assert got[step]["consumed_samples"] == 8 * step
+
+
+@pytest.mark.slow
+def test_bench_data_times_a_blend_beside_the_plain_reader(folders):
+    blend = f"0.5 {folders['A']} 0.5 {folders['C']}"
+    args = ["--seq-len", str(SEQ), "--micro-batch-size", "2", "--steps", "20", "--warmup", "1"]
+    done = cli("bench", "data", str(folders["A"]), *args, "--blend", blend, check=True)
+    table = done.stdout.splitlines()
+    assert (
+        table[1]
+        == f"  blend: a 0.5, c 0.5; ratio: the blend's rate over {folders['A']}'s, same rank"
+    )
+    rows = [line for line in table if "chunk cache" in line]
+    assert [row.split()[4] for row in rows] == ["plain", "blend", "plain", "blend"]
+    assert all("ratio" in row for row in rows[1::2]) and not any("ratio" in r for r in rows[::2])
+    done = cli("bench", "data", str(folders["A"]), *args, "--blend", "[[x, 0]]")
+    assert (
+        done.returncode == 2 and "--blend entry 1: WEIGHT must be a number above 0" in done.stderr
+    )

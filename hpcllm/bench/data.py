@@ -2,7 +2,9 @@
 
 Under mpirun every rank reads its own data-parallel part at the same time, as in training, and
 rank 0 prints each rank's rate. No compute runs between micro-batches, so the figure is the
-ceiling the reader puts on training throughput.
+ceiling the reader puts on training throughput. With a blend (``--blend``, as ``data.blend``
+takes it), the blended reader runs beside the plain one at each cache size, and the table
+gives its rate as a ratio of the plain reader's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcllm.datasets.blend import Blend, BlendedReader
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.observe import CaseProgress
 
@@ -28,17 +31,21 @@ def bench_reader(
     seed: int = 0,
     prefetch: int = 4,
     cache_mb: int = 64,
+    blend: Blend | None = None,
 ) -> dict[str, Any]:
-    """Return this rank's reader throughput over ``steps`` micro-batches after ``warmup``."""
-    reader = MicroBatchReader(
-        data,
-        seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        prefetch=prefetch,
-        cache_bytes=cache_mb << 20,
+    """Return this rank's reader throughput over ``steps`` micro-batches after ``warmup``
+    (the ``blend``'s reader where one is given, else ``data``'s)."""
+    common = {
+        "seq_len": seq_len,
+        "micro_batch_size": micro_batch_size,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "seed": seed,
+        "prefetch": prefetch,
+        "cache_bytes": cache_mb << 20,
+    }
+    reader: MicroBatchReader | BlendedReader = (
+        BlendedReader(blend, **common) if blend is not None else MicroBatchReader(data, **common)
     )
     batches = iter(reader)
     for _ in range(warmup):
@@ -49,7 +56,13 @@ def bench_reader(
         tokens += next(batches).input_ids.numel()
     seconds = time.perf_counter() - started
     batches.close()
+    epochs = (
+        reader.consumed_samples / reader.samples_per_epoch
+        if isinstance(reader, MicroBatchReader)
+        else None
+    )
     return {
+        "reader": "blend" if blend is not None else "plain",
         "dp_rank": dp_rank,
         "dp_size": dp_size,
         "seq_len": seq_len,
@@ -59,7 +72,7 @@ def bench_reader(
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "epochs_touched": reader.consumed_samples / reader.samples_per_epoch,
+        "epochs_touched": epochs,
     }
 
 
@@ -72,6 +85,7 @@ def run(
     warmup: int,
     as_json: bool,
     cache_mb: tuple[int, ...] = (64, 1),
+    blend: list[list[Any]] | None = None,
 ) -> int:
     """Run the reader benchmark on every rank of the job; rank 0 prints the table.
 
@@ -83,10 +97,12 @@ def run(
 
     launch = detect_launcher()
     comm = start_mpi().COMM_WORLD if launch.world_size > 1 else None
+    mixed = Blend(blend) if blend is not None else None
+    cases = [(mb, which) for mb in cache_mb for which in ([None, mixed] if mixed else [None])]
     results = []
-    with CaseProgress(len(cache_mb), "hpcllm bench data", show=launch.rank == 0) as progress:
-        for mb in cache_mb:
-            progress.start(f"chunk cache {mb} MiB")
+    with CaseProgress(len(cases), "hpcllm bench data", show=launch.rank == 0) as progress:
+        for mb, which in cases:
+            progress.start(f"chunk cache {mb} MiB" + (", blend" if which is not None else ""))
             if comm is not None:
                 comm.Barrier()  # all ranks read at once, as in training
             result = bench_reader(
@@ -98,6 +114,7 @@ def run(
                 dp_rank=launch.rank,
                 dp_size=launch.world_size,
                 cache_mb=mb,
+                blend=which,
             )
             gathered = comm.gather(result, root=0) if comm is not None else [result]
             results += gathered or []  # None on ranks other than 0
@@ -110,10 +127,18 @@ def run(
             f"reader: seq len {seq_len}, micro-batch {micro_batch_size}, {steps} "
             f"micro-batches per rank, {launch.world_size} ranks reading at once"
         )
+        if mixed is not None:
+            shares = ", ".join(f"{s.name} {s.weight:.3g}" for s in mixed.sources)
+            print(f"  blend: {shares}; ratio: the blend's rate over {data}'s, same rank")
+        plain = {(r["cache_mb"], r["dp_rank"]): r for r in results if r["reader"] == "plain"}
         for r in results:
+            ratio = ""
+            if r["reader"] == "blend":
+                base = plain[r["cache_mb"], r["dp_rank"]]["tokens_per_s"]
+                ratio = f"  ratio {r['tokens_per_s'] / base:.2f}"
             print(
-                f"  chunk cache {r['cache_mb']:>3} MiB  rank {r['dp_rank']}: "
+                f"  chunk cache {r['cache_mb']:>3} MiB  {r['reader']:<5}  rank {r['dp_rank']}: "
                 f"{r['tokens_per_s'] / 1e6:8.2f} M tokens/s "
-                f"({r['tokens']} tokens in {r['seconds']:.3f} s)"
+                f"({r['tokens']} tokens in {r['seconds']:.3f} s){ratio}"
             )
     return 0

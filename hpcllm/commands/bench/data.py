@@ -25,6 +25,12 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     data.add_argument(
         "--warmup", type=int, default=20, help="micro-batches read before timing [default: 20]"
     )
+    data.add_argument(
+        "--blend",
+        metavar="BLEND",
+        help="also time a blend's reader beside DIR's, as data.blend takes it: "
+        "'[[DIR1, W1], [DIR2, W2]]' or Megatron's 'W1 DIR1 W2 DIR2'",
+    )
     data.add_argument("--json", action="store_true", help="print JSON")
     data.set_defaults(run=run)
 
@@ -32,7 +38,11 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Read micro-batches on every rank and print tokens/s per rank."""
     from hpcllm.bench import data
+    from hpcllm.config import blend_sources, parse_override
 
+    blend = None
+    if args.blend is not None:
+        blend = blend_sources("--blend", parse_override(f"data.blend={args.blend}")[2])
     return data.run(
         args.dir,
         seq_len=args.seq_len,
@@ -40,4 +50,5 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         as_json=args.json,
+        blend=blend,
     )
