@@ -307,19 +307,17 @@ class BlendedReader:
         first = self.dp_rank * b
         dtype = self.datasets[0].dtype
         while True:
-            before = np.array(counts, dtype=np.int64)
-            sources = self.blend.order.take(consumed, counts, per_step)
-            # Each sample's number within its source: its count before, plus those of the
-            # same source earlier in this micro-step.
-            within = np.zeros(per_step, dtype=np.int64)
-            for i in np.unique(sources):
-                mask = sources == i
-                within[mask] = before[i] + np.arange(int(mask.sum()))
+            running = list(counts)
+            sources = self.blend.order.take(consumed, counts, per_step).tolist()
+            # Each sample's number within its source: the source's count before it.
+            within = []
+            for source in sources:
+                within.append(running[source])
+                running[source] += 1
             out = np.empty((b, self.seq_len + 1), dtype=dtype)
             for row in range(b):
-                source = int(sources[first + row])
-                index = self._sample(source, int(within[first + row]))
-                self.datasets[source].window(index, out[row])
+                source = sources[first + row]
+                self.datasets[source].window(self._sample(source, within[first + row]), out[row])
             consumed += per_step
             position = tuple(counts)
             with self._lock:

@@ -333,7 +333,24 @@ def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders,
     assert (
         "blend of 3 (data.blend): name, weight, samples drawn (at step_00000006), folder" in shown
     )
-    assert f"  b  0.5000  {meta[BLEND_PART]['samples']['b']}  {folders['B']}" in shown
+    assert f"  b  0.5000  {meta[BLEND_PART]['samples']['b']:>9}  {folders['B']}" in shown
+    # A re-cut carries the position (hpcllm convert; run.reshard: the MPI test below).
+    cli(
+        "convert",
+        "--checkpoint",
+        str(tmp_path / "whole"),
+        "--out",
+        str(tmp_path / "t2"),
+        "--tp",
+        "2",
+        check=True,
+    )
+    recut = render_run(verify_run(tmp_path / "t2"))
+    assert (
+        "tp 2 x pp 1 x dp 1" in recut
+        and "parts: model, optimizer, scaler, rng, data_blend" in recut
+    )
+    assert f"  b  0.5000  {meta[BLEND_PART]['samples']['b']:>9}  {folders['B']}" in recut
     # The TensorBoard events hold each source's validation loss.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -356,6 +373,12 @@ def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders,
                 ],
             )
         )
+    # A run trained on one folder does not go on as a blend: its checkpoint has no position.
+    plain = [f"data.path={folders['A']}", "data.blend=null", "train.steps=1"]
+    with Trainer(_run_cfg(folders, tmp_path / "plain", *plain)) as trainer:
+        trainer.run(progress=False)
+    with pytest.raises(UserError, match=r"holds no 'data_blend' \(its parts: model, optimizer"):
+        Trainer(_run_cfg(folders, tmp_path / "plain", "train.steps=2"))
     assert math.isfinite(whole[6]["loss"])
 
 

@@ -136,8 +136,9 @@ def run(
             if r["reader"] == "blend":
                 base = plain[r["cache_mb"], r["dp_rank"]]["tokens_per_s"]
                 ratio = f"  ratio {r['tokens_per_s'] / base:.2f}"
+            which = f"{r['reader']:<5}  " if mixed is not None else ""
             print(
-                f"  chunk cache {r['cache_mb']:>3} MiB  {r['reader']:<5}  rank {r['dp_rank']}: "
+                f"  chunk cache {r['cache_mb']:>3} MiB  {which}rank {r['dp_rank']}: "
                 f"{r['tokens_per_s'] / 1e6:8.2f} M tokens/s "
                 f"({r['tokens']} tokens in {r['seconds']:.3f} s){ratio}"
             )

@@ -120,8 +120,10 @@ def describe_blend(run_dir: Path, newest: Path | None) -> tuple[str, ...]:
     total = sum(float(e[1]) for e in entries)
     step = f" (at {newest.name})" if newest is not None else ""
     lines = [f"blend of {len(entries)} (data.blend): name, weight, samples drawn{step}, folder"]
+    width = max(len(str(e[2])) for e in entries)
     for path, weight, name in entries:
-        lines.append(f"  {name}  {float(weight) / total:.4f}  {drawn.get(name, '-')}  {path}")
+        count = str(drawn.get(name, "-"))
+        lines.append(f"  {name:<{width}}  {float(weight) / total:.4f}  {count:>9}  {path}")
     return tuple(lines)
 
 
