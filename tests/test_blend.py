@@ -296,7 +296,7 @@ def _run_cfg(folders: dict[str, Path], run: Path, *extra: str):
 
 @pytest.mark.slow
 def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders, tmp_path):
-    from hpcllm.observe import read_metrics
+    from hpcllm.observe import interval_line, read_metrics
     from hpcllm.train import checkpoint
     from hpcllm.train.inspect_run import render_run, verify_run
     from hpcllm.train.trainer import Trainer
@@ -321,6 +321,10 @@ def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders,
         assert record["val_loss"] == pytest.approx(0.2 * by["a"] + 0.5 * by["b"] + 0.3 * by["c"])
         assert split[step]["val_loss"] == record["val_loss"]
         assert len(set(by.values())) == 3
+        line = interval_line(record, 6, None, 0.0)
+        assert line.endswith(
+            f"val_loss {record['val_loss']:8.4f} a {by['a']:.4f} b {by['b']:.4f} c {by['c']:.4f}"
+        )
     meta = checkpoint.read_meta(tmp_path / "whole" / "checkpoints" / "step_00000006")
     assert meta[BLEND_PART] == {
         "consumed_samples": 24,
