@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -53,6 +54,20 @@ BLEND_PART = "data_blend"
 _SLACK = 1e-12
 
 
+@dataclass(frozen=True)
+class Phase:
+    """Where the blend's order began: global sample ``start``, where the sources had given
+    ``before`` samples each (a run that changed its blend, or began one, mid-way). The order
+    runs on the samples since ``start``; a source's own order goes on from its count."""
+
+    start: int = 0
+    before: tuple[int, ...] = ()
+
+    def of(self, k: int) -> Phase:
+        """Return this phase with ``before`` filled in for ``k`` sources (zeros if empty)."""
+        return self if self.before else Phase(self.start, (0,) * k)
+
+
 class BlendOrder:
     """Which source each sample of a blend comes from: Tijdeman's rule.
 
@@ -62,10 +77,9 @@ class BlendOrder:
     """
 
     def __init__(self, weights: Sequence[float]) -> None:
-        total = float(sum(weights))
-        if not weights or any(w <= 0 for w in weights):
+        if not weights or any(not w > 0 for w in weights):
             raise ValueError(f"a blend's weights are positive, got {list(weights)}")
-        self.weights = [float(w) / total for w in weights]
+        self.weights = normalised(weights)
         k = len(self.weights)
         self.delta = 1.0 / (2 * k - 2) if k > 1 else 0.0
 
@@ -111,11 +125,22 @@ class BlendOrder:
         return now
 
 
+def normalised(weights: Sequence[float]) -> list[float]:
+    """Return positive ``weights`` scaled to sum to 1 (by the largest first, so that weights
+    near the float limit do not overflow their sum)."""
+    top = max(float(w) for w in weights)
+    scaled = [float(w) / top for w in weights]
+    total = math.fsum(scaled)
+    return [w / total for w in scaled]
+
+
 def data_hash(manifest: Manifest) -> str:
     """Return a prepared folder's identity: the sha256 of its manifest without the prepare's
-    timings and files' names, so the same data prepared again hashes the same."""
+    timings, the hpcllm version, the inputs as they were typed and the files' names, so the
+    same data prepared again (elsewhere, by another version) hashes the same."""
     raw = dict(manifest.raw)
-    raw.pop("prepare", None)
+    for key in ("prepare", "created_by", "sources"):  # timings, version, inputs as typed
+        raw.pop(key, None)
     splits = {
         split: [{k: v for k, v in shard.items() if k != "file"} for shard in shards]
         for split, shards in raw.get("splits", {}).items()
@@ -147,9 +172,9 @@ class Blend:
     def __init__(self, entries: Sequence[Sequence[Any]]) -> None:
         if not entries:
             raise UserError("data.blend needs at least one source")
-        total = sum(float(e[1]) for e in entries)
+        weights = normalised([float(e[1]) for e in entries])
         sources = []
-        for path, weight, name in entries:
+        for (path, _, name), weight in zip(entries, weights, strict=True):
             if not Path(path).exists():
                 raise UserError(
                     f"data.blend source {name}: {path} does not exist; {make_data_hint(path)}"
@@ -158,7 +183,7 @@ class Blend:
                 manifest = load_manifest(path)
             except UserError as err:
                 raise UserError(f"data.blend source {name}: {err}") from None
-            sources.append(BlendSource(str(name), str(path), float(weight) / total, manifest))
+            sources.append(BlendSource(str(name), str(path), weight, manifest))
         self.sources = sources
         self.order = BlendOrder([s.weight for s in sources])
         _check_one_tokenizer(sources)
@@ -181,13 +206,17 @@ class Blend:
             except UserError as err:
                 raise UserError(f"data.blend source {source.name}: {err}") from None
 
-    def planned(self, samples: int, seq_len: int) -> list[tuple[BlendSource, int, int, float]]:
-        """Return, for each source, (source, its train samples, samples it gives to the first
-        ``samples`` of the stream (within one: ``w_i * samples`` rounded), epochs of it)."""
+    def planned(
+        self, samples: int, seq_len: int, phase: Phase | None = None
+    ) -> list[tuple[BlendSource, int, int, float]]:
+        """Return, for each source, (source, its train samples, samples it has given after the
+        first ``samples`` of the stream (within one: its count at the ``phase``'s start plus
+        ``w_i`` times the samples since, rounded), epochs of it)."""
+        phase = (phase or Phase()).of(len(self.sources))
         rows = []
-        for source in self.sources:
+        for source, before in zip(self.sources, phase.before, strict=True):
             own = ShardDataset(source.manifest, "train", seq_len).n_samples
-            drawn = round(source.weight * samples)
+            drawn = before + round(source.weight * max(0, samples - phase.start))
             rows.append((source, own, drawn, drawn / own))
         return rows
 
@@ -241,6 +270,7 @@ class BlendedReader:
         seed: int = 0,
         consumed_samples: int = 0,
         counts: Sequence[int] | None = None,
+        phase: Phase | None = None,
         prefetch: int = 4,
         cache_bytes: int = 64 << 20,
     ) -> None:
@@ -261,16 +291,19 @@ class BlendedReader:
                 f"consumed_samples {consumed_samples} is not a multiple of the "
                 f"global micro-batch {self.plan.micro_step} (d x micro-batch size)"
             )
+        self.phase = (phase or Phase()).of(len(blend.sources))
+        if not 0 <= self.phase.start <= consumed_samples:
+            raise ValueError(f"{self.phase} does not start by sample {consumed_samples}")
         if counts is None:
-            counts = blend.order.counts_at(consumed_samples)
+            counts = self._counts(consumed_samples, self.phase.start, self.phase.before)
         counts = [int(c) for c in counts]
-        if len(counts) != len(blend.sources) or sum(counts) != consumed_samples:
+        since = consumed_samples - self.phase.start
+        if len(counts) != len(blend.sources) or sum(counts) - sum(self.phase.before) != since:
             raise ValueError(f"counts {counts} are no position at sample {consumed_samples}")
         self.consumed_samples = consumed_samples
         self.counts = counts
         # Positions the reader has passed (micro-step boundaries), for counts_at.
         self._lock = threading.Lock()
-        self._start = (consumed_samples, tuple(counts))
         self._passed: dict[int, tuple[int, ...]] = {consumed_samples: tuple(counts)}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
@@ -279,16 +312,31 @@ class BlendedReader:
         """Return each source's train samples."""
         return [d.n_samples for d in self.datasets]
 
+    def _counts(self, consumed: int, at: int, counts: Sequence[int]) -> list[int]:
+        """Return each source's count after ``consumed`` samples, going on from ``counts`` at
+        sample ``at`` (both in this reader's phase)."""
+        before = self.phase.before
+        rel = [c - b for c, b in zip(counts, before, strict=True)]
+        start = self.phase.start
+        rel = self.blend.order.counts_at(consumed - start, at - start, rel)
+        return [c + b for c, b in zip(rel, before, strict=True)]
+
     def counts_at(self, consumed: int) -> list[int]:
-        """Return how many samples each source had given after ``consumed`` samples."""
+        """Return how many samples each source had given after ``consumed`` samples (from the
+        nearest position the reader has passed at or before it)."""
         with self._lock:
             known = self._passed.get(consumed)
-            start, counts = self._start
+            below = [at for at in self._passed if at <= consumed]
+            at = max(below) if below else None
+            counts = self._passed[at] if at is not None else None
         if known is not None:
             return list(known)
-        if consumed < start:
-            raise ValueError(f"sample {consumed} is before this reader's start {start}")
-        return self.blend.order.counts_at(consumed, start, counts)
+        if at is None or counts is None:
+            raise ValueError(f"sample {consumed} is before this reader's start")
+        found = self._counts(consumed, at, counts)
+        with self._lock:
+            self._passed[consumed] = tuple(found)
+        return found
 
     def _sample(self, source: int, j: int) -> int:
         """Return the index in source ``source`` of its ``j``-th sample of the blend."""
@@ -306,9 +354,12 @@ class BlendedReader:
         per_step, b = self.plan.micro_step, self.micro_batch_size
         first = self.dp_rank * b
         dtype = self.datasets[0].dtype
+        start, before = self.phase.start, self.phase.before
         while True:
             running = list(counts)
-            sources = self.blend.order.take(consumed, counts, per_step).tolist()
+            rel = [c - x for c, x in zip(counts, before, strict=True)]
+            sources = self.blend.order.take(consumed - start, rel, per_step).tolist()
+            counts = [c + x for c, x in zip(rel, before, strict=True)]
             # Each sample's number within its source: the source's count before it.
             within = []
             for source in sources:
@@ -366,57 +417,85 @@ class BlendedReader:
 
 class BlendPosition:
     """The blend's position as a named checkpoint part (``data_blend``): the consumed samples,
-    each source's count there, and each source's name, weight and data hash.
+    each source's count there, where the blend's order began (its :class:`Phase`), and each
+    source's name, folder, weight and data hash.
 
     ``consumed`` returns the run's consumed samples when a checkpoint is saved; the counts are
-    the reader's at that point. Loading checks the saved sources against the blend's: a
-    folder whose data changed, or a blend of other sources or weights, is refused in one line.
+    the reader's at that point. Loading checks the saved sources against the blend's:
+
+    - the same sources and weights go on where they were, exactly;
+    - a source whose folder's data changed is refused in one line;
+    - other weights, or sources added or left out, begin a new phase of the order at the
+      checkpoint's sample, each source kept going on in its own order (:attr:`note` says so);
+    - a checkpoint without the part (a run on one folder, an import) begins the blend there.
     """
 
     def __init__(self, blend: Blend, consumed: Callable[[], int]) -> None:
         self.blend = blend
         self.consumed = consumed
         self.reader: BlendedReader | None = None
-        self.resumed: tuple[int, list[int]] | None = None
+        # Loaded: (consumed samples, counts, phase); None: the blend begins at the run's step.
+        self.resumed: tuple[int, list[int], Phase] | None = None
+        self.note: str | None = None  # what the trainer warns of a changed blend
+        self._last: tuple[int, dict[str, Any]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         consumed = self.consumed()
+        if self._last is not None and self._last[0] == consumed:
+            return self._last[1]  # meta() asks again, at the same save
         if self.reader is None:
-            counts = self.blend.order.counts_at(consumed)
-        else:
-            counts = self.reader.counts_at(consumed)
-        return {"consumed_samples": consumed, "counts": counts, "sources": self.blend.describe()}
+            raise RuntimeError("the blend's position is saved once its reader is built")
+        phase = self.reader.phase
+        state = {
+            "consumed_samples": consumed,
+            "counts": self.reader.counts_at(consumed),
+            "phase_start": phase.start,
+            "phase_counts": list(phase.before),
+            "sources": self.blend.describe(),
+        }
+        self._last = (consumed, state)
+        return state
 
     def meta(self) -> dict[str, Any]:
-        """Return what meta.json says of the position: the samples each source has given."""
+        """Return what meta.json says of the position: the samples each source has given, and
+        the sample where the blend's order began."""
         state = self.state_dict()
         return {
             "consumed_samples": state["consumed_samples"],
             "samples": dict(zip(self.blend.names, state["counts"], strict=True)),
+            "phase_start": state["phase_start"],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = {s["name"]: s for s in state["sources"]}
         mine = self.blend.describe()
-        if [s["name"] for s in state["sources"]] != [s["name"] for s in mine] or any(
-            abs(saved[s["name"]]["weight"] - s["weight"]) > 1e-9 for s in mine
-        ):
-            then = ", ".join(f"{s['name']} {s['weight']:.4g}" for s in state["sources"])
-            now = ", ".join(f"{s['name']} {s['weight']:.4g}" for s in mine)
-            raise UserError(
-                f"data.blend is not the checkpoint's blend (its sources and weights: {then}; "
-                f"now: {now}); a blend resumes as it was saved: restore data.blend, or start "
-                "another run (run.dir)"
-            )
         for source in mine:
-            if saved[source["name"]]["hash"] != source["hash"]:
+            then = saved.get(source["name"])
+            if then is not None and then["hash"] != source["hash"]:
                 raise UserError(
                     f"data.blend source {source['name']} ({source['path']}) is not the data the "
-                    f"checkpoint drew from (its manifest changed since; it was "
-                    f"{saved[source['name']]['path']}): a blend resumes only on its own data; "
-                    "restore that folder, or start another run (run.dir)"
+                    f"checkpoint drew from (its manifest changed since; it was {then['path']}): "
+                    "a blend resumes only on its own data; restore that folder, or start "
+                    "another run (run.dir)"
                 )
-        self.resumed = (int(state["consumed_samples"]), [int(c) for c in state["counts"]])
+        consumed = int(state["consumed_samples"])
+        drawn = dict(zip(saved, (int(c) for c in state["counts"]), strict=True))
+        counts = [drawn.get(s["name"], 0) for s in mine]
+        same = list(saved) == [s["name"] for s in mine] and all(
+            abs(saved[s["name"]]["weight"] - s["weight"]) <= 1e-9 for s in mine
+        )
+        if same:
+            phase = Phase(int(state["phase_start"]), tuple(int(c) for c in state["phase_counts"]))
+        else:
+            phase = Phase(consumed, tuple(counts))
+            then = ", ".join(f"{s['name']} {s['weight']:.4g}" for s in state["sources"])
+            now = ", ".join(f"{s['name']} {s['weight']:.4g}" for s in mine)
+            self.note = (
+                f"data.blend differs from the checkpoint's (then {then}; now {now}): the "
+                f"blend's order begins again at sample {consumed}, each source it kept going "
+                "on in its own order"
+            )
+        self.resumed = (consumed, counts, phase)
 
     def reader_for(
         self,
@@ -429,15 +508,21 @@ class BlendPosition:
         seed: int,
         prefetch: int,
     ) -> BlendedReader:
-        """Return the rank's reader from ``consumed_samples`` (the run's state), continuing the
-        loaded position where there is one."""
-        counts = None
+        """Return the rank's reader from ``consumed_samples`` (the run's state), going on
+        from the loaded position; without one, the blend's order begins there."""
         if self.resumed is not None:
-            at, counts = self.resumed
+            at, counts, phase = self.resumed
             if at != consumed_samples:
                 raise UserError(
                     f"the checkpoint's blend position is at sample {at}, its step at "
                     f"{consumed_samples}: the checkpoint is not whole; resume an earlier one"
+                )
+        else:
+            counts, phase = None, Phase(consumed_samples)
+            if consumed_samples:
+                self.note = (
+                    "the checkpoint holds no blend position (its run read one folder, or was "
+                    f"imported): the blend's order begins at sample {consumed_samples}"
                 )
         self.reader = BlendedReader(
             self.blend,
@@ -448,6 +533,7 @@ class BlendPosition:
             seed=seed,
             consumed_samples=consumed_samples,
             counts=counts,
+            phase=phase,
             prefetch=prefetch,
         )
         return self.reader
@@ -464,8 +550,8 @@ def validation_readers(
     warn: Callable[[str], None],
 ) -> dict[str, tuple[float, MicroBatchReader]]:
     """Return each source's validation reader with its weight, by name; a source without a
-    val split is left out (``warn`` says so), and a split too small for one global
-    micro-batch is a UserError naming the source."""
+    val split, or with one too small for one global micro-batch, is left out (``warn`` says
+    so): its training needs one sample, its validation d x micro-batch."""
     readers = {}
     for source in blend.sources:
         if source.manifest.n_tokens("val") == 0:
@@ -486,20 +572,22 @@ def validation_readers(
                 prefetch=2,
                 advice=VAL_ADVICE,
             )
-        except UserError as err:
-            raise UserError(f"data.blend source {source.name}: {err}") from None
+        except UserError as err:  # too small for one global micro-batch: left out too
+            warn(f"data.blend source {source.name} is left out of validation: {err}")
+            continue
         readers[source.name] = (source.weight, reader)
     return readers
 
 
-def blend_lines(blend: Blend, samples: int, seq_len: int) -> list[str]:
+def blend_lines(blend: Blend, samples: int, seq_len: int, phase: Phase | None = None) -> list[str]:
     """Return the banner's lines of a blend: each source's weight, folder, train samples, and
     what the run's ``samples`` draw of it (within one sample) and how many epochs that is."""
-    rows = blend.planned(samples, seq_len)
+    rows = blend.planned(samples, seq_len, phase)
     width = max(len(s.name) for s in blend.sources)
+    began = f" (its order begun at sample {phase.start})" if phase and phase.start else ""
     lines = [
         f"blend of {len(rows)} folder(s) (data.blend), one tokenizer; the run's {samples} "
-        "samples draw:"
+        f"samples draw{began}:"
     ]
     for source, own, drawn, epochs in rows:
         lines.append(

@@ -342,10 +342,12 @@ def blend_sources(key: str, value: Any) -> list[list[str | float]]:
     value that is no blend.
 
     Takes a list of ``[PATH, WEIGHT]`` or ``[PATH, WEIGHT, NAME]`` entries, or Megatron-LM's
-    ``--data-path`` form, the text ``"W1 PATH1 W2 PATH2 ..."``.
+    ``--data-path`` form, the text ``"W1 PATH1 W2 PATH2 ..."`` (or one ``PATH``, weight 1).
     """
     if isinstance(value, str):
         words = value.split()
+        if len(words) == 1:  # Megatron's one folder, weight 1
+            words = ["1", words[0]]
         if not words or len(words) % 2:
             raise UserError(
                 f"{key} as text is Megatron's 'W1 PATH1 W2 PATH2 ...' (a weight before each "

@@ -24,7 +24,7 @@ SMALL = [
 INTERVAL = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| step +(\d+)/6 \| samples +\d+ \| loss +[\d.]+ \| "
     r"lr [\d.e+-]+ \| grad_norm +[\d.]+ \| ms/step +[\d.]+ \| tokens/s +\d+ \| "
-    r"TFLOP/s +[\d.]+ \| MFU +n/a \| mem MB +\d+ \| skipped 0$"
+    r"TFLOP/s +[\d.]+ \| MFU +n/a \| mem MB +\d+ \| skipped 0( \| val_loss +[\d.]+)?$"
 )
 
 
@@ -51,6 +51,9 @@ def test_a_batch_job_logs_a_banner_one_line_per_interval_and_a_run_summary(stdli
     assert str(folder / "config.yaml") in text
     steps = [int(m.group(1)) for line in lines if (m := INTERVAL.match(line))]
     assert steps == [2, 4, 6], run.stdout
+    # The validated step (the last) shows its validation loss.
+    validated = [m.group(2) is not None for line in lines if (m := INTERVAL.match(line))]
+    assert validated == [False, False, True]
     assert lines.index(banner[-1]) < min(i for i, line in enumerate(lines) if INTERVAL.match(line))
     assert re.search(r"^run mean \d+ tokens/s", run.stdout, re.M)
     assert re.search(r"^last interval \d+ tokens/s", run.stdout, re.M)

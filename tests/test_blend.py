@@ -20,6 +20,7 @@ from hpcllm.datasets.blend import (
     BlendedReader,
     BlendOrder,
     BlendPosition,
+    Phase,
     data_hash,
 )
 from hpcllm.datasets.reader import ShardDataset, epoch_permutation
@@ -179,28 +180,46 @@ def test_a_source_too_short_for_one_sample_is_named(folders):
         blend.check(100_000)
 
 
-def test_the_position_refuses_another_blend_or_changed_data(folders, tmp_path):
+def _position(blend: Blend, consumed: int, state: dict | None = None) -> BlendPosition:
+    """Return ``blend``'s position at ``consumed`` samples, loaded from ``state`` if given, its
+    reader built (one rank, micro-batch 4)."""
+    position = BlendPosition(blend, lambda: consumed)
+    if state is not None:
+        position.load_state_dict(state)
+    read = {"seq_len": SEQ, "micro_batch_size": 4, "dp_rank": 0, "dp_size": 1, "seed": 1}
+    position.reader_for(consumed_samples=consumed, prefetch=1, **read)
+    return position
+
+
+def _saved_after(blend: Blend, samples: int) -> dict:
+    """Return the position a run that began ``blend`` at sample 0 saves after ``samples``."""
+    position = _position(blend, 0)
+    assert position.reader is not None
+    _stream(position.reader, samples // 4)
+    position.consumed = lambda: samples
+    return position.state_dict()
+
+
+def test_the_position_resumes_the_same_blend_and_refuses_changed_data(folders, tmp_path):
     copy = tmp_path / "b"
     shutil.copytree(folders["B"], copy)
     blend = Blend([[str(folders["A"]), 0.3, "a"], [str(copy), 0.7, "b"]])
-    saved = BlendPosition(blend, lambda: 40).state_dict()
+    saved = _saved_after(blend, 40)
     assert saved["counts"] == blend.order.counts_at(40)
+    assert saved["phase_start"] == 0 and saved["phase_counts"] == [0, 0]
     assert [s["name"] for s in saved["sources"]] == ["a", "b"]
-    BlendPosition(blend, lambda: 0).load_state_dict(saved)  # the same blend resumes
-    # The same data prepared again (a prepare's timings differ) is the same data.
+    resumed = _position(blend, 40, saved)  # the same blend goes on where it was
+    assert resumed.note is None and resumed.reader is not None
+    assert resumed.reader.counts == saved["counts"]
+    # The same data prepared again (elsewhere, by another version, with other timings).
     raw = json.loads((copy / "manifest.json").read_text())
     raw["prepare"]["seconds"] = 123.0
+    raw["created_by"] = "hpcllm 9.9"
+    raw["sources"]["inputs"] = ["/elsewhere/texts"]
     (copy / "manifest.json").write_text(json.dumps(raw))
     again = Blend([[str(folders["A"]), 0.3, "a"], [str(copy), 0.7, "b"]])
     assert data_hash(again.sources[1].manifest) == saved["sources"][1]["hash"]
-    BlendPosition(again, lambda: 0).load_state_dict(saved)
-    other = Blend([[str(folders["A"]), 0.5, "a"], [str(copy), 0.5, "b"]])
-    with pytest.raises(
-        UserError,
-        match=r"^data.blend is not the checkpoint's blend \(its sources and weights: "
-        r"a 0.3, b 0.7; now: a 0.5, b 0.5\)",
-    ):
-        BlendPosition(other, lambda: 0).load_state_dict(saved)
+    assert _position(again, 40, saved).note is None
     shutil.rmtree(copy)
     letter_dataset(tmp_path / "changed", "B", 61)  # one document more
     shutil.copytree(tmp_path / "changed" / "b", copy)
@@ -209,6 +228,45 @@ def test_the_position_refuses_another_blend_or_changed_data(folders, tmp_path):
         UserError, match=r"^data.blend source b \(.*\) is not the data the checkpoint drew from"
     ):
         BlendPosition(changed, lambda: 0).load_state_dict(saved)
+    # Absurd weights are normalised without overflow.
+    assert Blend(
+        [[str(folders["A"]), 1e308, "a"], [str(folders["C"]), 1e308, "c"]]
+    ).order.weights == [0.5, 0.5]
+
+
+def test_another_mixture_begins_a_new_phase_where_each_source_goes_on(folders):
+    first = Blend([[str(folders["A"]), 0.3, "a"], [str(folders["B"]), 0.7, "b"]])
+    saved = _saved_after(first, 40)
+    drawn = dict(zip("ab", saved["counts"], strict=True))
+    # Annealing: other weights, b left out and c added, from sample 40 on.
+    second = Blend([[str(folders["A"]), 0.8, "a"], [str(folders["C"]), 0.2, "c"]])
+    position = _position(second, 40, saved)
+    assert position.note.startswith(
+        "data.blend differs from the checkpoint's (then a 0.3, b 0.7; now a 0.8, c 0.2): the "
+        "blend's order begins again at sample 40"
+    )
+    reader = position.reader
+    assert reader.phase.start == 40 and reader.phase.before == (drawn["a"], 0)
+    windows = [w for batch in _stream(reader, 50) for w in batch]
+    # Within the phase, every prefix tracks the new weights; a goes on in its own order.
+    order = second.order.take(0, [0, 0], len(windows))
+    assert [source_letter(w) for w in windows] == ["AC"[i] for i in order]
+    a = ShardDataset(folders["A"], "train", SEQ)
+    expected = [
+        a.window(int(epoch_permutation(a.n_samples, 1, j // a.n_samples)[j % a.n_samples]))
+        for j in range(drawn["a"], drawn["a"] + int((order == 0).sum()))
+    ]
+    mine = [w for w, i in zip(windows, order, strict=True) if i == 0]
+    assert all(np.array_equal(x, y) for x, y in zip(mine, expected, strict=True))
+    # Saved again, the phase goes on, exactly.
+    state = reader.counts_at(240)
+    later = BlendPosition(second, lambda: 240)
+    later.reader = reader
+    again = later.state_dict()
+    assert again["phase_start"] == 40 and again["phase_counts"] == [drawn["a"], 0]
+    assert again["counts"] == state
+    resumed = _position(second, 240, again)
+    assert resumed.note is None and resumed.reader.phase == reader.phase
 
 
 def test_blend_config_forms_and_refusals(tmp_path):
@@ -216,6 +274,7 @@ def test_blend_config_forms_and_refusals(tmp_path):
     assert load_config(None, sets).data.blend == [["data/a", 3.0, "a"], ["data/b", 7.0, "bee"]]
     megatron = load_config(None, ["data.blend=0.3 data/a 0.7 data/b/"]).data.blend
     assert megatron == [["data/a", 0.3, "a"], ["data/b", 0.7, "b"]]
+    assert load_config(None, ["data.blend=data/a"]).data.blend == [["data/a", 1.0, "a"]]
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  blend:\n    - [data/a, 0.3]\n    - [data/b, 0.7]\n")
     assert load_config(path).data.blend == megatron
@@ -327,6 +386,7 @@ def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders,
         )
     meta = checkpoint.read_meta(tmp_path / "whole" / "checkpoints" / "step_00000006")
     assert meta[BLEND_PART] == {
+        "phase_start": 0,
         "consumed_samples": 24,
         "samples": dict(zip("abc", BlendOrder([0.2, 0.5, 0.3]).counts_at(24), strict=True)),
     }
@@ -361,28 +421,21 @@ def test_a_blended_run_resumes_exactly_and_logs_each_sources_validation(folders,
     events = EventAccumulator(str(tmp_path / "whole" / "tensorboard"))
     events.Reload()
     assert {"val_loss", "val_loss/a", "val_loss/b", "val_loss/c"} <= set(events.Tags()["scalars"])
-    # A resumed run on another blend is refused in one line, the folder left as it was.
-    with pytest.raises(UserError, match="data.blend is not the checkpoint's blend"):
-        Trainer(
-            load_config(
-                None,
-                [
-                    *SMALLEST,
-                    f"model.seq_len={SEQ}",
-                    f"data.blend=[[{folders['A']}, 0.5], [{folders['B']}, 0.5]]",
-                    f"run.dir={tmp_path / 'whole'}",
-                    "train.micro_batch_size=2",
-                    "train.global_batch_size=4",
-                    "train.steps=9",
-                ],
-            )
-        )
-    # A run trained on one folder does not go on as a blend: its checkpoint has no position.
+    # Resumed on another mixture, the run begins a new phase of the order where it stopped.
+    other = [f"data.blend=[[{folders['A']}, 0.5], [{folders['B']}, 0.5]]", "train.steps=7"]
+    with Trainer(_run_cfg(folders, tmp_path / "whole", *other)) as trainer:
+        drawn = meta[BLEND_PART]["samples"]
+        assert trainer.reader.phase == Phase(24, (drawn["a"], drawn["b"]))
+    # A run trained on one folder goes on as a blend, whose order begins at its step.
     plain = [f"data.path={folders['A']}", "data.blend=null", "train.steps=1"]
     with Trainer(_run_cfg(folders, tmp_path / "plain", *plain)) as trainer:
         trainer.run(progress=False)
-    with pytest.raises(UserError, match=r"holds no 'data_blend' \(its parts: model, optimizer"):
-        Trainer(_run_cfg(folders, tmp_path / "plain", "train.steps=2"))
+    with Trainer(_run_cfg(folders, tmp_path / "plain", "train.steps=2")) as trainer:
+        assert trainer.reader.phase.start == 4 and trainer.reader.counts == [0, 0, 0]
+        assert "samples draw (its order begun at sample 4):" in "\n".join(trainer.banner())
+        trainer.run(progress=False)
+    meta = checkpoint.read_meta(tmp_path / "plain" / "checkpoints" / "step_00000002")
+    assert meta[BLEND_PART]["phase_start"] == 4 and sum(meta[BLEND_PART]["samples"].values()) == 4
     assert math.isfinite(whole[6]["loss"])
 
 
@@ -448,3 +501,30 @@ def test_bench_data_times_a_blend_beside_the_plain_reader(folders):
     assert (
         done.returncode == 2 and "--blend entry 1: WEIGHT must be a number above 0" in done.stderr
     )
+
+
+def test_a_val_split_too_small_for_a_global_micro_batch_is_left_out_with_a_warning(folders):
+    from hpcllm.bench.runs import synthetic_unless_data
+    from hpcllm.datasets.blend import validation_readers
+
+    said = []
+    blend = _blend(folders, ("A", 1), ("B", 1))
+    a_val = ShardDataset(folders["A"], "val", SEQ).n_samples
+    readers = validation_readers(
+        blend,
+        seq_len=SEQ,
+        micro_batch_size=a_val + 1,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+        warn=said.append,
+    )
+    assert list(readers) == ["b"] and readers["b"][0] == 0.5
+    assert len(said) == 1 and said[0].startswith("data.blend source a is left out of validation: ")
+    # A benchmark of training reads a blend that is given, as it reads a given data.path.
+    given = ["data.blend=[[data/a, 1]]"]
+    assert synthetic_unless_data(None, given) == given
+    assert synthetic_unless_data(None, ["train.steps=2"]) == [
+        "data.synthetic=true",
+        "train.steps=2",
+    ]

@@ -89,13 +89,15 @@ def fresh_run_dir(path: Path, verb: str = "bench dp") -> Path:
 
 def synthetic_unless_data(config: Path | None, overrides: list[str]) -> list[str]:
     """Return ``overrides`` that train on synthetic data (``data.synthetic``) unless the
-    config file or an override sets ``data.path``: a benchmark of training needs no corpus.
+    config file or an override sets ``data.path`` or ``data.blend``: a benchmark of training
+    needs no corpus.
     The user's own overrides come after, so an explicit ``data.synthetic=false`` wins."""
     from hpcllm.config import is_given
 
+    given = any(is_given(config, overrides, key) for key in ("data.path", "data.blend"))
     return (
         overrides
-        if is_given(config, overrides, "data.path")
+        if given
         else [
             "data.synthetic=true",
             *overrides,

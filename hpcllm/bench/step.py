@@ -24,9 +24,10 @@ training steps does not need and whose buffer would count in the sides' peak mem
 Both sides train on the same batches (the plain one reads them from the trainer's reader up
 front, so it pays no data loading) and the same padded vocabulary, so they do the same FLOPs
 (:func:`hpcllm.flops.step_flops`, the same count for every row). The command trains on
-synthetic data (``data.synthetic``) unless ``data.path`` is given. The gpt2 shapes give the
-model GPT-2's vocabulary (50257, padded to 50304) whatever the data's tokenizer, whose ids
-must all be smaller; ``cpu-smoke`` gives it 512, which holds the built-in corpus's 257.
+synthetic data (``data.synthetic``) unless ``data.path`` or ``data.blend`` is given. The gpt2
+shapes give the model GPT-2's vocabulary (50257, padded to 50304) whatever the data's
+tokenizer, whose ids must all be smaller; ``cpu-smoke`` gives it 512, which holds the
+built-in corpus's 257.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from hpcllm.datasets.blend import BLEND_PART
+from hpcllm.datasets.blend import BLEND_PART, normalised
 from hpcllm.datasets.shards import MANIFEST
 from hpcllm.errors import UserError
 from hpcllm.train import checkpoint
@@ -112,18 +112,33 @@ def describe_blend(run_dir: Path, newest: Path | None) -> tuple[str, ...]:
         entries = raw["data"]["blend"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return ()
+    try:
+        return _blend_lines(entries, newest)
+    except (TypeError, ValueError, IndexError, AttributeError):  # a config.yaml edited by hand
+        return ()
+
+
+def _blend_lines(entries: Any, newest: Path | None) -> tuple[str, ...]:
     if not isinstance(entries, list) or not entries:
         return ()
-    drawn: dict[str, Any] = {}
+    position: dict[str, Any] = {}
     if newest is not None:
-        drawn = checkpoint.read_meta(newest).get(BLEND_PART, {}).get("samples", {})
-    total = sum(float(e[1]) for e in entries)
+        position = checkpoint.read_meta(newest).get(BLEND_PART, {})
+    drawn = position.get("samples", {})
     step = f" (at {newest.name})" if newest is not None else ""
-    lines = [f"blend of {len(entries)} (data.blend): name, weight, samples drawn{step}, folder"]
+    began = (
+        f"; its order begun at sample {position['phase_start']}"
+        if position.get("phase_start")
+        else ""
+    )
+    lines = [
+        f"blend of {len(entries)} (data.blend): name, weight, samples drawn{step}, folder{began}"
+    ]
     width = max(len(str(e[2])) for e in entries)
-    for path, weight, name in entries:
+    weights = normalised([float(e[1]) for e in entries])
+    for (path, _, name), weight in zip(entries, weights, strict=True):
         count = str(drawn.get(name, "-"))
-        lines.append(f"  {name:<{width}}  {float(weight) / total:.4f}  {count:>9}  {path}")
+        lines.append(f"  {name:<{width}}  {weight:.4f}  {count:>9}  {path}")
     return tuple(lines)
 
 

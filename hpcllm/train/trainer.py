@@ -151,7 +151,8 @@ class Trainer:
             # The blend's position is the checkpoint's `data_blend` part: the samples each
             # source has given, at the consumed samples of the state saved with it.
             position = BlendPosition(self.blend, lambda: self.state.consumed_samples)
-            self.checkpointer.track(BLEND_PART, position)
+            # A checkpoint without one (a run on one folder, an import) begins the blend.
+            self.checkpointer.track(BLEND_PART, position, optional=True)
         self.state = self.checkpointer.load(self.global_batch)
         self.engine.resume_at(self.state.step)
         self.engine.broadcast_state()
@@ -169,6 +170,8 @@ class Trainer:
             if position is not None
             else MicroBatchReader(self.manifest, **read)
         )
+        if position is not None and position.note is not None and self.grid.rank == 0:
+            self._warn(position.note)
         self.validator = Validator(cfg, self.grid, self.manifest, self.blend)
         self.metrics = Metrics(
             cfg, self.grid, self.parallelized, self.scaler, self.global_batch, self.padded_vocab
@@ -267,9 +270,9 @@ class Trainer:
         )
         data: str | list[str]
         if self.blend is not None:
-            data = blend_lines(
-                self.blend, self.cfg.train.steps * self.global_batch, self.cfg.model.seq_len
-            )
+            assert isinstance(self.reader, BlendedReader)
+            samples = self.cfg.train.steps * self.global_batch
+            data = blend_lines(self.blend, samples, self.cfg.model.seq_len, self.reader.phase)
         else:
             reader = self.reader
             assert isinstance(reader, MicroBatchReader)

@@ -22,7 +22,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "real trainer loop for some steps. Prints ms/step, tokens/s, TFLOP/s, MFU, the ratios "
         "to the plain model and the ops that ran Triton kernels. Shapes set the model and "
         "micro-batch; --set applies on top of every shape. Trains on synthetic data "
-        "(data.synthetic) unless data.path is set in --config or --set.",
+        "(data.synthetic) unless data.path or data.blend is set in --config or --set.",
     )
     add_config_args(step)
     step.add_argument(

@@ -91,7 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from hpcllm.datasets.synthetic import load_data
 
     data = load_config(args.config, args.overrides).data
-    load_data(data.synthetic, data.path, None, data.seed)
+    if data.blend is not None:
+        from hpcllm.datasets.blend import Blend
+
+        Blend(data.blend)
+    else:
+        load_data(data.synthetic, data.path, None, data.seed)
     return sync.run(
         args.config,
         args.overrides,
