@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from hpcllm.datasets.reader import (
     MicroBatchReader,
     ShardDataset,
     epoch_permutation,
+    prefetched,
 )
 from hpcllm.datasets.shards import Manifest, load_manifest, make_data_hint
 from hpcllm.errors import UserError
@@ -381,38 +381,15 @@ class BlendedReader:
     def __iter__(self) -> Iterator[MicroBatch]:
         import torch
 
-        stop = threading.Event()
-        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
-
-        def produce() -> None:
-            try:
-                for item in self._batches():
-                    while not stop.is_set():
-                        try:
-                            ready.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-            except BaseException as err:  # handed to the consumer, raised there
-                ready.put(err)
-
-        worker = threading.Thread(target=produce, name="hpcllm-blend-prefetch", daemon=True)
-        worker.start()
+        items = prefetched(self._batches(), self.prefetch)
         try:
-            while True:
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                tokens, consumed, counts = item
+            for tokens, consumed, counts in items:
                 tokens = torch.from_numpy(tokens.astype(np.int64))
                 self.consumed_samples, self.counts = consumed, list(counts)
                 epoch = min(c // n for c, n in zip(counts, self.n_samples, strict=True))
                 yield MicroBatch(tokens[:, :-1], tokens[:, 1:], epoch, consumed)
         finally:
-            stop.set()
-            worker.join(timeout=5)
+            items.close()
 
 
 class BlendPosition:

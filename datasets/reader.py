@@ -275,34 +275,45 @@ class MicroBatchReader:
     def __iter__(self) -> Iterator[MicroBatch]:
         import torch
 
-        stop = threading.Event()
-        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
-
-        def produce() -> None:
-            try:
-                for item in self._batches(self.consumed_samples):
-                    while not stop.is_set():
-                        try:
-                            ready.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-            except BaseException as err:  # handed to the consumer, raised there
-                ready.put(err)
-
-        worker = threading.Thread(target=produce, name="hpcllm-prefetch", daemon=True)
-        worker.start()
+        items = prefetched(self._batches(self.consumed_samples), self.prefetch)
         try:
-            while True:
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                tokens, epoch, consumed = item
+            for tokens, epoch, consumed in items:
                 tokens = torch.from_numpy(tokens.astype(np.int64))
                 self.consumed_samples = consumed
                 yield MicroBatch(tokens[:, :-1], tokens[:, 1:], epoch, consumed)
         finally:
-            stop.set()
-            worker.join(timeout=5)
+            items.close()
+
+
+def prefetched(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Yield ``items`` as a background thread makes them, up to ``depth`` ahead (reading
+    overlaps compute: h5py holds the GIL while it reads, torch releases it while it computes).
+    An exception in the thread is raised here; closing this generator stops the thread."""
+    stop = threading.Event()
+    ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as err:  # handed to the consumer, raised there
+            ready.put(err)
+
+    worker = threading.Thread(target=produce, name="hpcllm-prefetch", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join(timeout=5)
