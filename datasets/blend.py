@@ -38,12 +38,13 @@ import numpy as np
 
 from hpcllm.config import BatchPlan
 from hpcllm.datasets.reader import (
-    VAL_ADVICE,
     MicroBatch,
     MicroBatchReader,
     ShardDataset,
+    check_position,
     epoch_permutation,
     prefetched,
+    validation_reader,
 )
 from hpcllm.datasets.shards import Manifest, load_manifest, make_data_hint
 from hpcllm.errors import UserError
@@ -207,15 +208,14 @@ class Blend:
                 raise UserError(f"data.blend source {source.name}: {err}") from None
 
     def planned(
-        self, samples: int, seq_len: int, phase: Phase | None = None
+        self, samples: int, own_samples: Sequence[int], phase: Phase | None = None
     ) -> list[tuple[BlendSource, int, int, float]]:
-        """Return, for each source, (source, its train samples, samples it has given after the
-        first ``samples`` of the stream (within one: its count at the ``phase``'s start plus
-        ``w_i`` times the samples since, rounded), epochs of it)."""
+        """Return, for each source, (source, its train samples (``own_samples``), samples it
+        has given after the first ``samples`` of the stream (within one: its count at the
+        ``phase``'s start plus ``w_i`` times the samples since, rounded), epochs of it)."""
         phase = (phase or Phase()).of(len(self.sources))
         rows = []
-        for source, before in zip(self.sources, phase.before, strict=True):
-            own = ShardDataset(source.manifest, "train", seq_len).n_samples
+        for source, before, own in zip(self.sources, phase.before, own_samples, strict=True):
             drawn = before + round(source.weight * max(0, samples - phase.start))
             rows.append((source, own, drawn, drawn / own))
         return rows
@@ -286,11 +286,7 @@ class BlendedReader:
         self.seed = seed
         self.prefetch = max(1, prefetch)
         self.plan = BatchPlan(micro_batch_size, 1, dp_size)
-        if consumed_samples < 0 or consumed_samples % self.plan.micro_step:
-            raise UserError(
-                f"consumed_samples {consumed_samples} is not a multiple of the "
-                f"global micro-batch {self.plan.micro_step} (d x micro-batch size)"
-            )
+        check_position(consumed_samples, self.plan)
         self.phase = (phase or Phase()).of(len(blend.sources))
         if not 0 <= self.phase.start <= consumed_samples:
             raise ValueError(f"{self.phase} does not start by sample {consumed_samples}")
@@ -538,16 +534,13 @@ def validation_readers(
             )
             continue
         try:
-            reader = MicroBatchReader(
+            reader = validation_reader(
                 source.manifest,
-                split="val",
                 seq_len=seq_len,
                 micro_batch_size=micro_batch_size,
                 dp_rank=dp_rank,
                 dp_size=dp_size,
                 seed=seed,
-                prefetch=2,
-                advice=VAL_ADVICE,
             )
         except UserError as err:  # too small for one global micro-batch: left out too
             warn(f"data.blend source {source.name} is left out of validation: {err}")
@@ -556,12 +549,14 @@ def validation_readers(
     return readers
 
 
-def blend_lines(blend: Blend, samples: int, seq_len: int, phase: Phase | None = None) -> list[str]:
+def blend_lines(blend: Blend, samples: int, reader: BlendedReader) -> list[str]:
     """Return the banner's lines of a blend: each source's weight, folder, train samples, and
-    what the run's ``samples`` draw of it (within one sample) and how many epochs that is."""
-    rows = blend.planned(samples, seq_len, phase)
+    what the run's ``samples`` draw of it from ``reader``'s phase on (within one sample) and
+    how many epochs that is."""
+    phase = reader.phase
+    rows = blend.planned(samples, reader.n_samples, phase)
     width = max(len(s.name) for s in blend.sources)
-    began = f" (its order begun at sample {phase.start})" if phase and phase.start else ""
+    began = f" (its order begun at sample {phase.start})" if phase.start else ""
     lines = [
         f"blend of {len(rows)} folder(s) (data.blend), one tokenizer; the run's {samples} "
         f"samples draw{began}:"

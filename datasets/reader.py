@@ -193,6 +193,40 @@ def micro_steps_per_epoch(
     return steps
 
 
+def check_position(consumed_samples: int, plan: BatchPlan) -> None:
+    """Raise a UserError unless ``consumed_samples`` is a whole number of ``plan``'s global
+    micro-batches (where a reader can start)."""
+    if consumed_samples < 0 or consumed_samples % plan.micro_step:
+        raise UserError(
+            f"consumed_samples {consumed_samples} is not a multiple of the "
+            f"global micro-batch {plan.micro_step} (d x micro-batch size)"
+        )
+
+
+def validation_reader(
+    manifest: Manifest | str | Path,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+) -> MicroBatchReader:
+    """Return a rank's reader of the val split (two micro-batches read ahead; a split too
+    small for one global micro-batch is a UserError in the trainer's words)."""
+    return MicroBatchReader(
+        manifest,
+        split="val",
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        prefetch=2,
+        advice=VAL_ADVICE,
+    )
+
+
 @dataclass
 class MicroBatch:
     """``b`` samples for one rank: int64 ``(b, seq_len)`` inputs and labels, and its position."""
@@ -242,11 +276,7 @@ class MicroBatchReader:
             self.dataset.n_samples, split, seq_len, self.plan, advice
         )
         self.samples_per_epoch = self.steps_per_epoch * per_step
-        if consumed_samples < 0 or consumed_samples % per_step:
-            raise UserError(
-                f"consumed_samples {consumed_samples} is not a multiple of the "
-                f"global micro-batch {per_step} (d x micro-batch size)"
-            )
+        check_position(consumed_samples, self.plan)
         self.consumed_samples = consumed_samples
 
     def _position(self, consumed: int) -> tuple[int, int]:

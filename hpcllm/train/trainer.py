@@ -272,7 +272,7 @@ class Trainer:
         if self.blend is not None:
             assert isinstance(self.reader, BlendedReader)
             samples = self.cfg.train.steps * self.global_batch
-            data = blend_lines(self.blend, samples, self.cfg.model.seq_len, self.reader.phase)
+            data = blend_lines(self.blend, samples, self.reader)
         else:
             reader = self.reader
             assert isinstance(reader, MicroBatchReader)

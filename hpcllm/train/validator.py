@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hpcllm import observe, watchdog
 from hpcllm.config import Config
 from hpcllm.datasets.blend import Blend, validation_readers
-from hpcllm.datasets.reader import VAL_ADVICE, MicroBatchReader
+from hpcllm.datasets.reader import MicroBatchReader, validation_reader
 from hpcllm.datasets.shards import Manifest
 from hpcllm.parallel.pipeline.runtime import Runtime, forward_only
 from hpcllm.topology import Grid
@@ -79,16 +79,13 @@ class Validator:
             return None
         # Built now so that a validation split too small for one global micro-batch stops the
         # run before training, not after it.
-        return MicroBatchReader(
+        return validation_reader(
             manifest,
-            split="val",
             seq_len=self.cfg.model.seq_len,
             micro_batch_size=self.cfg.train.micro_batch_size,
             dp_rank=self.grid.dp_rank,
             dp_size=self.grid.dp,
             seed=self.cfg.data.seed,
-            prefetch=2,
-            advice=VAL_ADVICE,
         )
 
     def should_validate(self, step: int, last_step: int) -> bool:
