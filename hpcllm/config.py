@@ -413,6 +413,14 @@ class DataConfig:
     )
     seed: int = key(1234, "sampling seed", SEED)
     prefetch: int = key(4, "micro-batches read ahead", POSITIVE)
+    reset_attention_at_eos: bool = key(
+        False,
+        "attention and positions restart after each end-of-text token of a packed sample "
+        "(docs/data.md)",
+    )
+    mask_eod_loss: bool = key(
+        False, "no loss where the input token is end-of-text (Megatron's --eod-mask-loss)"
+    )
 
 
 @dataclass
@@ -1169,6 +1177,12 @@ def check(cfg: Config) -> None:
     if cfg.data.blend is not None and cfg.data.synthetic:
         raise UserError(
             "data.synthetic reads no folder, so it cannot blend data.blend's; set one of them"
+        )
+    if cfg.data.synthetic and (cfg.data.reset_attention_at_eos or cfg.data.mask_eod_loss):
+        which = "reset_attention_at_eos" if cfg.data.reset_attention_at_eos else "mask_eod_loss"
+        raise UserError(
+            f"data.{which} acts at end-of-text tokens, which data.synthetic's random ids do not "
+            "have; prepare data (hpcllm prepare) or set it false"
         )
     check_folder("run.dir", cfg.run.dir)
 

@@ -27,6 +27,7 @@ from hpcllm.datasets.shards import load_manifest
 from hpcllm.datasets.synthetic import check_run_data
 from hpcllm.errors import UserError
 from hpcllm.generate import merged_model
+from hpcllm.model.documents import DocumentMasks
 from hpcllm.train.reshard import checkpoint_config, select
 
 
@@ -121,12 +122,17 @@ def evaluate(
         prefetch=2,
     )
     iters = min(iters or reader.steps_per_epoch, reader.steps_per_epoch)
+    # The run's own reading of the packed documents (data.reset_attention_at_eos and
+    # data.mask_eod_loss), so the loss is the one its validation logged.
+    documents = DocumentMasks.of(run_cfg.data, manifest.eos_id) or DocumentMasks(manifest.eos_id)
     total = torch.zeros((), dtype=torch.float64)
     batches = iter(reader)
     try:
         for _ in range(iters):
             batch = next(batches)
-            total += model(batch.input_ids, batch.labels).double()
+            ids = batch.input_ids
+            labels = documents.labels(ids, batch.labels)
+            total += model(ids, labels, **documents.keywords(ids)).double()
     finally:
         batches.close()
     loss = (total / iters).item()

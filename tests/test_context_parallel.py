@@ -6,7 +6,8 @@ and the gradients of q, k and v, with and without grouped key/value heads), the 
 order (cp next to t; nothing moves at cp = 1) and the config's refusals. Under mpirun, each
 family's tiny model at cp = 2, at cp = 2 with recomputation, and at cp = 2 × t = 2 (SP),
 × p = 2 and × d = 2 under DDP, Horovod and ZeRO-1, and under the parameter server, logs the
-cp = 1 losses and gradient norms (and, at d = 2, its final validation loss);
+cp = 1 losses and gradient norms (and, at d = 2, its final validation loss), and so does
+cp = 2 under the packed documents' masks;
 after the first step each rank's gradients are cp = 1's; a run stopped at cp = 2 resumes at
 cp = 1 (and the reverse) with the uninterrupted losses. One launch of 2 ranks and one of 4
 per family (tests/mpi_scripts/ep_runs.py, which trains any list of runs).
@@ -131,6 +132,8 @@ HOROVOD = "parallel.dp_engine=horovod"
 ZERO = ["parallel.distributed_optimizer=true", "parallel.ddp_bucket_mb=0.01"]
 CP2 = ["parallel.cp=2"]
 SHORT = ["train.steps=2", "train.save_interval=1"]
+# The packed documents' masks (tests/test_documents.py), on short documents.
+DOCS = ["data.reset_attention_at_eos=true", "data.mask_eod_loss=true"]
 # Recomputation replays the gather inside the backward; one kind each family.
 MORE = {
     "gpt2": ["model.recompute=full", "train.precision=fp16"],
@@ -155,10 +158,13 @@ def _same(records: list, reference: list, rel: float = 1e-5, val: bool = False) 
 @pytest.mark.mpi
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
-    arch, stdlib, tmp_path
+    arch, stdlib, short_docs, tmp_path
 ):
     base = tiny(arch)
+    docs = [*base, f"data.path={short_docs}", *DOCS]
     two = [
+        ["cp1-docs", "cp1-docs", docs],
+        ["cp2-docs", "cp2-docs", [*docs, *CP2]],
         ["cp1", "cp1", base],  # d = 2: the reference, two ranks like every cp = 2 run here
         ["cp2", "cp2", [*base, *CP2]],
         ["cp2-ps", "cp2-ps", [*base, *CP2, "parallel.dp_engine=ps"]],
@@ -185,6 +191,8 @@ def test_context_parallel_runs_equal_cp1_in_losses_norms_gradients_and_resume(
     for name in ("cp2", "cp2-ps", "from-cp2", "from-cp1", *(name for name, _, _ in four)):
         _same(logged[name], reference, val=name in ("from-cp2", "cp2-d2", "cp2-d2-horovod",
                                                      "cp2-d2-zero"))  # fmt: skip
+    # Each rank's chunks hold their own share of the documents and of the labels that count.
+    _same(logged["cp2-docs"], logged["cp1-docs"])
     # GPT-2's is fp16: the masked attention rounds apart from the causal one (5.7e-5 seen).
     _same(logged["cp2-more"], logged["cp1-more"], rel=1e-5 if arch == "llama" else 5e-4)
     # After the first step's reduction every rank holds cp = 1's whole gradients.

@@ -447,6 +447,32 @@ def test_cross_entropy_excludes_padding_and_reads_a_strided_view(ops):
 
 
 @pytest.mark.gpu
+def test_cross_entropy_leaves_out_the_labels_that_do_not_count(ops):
+    """A label under 0 (data.mask_eod_loss's) takes no loss and gets no gradient: the mean is
+    PyTorch's with ignore_index; with none counted the loss and its gradient are 0."""
+    gen = torch.Generator().manual_seed(8)
+    logits = leaf(torch.randn(3, 7, 384, generator=gen) * 3, torch.bfloat16)
+    labels = torch.randint(0, 300, (3, 7), generator=gen)
+    labels[0, 2] = labels[1, :5] = labels[2, 6] = -100
+    labels = dev(labels)
+    want = torch.nn.functional.cross_entropy(
+        logits[..., :300].float().reshape(-1, 300), labels.reshape(-1), ignore_index=-100
+    )
+    want_grad = grads(want, logits, None)[0]
+    for fn in (ops.cross_entropy, reference.cross_entropy):
+        loss = fn(logits, labels, 300)
+        close(loss, want, torch.float32)
+        grad = grads(loss, logits, None)[0]
+        close(grad, want_grad)
+        assert not grad[1, :5].any() and grad[1, 5:].any()
+    none = dev(torch.full((3, 7), -100))
+    for fn in (ops.cross_entropy, reference.cross_entropy):
+        loss = fn(logits, none, 300)
+        assert loss.item() == 0.0
+        assert not grads(loss, logits, None)[0].any()
+
+
+@pytest.mark.gpu
 def test_cross_entropy_running_max_across_chunks(ops, monkeypatch):
     from hpcllm.kernels.ops import vocab_ce_partials
 

@@ -27,6 +27,13 @@ from torch.utils.checkpoint import checkpoint
 
 from hpcllm import families, kernels
 from hpcllm.config import ModelConfig, moe_layers, padded_vocab
+from hpcllm.model.documents import (
+    attention_mask,
+    chunk_masks,
+    document_positions,
+    flex_wanted,
+    masked_attention,
+)
 from hpcllm.model.moe import ExpertParallel, MoE
 from hpcllm.parallel.context import ContextParallel
 from hpcllm.parallel.random import recompute_context, tp_rng
@@ -171,13 +178,18 @@ class SelfAttention(nn.Module):
     # values of its whole group. None: the sequence is whole here.
     context: ContextParallel | None = None
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
         # Heads are split over the tp group: each rank draws its own attention dropout.
+        dropout_p = self.dropout if self.training else 0.0
         with dropout_rng(self.group, self.dropout, self.training):
             if self.context is not None:
                 return self.context.attention(
-                    q, k, v, dropout_p=self.dropout if self.training else 0.0, gqa=self.gqa
+                    q, k, v, dropout_p=dropout_p, gqa=self.gqa, masks=mask
                 )
+            if mask is not None:
+                return masked_attention(q, k, v, mask, dropout_p, self.gqa)
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -187,7 +199,9 @@ class SelfAttention(nn.Module):
                 enable_gqa=self.gqa,
             )
 
-    def _recomputed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _recomputed_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None
+    ) -> torch.Tensor:
         """Return the attention core under ``checkpoint``: its activations rebuilt in backward.
 
         Compiled (``model.compile``), the compiler replays the region's random draws itself;
@@ -195,10 +209,10 @@ class SelfAttention(nn.Module):
         compiled graph cannot take, so that case runs eagerly.
         """
         if not torch.compiler.is_compiling():
-            return _eager_checkpoint(self._core, q, k, v)
+            return _eager_checkpoint(self._core, q, k, v, mask)
         if self.dropout > 0 and self.group is not None:  # a graph break, then eager
-            return torch.compiler.disable(_eager_checkpoint)(self._core, q, k, v)
-        return checkpoint(self._core, q, k, v, use_reentrant=False)
+            return torch.compiler.disable(_eager_checkpoint)(self._core, q, k, v, mask)
+        return checkpoint(self._core, q, k, v, mask, use_reentrant=False)
 
     def forward(
         self,
@@ -206,12 +220,14 @@ class SelfAttention(nn.Module):
         add_bias: bool = False,
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
+        mask: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (output, bias): the output projection's bias added to it (then None) or not.
 
         The tokens are at ``positions`` (see :meth:`project`). With ``cache`` (generation) x
         holds the new tokens, which attend to the cached ones, at the positions after them
-        unless ``positions`` says otherwise.
+        unless ``positions`` says otherwise. ``mask``: the packed documents' attention mask
+        (:meth:`Decoder.document_mask`); None: causal over the whole sequence.
         """
         if positions is None and cache is not None:
             positions = torch.arange(cache.length, cache.length + x.shape[1], device=x.device)
@@ -222,9 +238,9 @@ class SelfAttention(nn.Module):
         elif self.selective and self.training:
             # Korthikanti et al.: the attention core holds the s² activations and is cheap to
             # recompute; keeping everything else stored costs little memory.
-            y = self._recomputed_core(q, k, v)
+            y = self._recomputed_core(q, k, v, mask)
         else:
-            y = self._core(q, k, v)
+            y = self._core(q, k, v, mask)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.proj(y, add_bias=add_bias), None if add_bias else self.proj.bias
 
@@ -305,10 +321,13 @@ class Block(nn.Module):
         x: torch.Tensor,
         cache: LayerCache | None = None,
         positions: torch.Tensor | None = None,
+        mask: Any = None,
     ) -> torch.Tensor:
         # Fused kernels take the biases; the torch path adds them in the matmuls.
         add_bias = not kernels.fused(x)
-        out, bias = self.attn(getattr(self, self.norm_names[0])(x), add_bias, cache, positions)
+        out, bias = self.attn(
+            getattr(self, self.norm_names[0])(x), add_bias, cache, positions, mask
+        )
         with dropout_rng(self.rng_group, self.dropout, self.training):
             x = kernels.bias_dropout_add(out, bias, x, self.dropout, self.training)
         out, bias = self.mlp(getattr(self, self.norm_names[1])(x), add_bias)
@@ -458,9 +477,12 @@ class Decoder(nn.Module):
         ):
             return F.dropout(x, self.cfg.dropout, self.training)
 
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Return x after every block, its tokens at ``positions`` (see :meth:`embed`),
-        recomputing each block in backward under ``recompute: full``."""
+    def run_blocks(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: Any = None
+    ) -> torch.Tensor:
+        """Return x after every block, its tokens at ``positions`` (see :meth:`embed`) and
+        attending under ``mask`` (:meth:`document_mask`; None: causal), recomputing each
+        block in backward under ``recompute: full``."""
         full = self.cfg.recompute == "full" and self.training and torch.is_grad_enabled()
         for block in self.blocks.values():
             x = (
@@ -468,11 +490,12 @@ class Decoder(nn.Module):
                     block,
                     x,
                     positions=positions,
+                    mask=mask,
                     use_reentrant=False,
                     context_fn=recompute_context,
                 )
                 if full
-                else block(x, positions=positions)
+                else block(x, positions=positions, mask=mask)
             )
         return x
 
@@ -512,19 +535,39 @@ class Decoder(nn.Module):
         inputs: torch.Tensor,
         labels: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return the mean cross-entropy against ``labels``, or the logits when none.
 
         A stage without the embedding (not ``pre``) takes the previous stage's activation as
         ``inputs``; one without the output layer (not ``post``) returns its activation. The
         tokens are at ``positions`` (an integer tensor (s,) or (b, s); None: 0 … s - 1), which
-        every stage of a pipeline must be given alike.
+        every stage of a pipeline must be given alike. ``documents`` (b, s), each token's
+        document in its sample (:func:`hpcllm.model.documents.document_ids`; under context
+        parallelism the whole sample's, not this rank's cut), restarts attention and positions
+        at each document (data.reset_attention_at_eos); labels under 0 take no loss.
         """
+        mask = None
+        if documents is not None:
+            mask = self.document_mask(documents)
+            if positions is None:
+                positions = document_positions(documents)
+                if self.context is not None:
+                    positions = self.context.cut(positions)
         if positions is None and self.context is not None:
             positions = self.context.positions(inputs.device)
         hidden = self.embed(inputs, positions) if self.pre else inputs
-        hidden = self.run_blocks(hidden, positions)
+        hidden = self.run_blocks(hidden, positions, mask)
         return self.head(hidden, labels) if self.post else hidden
+
+    def document_mask(self, documents: torch.Tensor) -> Any:
+        """Return the attention mask of the packed documents ``documents`` (b, s) for every
+        block of this stage: causal within each document (under context parallelism, this
+        rank's two chunks' masks over the whole sequence's keys)."""
+        if self.context is not None:
+            return chunk_masks(documents, self.context)
+        dropout_p = self.cfg.dropout if self.training else 0.0
+        return attention_mask(documents, flex_wanted(documents.device, dropout_p))
 
     def boundary_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Return the shape of the activation this stage passes on (b, s, h), per tp rank.

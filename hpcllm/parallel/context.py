@@ -142,11 +142,13 @@ class ContextParallel:
         v: torch.Tensor,
         dropout_p: float = 0.0,
         gqa: bool = False,
+        masks: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Return causal attention of this rank's queries (b, heads, s/cp, d) over the keys
-        and values of the whole sequence, gathered from the group."""
+        and values of the whole sequence, gathered from the group; ``masks``: its chunks'
+        masks within packed documents (:func:`hpcllm.model.documents.chunk_masks`)."""
         return self.attend(
-            q, self._gather(k, self.group), self._gather(v, self.group), dropout_p, gqa
+            q, self._gather(k, self.group), self._gather(v, self.group), dropout_p, gqa, masks
         )
 
     def attend(
@@ -156,9 +158,12 @@ class ContextParallel:
         v_all: torch.Tensor,
         dropout_p: float = 0.0,
         gqa: bool = False,
+        masks: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Return causal attention of this rank's queries over ``k_all`` and ``v_all``, the
-        group's keys and values joined in cp-rank order (what :meth:`attention` gathers).
+        group's keys and values joined in cp-rank order (what :meth:`attention` gathers);
+        with ``masks`` (:func:`hpcllm.model.documents.chunk_masks`: each chunk's boolean
+        mask over the keys up to its end), within the packed documents they say.
 
         The keys are put in sequence order, and each of this rank's two chunks attends to the
         keys up to its own end only, causally with the diagonal at the lower right (its own
@@ -170,6 +175,18 @@ class ContextParallel:
         outs = []
         for part, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (chunk + 1) * c
+            if masks is not None:
+                outs.append(
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q[:, :, part * c : (part + 1) * c],
+                        k_seq[:, :, :end],
+                        v_seq[:, :, :end],
+                        attn_mask=masks[part],
+                        dropout_p=dropout_p,
+                        enable_gqa=gqa,
+                    )
+                )
+                continue
             outs.append(
                 lower_right_attention(
                     q[:, :, part * c : (part + 1) * c],

@@ -29,6 +29,7 @@ from torch import nn
 
 from hpcllm.config import Config
 from hpcllm.errors import UserError
+from hpcllm.model.documents import DocumentMasks
 from hpcllm.model.stages import build_chunks, split_layers
 from hpcllm.parallel.context import ContextParallel
 from hpcllm.parallel.data.builder import build_engine
@@ -40,7 +41,7 @@ from hpcllm.parallel.pipeline.schedule import Action, check_sizes, rank_actions
 from hpcllm.parallel.random import seed_streams
 from hpcllm.topology import Grid, ProcessGroups
 from hpcllm.train.optim import autocast, build_optimizer, build_scaler
-from hpcllm.train.stage_work import ChunkWork
+from hpcllm.train.stage_work import ChunkWork, StageBatches
 
 
 @dataclass
@@ -56,6 +57,8 @@ class ParallelModel:
     channel: Channel | None  # point-to-point to the neighbouring stages (None if p = 1)
     groups: ProcessGroups  # the grid's process groups
     context: ContextParallel = field(default_factory=ContextParallel)  # cp: what this rank cuts
+    # The packed documents' masks (data.reset_attention_at_eos, data.mask_eod_loss); None: off.
+    documents: DocumentMasks | None = None
 
     @property
     def pp_group(self) -> Any:
@@ -81,37 +84,15 @@ class ParallelModel:
     ) -> ChunkWork:
         """Return the work of this rank's chunks on ``batches`` under ``precision``'s autocast:
         a training step's when ``scale`` (the loss scaler's) is given, else an evaluation's."""
-        if self.context.active:
-            batches = CutBatches(batches, self.context)
         return ChunkWork(
             self.chunks,
             self.engine,
-            batches,
+            StageBatches(batches, self.context, self.documents),
             modules=self.forward_modules,
             autocast=lambda: autocast(precision, device),
             scale=scale or (lambda loss: loss),
             split_backward=scale is not None and self.split_backward,
         )
-
-
-class CutBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    """Micro-batches as this context-parallel rank takes them: its two chunks of each
-    sequence's ids and labels (:meth:`ContextParallel.cut`), cut when first used."""
-
-    def __init__(
-        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], context: ContextParallel
-    ) -> None:
-        self.batches, self.context = batches, context
-        self._cut: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        if index not in self._cut:
-            ids, labels = self.batches[index]
-            self._cut[index] = (self.context.cut(ids), self.context.cut(labels))
-        return self._cut[index]
 
 
 def check_pipeline(cfg: Config, accumulation: int | None) -> None:
@@ -231,12 +212,19 @@ def compile_chunks(chunks: nn.ModuleList, how: str, mode: str = "default") -> No
             chunk.head = torch.compile(chunk.head, mode=mode)
 
 
-def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> ParallelModel:
+def parallelize(
+    cfg: Config,
+    grid: Grid,
+    vocab_size: int,
+    accumulation: int,
+    documents: DocumentMasks | None = None,
+) -> ParallelModel:
     """Return this rank's chunks, wrapped for data parallelism, with schedule and optimizer.
 
     ``accumulation`` is the number of micro-batches per step (m); with one pipeline stage
     the schedule is 1f1b, which is then plain gradient accumulation whatever
-    ``parallel.schedule`` says.
+    ``parallel.schedule`` says. ``documents``: what the micro-batches' end-of-text tokens
+    do (:class:`~hpcllm.model.documents.DocumentMasks`; None: nothing).
     """
     parallel, train, device = cfg.parallel, cfg.train, grid.device
     check_pipeline(cfg, accumulation)
@@ -303,4 +291,5 @@ def parallelize(cfg: Config, grid: Grid, vocab_size: int, accumulation: int) -> 
         channel=channel,
         groups=grid.groups,
         context=context,
+        documents=documents,
     )

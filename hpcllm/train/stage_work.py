@@ -19,6 +19,8 @@ from torch import nn
 
 from hpcllm import observe, watchdog
 from hpcllm.model import moe
+from hpcllm.model.documents import DocumentMasks
+from hpcllm.parallel.context import ContextParallel
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.tensor.deferred import (
     defer_weight_grads,
@@ -30,8 +32,10 @@ from hpcllm.parallel.tensor.deferred import (
 class ChunkWork:
     """The model chunks of one rank doing a step's forwards and backwards for the runtime.
 
-    ``batches[i]`` is micro-batch i's (ids, labels); the loss of each micro-batch is divided
-    by m, so the gradients of a step are those of the mean loss over its micro-batches.
+    ``batches[i]`` is micro-batch i's (ids, labels), as this rank's model takes them when
+    ``batches`` is a :class:`StageBatches` (with its forward's keywords and loss weight);
+    the loss of each micro-batch is divided by m, so the gradients of a step are those of
+    the mean loss over its micro-batches.
     ``engine`` (a data-parallel engine) supplies each forward's context and runs each
     backward, so that its gradient reduction starts with each chunk's last backward;
     ``modules`` are what :meth:`Engine.wrap` returned for the chunks (the chunks themselves
@@ -54,7 +58,8 @@ class ChunkWork:
         scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
         split_backward: bool = False,
     ) -> None:
-        self.chunks, self.engine, self.batches = chunks, engine, batches
+        self.chunks, self.engine = chunks, engine
+        self.batches = batches if isinstance(batches, StageBatches) else StageBatches(batches)
         self.modules = list(chunks) if modules is None else list(modules)
         # NVTX names say the chunk only when a rank holds several.
         # NVTX names that read as the schedule: "forward mb3 stage 5 chunk 1".
@@ -106,13 +111,17 @@ class ChunkWork:
         inputs = ids if part.pre else x
         if inputs is None:
             raise RuntimeError(f"stage {part.stage} got no input for micro-batch {microbatch}")
+        keywords = self.batches.keywords(microbatch)
         with (
             self.engine.forward_context(chunk),
             self.autocast(),
             deferrable_weight_grads(self.split_backward),
         ):
             module = self.modules[chunk]
-            hidden = module(inputs, labels) if part.post else module(inputs)
+            hidden = module(inputs, labels, **keywords) if part.post else module(inputs, **keywords)
+        weight = self.batches.loss_weight(microbatch) if part.post else None
+        if weight is not None:
+            hidden = hidden * weight
         keep = torch.is_grad_enabled()  # evaluation keeps nothing for a backward
         aux = moe.take_aux_losses(self._moe[chunk])
         if keep and aux is not None:
@@ -165,6 +174,59 @@ class ChunkWork:
     ) -> None:
         self._left[chunk] -= 1
         self.engine.backward(chunk, outs, grads, last=self._left[chunk] == 0)
+
+
+class StageBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """Micro-batches as this rank's model takes them, made when first used: the labels that
+    take no loss masked (``documents.mask_loss``), each sequence cut to this context-parallel
+    rank's two chunks (:meth:`ContextParallel.cut`), the forward's keywords (the packed
+    documents, ``documents.reset_attention``) and the loss's weight.
+
+    Under context parallelism with masked labels each rank's chunks hold their own number of
+    labels that count: its loss (the mean over its own) is weighted by cp x its count / the
+    sample's, so the mean over the group, which the gradients' average takes, is the
+    sample's mean over every label that counts.
+    """
+
+    def __init__(
+        self,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        context: ContextParallel | None = None,
+        documents: DocumentMasks | None = None,
+    ) -> None:
+        self.batches, self.documents = batches, documents
+        self.context = context if context is not None and context.active else None
+        self._made: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], dict, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def _make(self, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], dict, Any]:
+        if index not in self._made:
+            ids, labels = self.batches[index]
+            keywords, weight = {}, None
+            if self.documents is not None:
+                labels = self.documents.labels(ids, labels)
+                keywords = self.documents.keywords(ids)
+            if self.context is not None:
+                whole = labels
+                ids, labels = self.context.cut(ids), self.context.cut(labels)
+                if self.documents is not None and self.documents.mask_loss:
+                    counted = (whole >= 0).sum().clamp(min=1)
+                    weight = (labels >= 0).sum() * self.context.size / counted
+            self._made[index] = ((ids, labels), keywords, weight)
+        return self._made[index]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self._make(index)[0]
+
+    def keywords(self, index: int) -> dict[str, torch.Tensor]:
+        """Return micro-batch ``index``'s keywords for every stage's forward."""
+        return self._make(index)[1]
+
+    def loss_weight(self, index: int) -> torch.Tensor | None:
+        """Return what micro-batch ``index``'s loss is multiplied by (None: 1)."""
+        return self._make(index)[2]
 
 
 class MicroBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):

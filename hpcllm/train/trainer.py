@@ -32,6 +32,7 @@ from hpcllm.datasets.blend import BLEND_PART, Blend, BlendedReader, BlendPositio
 from hpcllm.datasets.reader import MicroBatchReader
 from hpcllm.datasets.synthetic import load_data
 from hpcllm.errors import UserError
+from hpcllm.model.documents import DocumentMasks
 from hpcllm.parallel.data.engine import Engine
 from hpcllm.parallel.data.optimizer import MixedPrecisionOptimizer
 from hpcllm.train.checkpointer import Checkpointer, Stateful
@@ -138,7 +139,14 @@ class Trainer:
 
         self.global_batch = self.batch.global_batch
         self.tokens_per_step = self.global_batch * cfg.model.seq_len
-        self.parallelized = parallelize(cfg, replicas, vocab, self.accumulation)
+        self.parallelized = parallelize(
+            cfg,
+            replicas,
+            vocab,
+            self.accumulation,
+            # Synthetic ids have no end-of-text token (the config refuses the masks there).
+            None if self.manifest.synthetic else DocumentMasks.of(cfg.data, self.manifest.eos_id),
+        )
         self.padded_vocab = padded_vocab(vocab, parallel.tp)
         self.scaler = self.optimizer.scaler
         self.checkpointer.track_run(

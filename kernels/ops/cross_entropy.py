@@ -1,6 +1,8 @@
 """``cross_entropy``: the mean token cross-entropy, in fp32 whatever the logits' dtype.
 
-The vocabulary-parallel halves with ``vocab_start = 0``: forward is
+A label under 0 (``IGNORE``, PyTorch's ignore_index -100) takes no loss: the mean is over the
+rows whose label counts (0 when none does), and those rows get no gradient
+(data.mask_eod_loss). The vocabulary-parallel halves with ``vocab_start = 0``: forward is
 :mod:`.vocab_ce_partials`' kernel (one pass over the logits) and the log-sum-exp it saves;
 backward is ``hpcllm::vocab_ce_backward`` with the mean's gradient g / rows. Columns at or past
 ``vocab_size`` are padding and excluded, so the padded logits are passed as they are (a
@@ -27,17 +29,37 @@ def launch_forward(logits: Tensor, labels: Tensor, vocab_size: int) -> tuple[Ten
     """Return (mean cross-entropy, per-row log-sum-exp), fp32, of (rows, columns) logits."""
     top, sumexp, target = vocab_ce_partials.launch_forward(logits, labels, 0, vocab_size)
     lse = top + sumexp.log()
-    return (lse - target).mean(), lse
+    return counted_mean(lse - target, labels), lse
 
 
 # ---------------------------------------------------------------- reference
 
 
 def reference(logits: Tensor, labels: Tensor, vocab_size: int | None = None) -> Tensor:
-    """Return the mean token cross-entropy in fp32, over the first ``vocab_size`` columns."""
+    """Return the mean token cross-entropy in fp32, over the first ``vocab_size`` columns and
+    the labels that count (0 or more)."""
     if vocab_size is not None:
         logits = logits[..., :vocab_size]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    flat = labels.reshape(-1)
+    # Rows whose label does not count are computed against column 0 and left out of the mean
+    # (no host sync, so a compiled graph keeps it whole).
+    losses = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), flat.clamp(min=0), reduction="none"
+    )
+    return counted_mean(losses, flat)
+
+
+def counted_mean(losses: Tensor, labels: Tensor) -> Tensor:
+    """Return the mean of the rows' ``losses`` whose label counts (0 or more); 0 if none."""
+    counted = labels >= 0
+    return torch.where(counted, losses, 0.0).sum() / counted.sum().clamp(min=1)
+
+
+def row_gradients(grad: Tensor, labels: Tensor) -> Tensor:
+    """Return each row's share of a counted mean's gradient ``grad``: grad / rows counted
+    where its label counts, 0 where it does not."""
+    counted = labels >= 0
+    return torch.where(counted, grad.float() / counted.sum().clamp(min=1), 0.0)
 
 
 # ---------------------------------------------------------------- custom op
@@ -46,7 +68,7 @@ def reference(logits: Tensor, labels: Tensor, vocab_size: int | None = None) -> 
 def _torch_forward(logits: Tensor, labels: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
     top, sumexp, target = vocab_ce_partials.reference(logits, labels, 0, vocab_size)
     lse = top + sumexp.log()
-    return (lse - target).mean(), lse
+    return counted_mean(lse - target, labels), lse
 
 
 def _fake(logits: Tensor, labels: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
@@ -65,7 +87,7 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor, _: Tensor) -> tuple:
     logits, labels, lse = ctx.saved_tensors
     dlogits = torch.ops.hpcllm.vocab_ce_backward(
-        logits, labels, lse, grad / labels.numel(), 0, ctx.vocab_size
+        logits, labels, lse, row_gradients(grad, labels), 0, ctx.vocab_size
     )
     return dlogits, None, None
 

@@ -27,7 +27,8 @@ def main() -> None:
     data, scratch = sys.argv[1], Path(sys.argv[2])
     done = {}
     for name, folder, overrides in json.loads(sys.argv[3]):
-        sets = [*overrides, f"data.path={data}", f"run.dir={scratch / folder}"]
+        # The overrides come after DATA, so a run may read other data.
+        sets = [f"data.path={data}", *overrides, f"run.dir={scratch / folder}"]
         fresh = not (scratch / folder).exists()
         holder: dict = {}
 

@@ -21,7 +21,8 @@ def main() -> None:
     runs = json.loads(sys.argv[3])
     done = {}
     for name, overrides in runs.items():
-        sets = [*overrides, f"data.path={data}", f"run.dir={run / name}"]
+        # The overrides come after DATA, so a run may read other data.
+        sets = [f"data.path={data}", *overrides, f"run.dir={run / name}"]
         with Trainer(load_config(None, sets)) as trainer:
             summary = trainer.run(progress=False)
         done[name] = {"records": read_metrics(run / name), "summary": summary}

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hpcllm import kernels
+from hpcllm.kernels.ops.cross_entropy import counted_mean, row_gradients
 from hpcllm.parallel.tensor.mappings import all_reduce, record
 
 
@@ -43,13 +44,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lse = global_top + sums[0].log()
         ctx.save_for_backward(rows, flat, lse)
         ctx.shape, ctx.vocab_start, ctx.vocab_size = logits.shape, vocab_start, vocab_size
-        return (lse - sums[1]).mean()
+        return counted_mean(lse - sums[1], flat)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         rows, flat, lse = ctx.saved_tensors
         d_logits = kernels.vocab_ce_backward(
-            rows, flat, lse, grad / flat.numel(), ctx.vocab_start, ctx.vocab_size
+            rows, flat, lse, row_gradients(grad, flat), ctx.vocab_start, ctx.vocab_size
         )
         return d_logits.view(ctx.shape), None, None, None, None
 
@@ -61,6 +62,6 @@ def vocab_parallel_cross_entropy(
 
     ``logits`` is this rank's (..., V_padded / t) slice starting at ``vocab_start``; columns at
     or past ``vocab_size`` (the real vocabulary) are padding and excluded, so the loss equals
-    the unpadded single-GPU loss.
+    the unpadded single-GPU loss; labels under 0 take no loss (the mean is over the others).
     """
     return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
