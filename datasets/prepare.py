@@ -1,11 +1,13 @@
 """``hpcllm prepare``: corpus → tokenizer → HDF5 shards + manifest, on one rank or many.
 
-Documents are numbered in source order (see :mod:`corpus`). Document ``i`` goes to the
-validation split when ``floor((i+1)·f) > floor(i·f)`` for ``--val-fraction f``: exactly
-``floor(n·f)`` documents, spread evenly through the corpus, decided from ``i`` alone. Within
-its split a document goes to shard ``index_in_split mod shards``, and rank ``r`` writes the
-shards whose global number (train first, then val) is ``r`` modulo the world size, so ranks
-read, tokenize and write disjoint parts with no communication until the manifest.
+Documents are numbered in source order, training inputs first (see :mod:`corpus`). With
+``--val-input`` the validation split is exactly those inputs' documents and the train split
+every other. Otherwise document ``i`` goes to the validation split when ``floor((i+1)·f) >
+floor(i·f)`` for ``--val-fraction f``: exactly ``floor(n·f)`` documents, spread evenly through
+the corpus, decided from ``i`` alone. Within its split a document goes to shard ``index mod
+shards``, its index being the count of its split's documents before it, and rank ``r`` writes
+the shards whose global number (train first, then val) is ``r`` modulo the world size, so
+ranks read, tokenize and write disjoint parts with no communication until the manifest.
 
 Rank 0 holds ``--out``'s lock (:mod:`hpcllm.folder_lock`) from before the tokenizer is made to
 the end, so a second prepare on the same folder is refused naming the first. The dataset is
@@ -26,13 +28,13 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpcllm import __version__
-from hpcllm.datasets.corpus import Source, find_sources, iter_documents
+from hpcllm.datasets.corpus import Document, Source, find_sources, iter_documents, text_cut
 from hpcllm.datasets.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -55,6 +57,7 @@ from hpcllm.files import atomic_write, durable_replace, fsync_path, partial_path
 from hpcllm.folder_lock import FolderLock, Wording, take
 
 _ENCODE_BATCH = 64
+DEFAULT_VAL_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
@@ -66,15 +69,30 @@ class PrepareOptions:
     corpus: str | None = None
     tokenizer: str = "bpe"
     vocab_size: int | None = None  # BPE only; None: 8192
-    val_fraction: float = 0.01
+    val_fraction: float | None = None  # None: DEFAULT_VAL_FRACTION, or none with val_inputs
     shards: int | None = None
     val_shards: int = 1
-    jsonl_field: str = "text"
+    text_field: str = "text"  # a JSONL record's field, or a Parquet file's column
+    val_inputs: tuple[str, ...] = ()  # the validation split's documents, all of them
+    split_on: str | None = None  # a regular expression that cuts text files into documents
+    chunk_chars: int | None = None  # or the characters of each piece of a text file
+
+    @property
+    def fraction_held_out(self) -> float:
+        """Return the fraction of documents held out for validation document by document:
+        none where ``val_inputs`` are the validation split."""
+        if self.val_inputs:
+            return 0.0
+        return DEFAULT_VAL_FRACTION if self.val_fraction is None else self.val_fraction
 
     def check(self) -> None:
         """Raise a UserError for options that cannot work."""
         if bool(self.inputs) == bool(self.corpus):
             raise UserError("give either --input PATH... or --corpus NAME")
+        if self.val_inputs and self.val_fraction is not None:
+            raise UserError(
+                "give --val-input or --val-fraction, not both: each chooses the validation split"
+            )
         if self.vocab_size is not None:
             if self.tokenizer != "bpe":
                 raise UserError("--vocab-size applies to --tokenizer bpe only")
@@ -82,12 +100,13 @@ class PrepareOptions:
                 raise UserError(
                     f"--vocab-size must be at least 257 (256 bytes + EOS), got {self.vocab_size}"
                 )
-        if not 0 <= self.val_fraction < 1:
+        if not 0 <= self.fraction_held_out < 1:
             raise UserError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.shards is not None and self.shards < 1:
             raise UserError(f"--shards must be positive, got {self.shards}")
         if self.val_shards < 1:
             raise UserError(f"--val-shards must be positive, got {self.val_shards}")
+        text_cut(self.split_on, self.chunk_chars)  # a bad regular expression, before any read
 
 
 class _World:
@@ -147,6 +166,26 @@ def split_of(doc_id: int, val_fraction: float) -> tuple[str, int]:
     if math.floor((doc_id + 1) * val_fraction) > val_before:
         return "val", val_before
     return "train", doc_id - val_before
+
+
+def _split_rule(opts: PrepareOptions) -> Callable[[int, Source], str]:
+    """Return the rule that gives a document's split: its source's (``--input`` or
+    ``--val-input``), else its id's (:func:`split_of`)."""
+    fraction = opts.fraction_held_out
+    return lambda doc_id, source: source.split or split_of(doc_id, fraction)[0]
+
+
+def _documents(
+    opts: PrepareOptions, sources: list[Source], wanted: Callable[[str, int], bool]
+) -> Iterator[Document]:
+    """Yield the documents whose ``(split, index)`` ``wanted`` accepts, as ``opts`` cut them."""
+    yield from iter_documents(
+        sources,
+        _split_rule(opts),
+        wanted,
+        opts.text_field,
+        text_cut(opts.split_on, opts.chunk_chars),
+    )
 
 
 # The files a prepare writes into --out beside the manifest, under their own names
@@ -293,12 +332,7 @@ def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) 
     # error, if any, travels with the result so that every rank stops with it.
     spec, error = None, None
     if world.rank == 0:
-        texts = (
-            text
-            for _, _, text in iter_documents(
-                sources, lambda i: split_of(i, opts.val_fraction)[0] == "train", opts.jsonl_field
-            )
-        )
+        texts = (doc.text for doc in _documents(opts, sources, lambda s, _: s == "train"))
         try:
             spec = train_bpe(texts, opts.vocab_size or 8192).spec
         except UserError as err:
@@ -309,13 +343,12 @@ def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) 
     return Tokenizer(spec)
 
 
-def _shard_plan(opts: PrepareOptions, world: _World) -> tuple[int, Callable[[int], bool]]:
+def _shard_plan(opts: PrepareOptions, world: _World) -> tuple[int, Callable[[str, int], bool]]:
     n_train = opts.shards or world.size
     owner = {"train": lambda s: s % world.size, "val": lambda s: (n_train + s) % world.size}
     n_shards = {"train": n_train, "val": opts.val_shards}
 
-    def mine(doc_id: int) -> bool:
-        split, index = split_of(doc_id, opts.val_fraction)
+    def mine(split: str, index: int) -> bool:
         return owner[split](index % n_shards[split]) == world.rank
 
     return n_train, mine
@@ -327,7 +360,7 @@ def prepare(opts: PrepareOptions, progress: bool = True) -> dict[str, Any]:
     world = _World()
     world.share_cores(rank0_trains=opts.tokenizer == "bpe")
     started = time.perf_counter()
-    sources = find_sources(list(opts.inputs), opts.corpus)
+    sources = find_sources(list(opts.inputs), opts.corpus, list(opts.val_inputs))
     out = opts.out.absolute()  # `--out .` has a parent to stage in too
     held = _lock(out, world)
     try:
@@ -445,7 +478,7 @@ def _tokenize_into(
     opts: PrepareOptions,
     sources: list[Source],
     tokenizer: Tokenizer,
-    mine: Callable[[int], bool],
+    mine: Callable[[str, int], bool],
     n_shards: dict[str, int],
     world: _World,
     progress: bool,
@@ -459,41 +492,42 @@ def _tokenize_into(
         disable=not progress or world.rank != 0 or None,
         leave=False,
     )
-    batch: list[tuple[int, int, str]] = []
+    batch: list[Document] = []
     checked = []
 
     def flush() -> None:
-        encoded = tokenizer.encode_batch([text for _, _, text in batch])
+        encoded = tokenizer.encode_batch([doc.text for doc in batch])
         if not checked and batch:
             checked.append(True)
-            if tokenizer.decode(encoded[0]) != batch[0][2]:
+            if tokenizer.decode(encoded[0]) != batch[0].text:
                 # A tokenizer.json with a normaliser (lower-casing, say) loses text.
                 print(
                     f"hpcllm: warning (rank {world.rank}): the tokenizer does not give "
-                    f"back document {batch[0][0]} exactly; decoded shards will differ from "
+                    f"back document {batch[0].doc_id} exactly; decoded shards will differ from "
                     "the input text",
                     file=sys.stderr,
                     flush=True,
                 )
-        for (doc_id, source_index, text), ids in zip(batch, encoded, strict=True):
-            split, index = split_of(doc_id, opts.val_fraction)
-            key = (split, index % n_shards[split])
+        for doc, ids in zip(batch, encoded, strict=True):
+            key = (doc.split, doc.index % n_shards[doc.split])
             if key not in writers:
                 writers[key] = ShardWriter(
                     opts.out,
-                    split,
+                    doc.split,
                     key[1],
                     vocab_size=tokenizer.vocab_size,
                     eos_id=tokenizer.eos_id,
                     tokenizer_sha256=tokenizer.sha256,
                 )
-            size = len(text.encode("utf-8"))
-            writers[key].append(doc_id, tokenizer.with_bos(ids), sources[source_index].label, size)
+            size = len(doc.text.encode("utf-8"))
+            writers[key].append(
+                doc.doc_id, tokenizer.with_bos(ids), sources[doc.source].label, size
+            )
             bar.update(size)
         batch.clear()
 
-    for item in iter_documents(sources, mine, opts.jsonl_field):
-        batch.append(item)
+    for doc in _documents(opts, sources, mine):
+        batch.append(doc)
         if len(batch) == _ENCODE_BATCH:
             flush()
     flush()
@@ -513,10 +547,17 @@ def _manifest(
         (e for rank_entries in gathered for e in rank_entries), key=lambda e: (e[0], e[1])
     ):
         splits[split].append(entry)
-    text_bytes = sum(e["text_bytes"] for split in SPLITS for e in splits[split])
+    split_bytes = {split: sum(e["text_bytes"] for e in splits[split]) for split in SPLITS}
+    text_bytes = sum(split_bytes.values())
+    label = opts.corpus or ", ".join(opts.inputs)
     if text_bytes == 0:
-        label = opts.corpus or ", ".join(opts.inputs)
         return None, f"the corpus {label} is empty: no document has any text"
+    if opts.val_inputs and split_bytes["train"] == 0:
+        return None, f"the training input {label} is empty: no document has any text"
+    if opts.val_inputs and split_bytes["val"] == 0:
+        return None, (
+            f"the validation input {', '.join(opts.val_inputs)} is empty: no document has any text"
+        )
     if not splits["train"]:
         return None, "no document went to the train split; lower --val-fraction"
     seconds = time.perf_counter() - started
@@ -543,8 +584,15 @@ def _manifest(
             **config,
         },
         "token_dtype": token_dtype(tokenizer.vocab_size).name,
-        "val_fraction": opts.val_fraction,
-        "sources": {"corpus": opts.corpus, "inputs": list(opts.inputs), "files": len(sources)},
+        "val_fraction": None if opts.val_inputs else opts.fraction_held_out,
+        "sources": {
+            "corpus": opts.corpus,
+            "inputs": list(opts.inputs),
+            "val_inputs": list(opts.val_inputs),
+            "files": len(sources),
+            "split_on": opts.split_on,
+            "chunk_chars": opts.chunk_chars,
+        },
         "splits": splits,
         "n_documents": {s: sum(e["n_documents"] for e in splits[s]) for s in SPLITS},
         "n_tokens": {s: sum(e["n_tokens"] for e in splits[s]) for s in SPLITS},

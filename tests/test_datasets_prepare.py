@@ -108,7 +108,7 @@ def test_json_field_is_configurable(tmp_path):
             inputs=(str(tmp_path / "c.jsonl"),),
             tokenizer="byte",
             val_fraction=0.0,
-            jsonl_field="body",
+            text_field="body",
         ),
         progress=False,
     )
@@ -306,7 +306,11 @@ def test_prepare_cli_help_explains_every_option():
         "--val-fraction",
         "--shards",
         "--val-shards",
+        "--text-field",
         "--jsonl-field",
+        "--val-input",
+        "--split-on",
+        "--chunk-chars",
         "--quiet",
     ):
         assert option in run.stdout
@@ -332,5 +336,5 @@ def test_make_corpus_lists_documents_in_prepare_order(tmp_path):
     inputs, docs = make_corpus(tmp_path)
     from hpcllm.datasets.corpus import find_sources, iter_documents
 
-    found = [text for _, _, text in iter_documents(find_sources(inputs), lambda i: True)]
-    assert found == docs
+    every = iter_documents(find_sources(inputs), lambda i, s: "train", lambda s, i: True)
+    assert [doc.text for doc in every] == docs
