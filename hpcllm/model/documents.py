@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hpcllm.parallel.context import ContextParallel
+from hpcllm.parallel.context import ContextParallel, masked_sdpa
 
 # A label that takes no loss (PyTorch's ignore_index); every label under 0 is one.
 IGNORE = -100
@@ -47,6 +46,10 @@ class DocumentMasks:
     eos_id: int
     reset_attention: bool = False
     mask_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reset_attention:
+            masks_ready()
 
     @classmethod
     def of(cls, data: Any, eos_id: int | None) -> DocumentMasks | None:
@@ -124,13 +127,23 @@ def flex_wanted(device: torch.device, dropout_p: float) -> bool:
 _eager: list[Any] = []
 
 
+def masks_ready() -> None:
+    """Make, once, the mask maker the compiler leaves alone and the compiled FlexAttention:
+    before a compiled model first calls them (a run's :class:`DocumentMasks` does), so that
+    no compiled graph makes them; not at import, where torch.compiler would import Triton."""
+    if not _eager:
+        _eager.append(torch.compiler.disable(_make_mask))
+    if not _compiled_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex.append(torch.compile(flex_attention, dynamic=False))
+
+
 def attention_mask(documents: torch.Tensor, flex: bool) -> Any:
     """Return the within-document causal mask of a sample's tokens, ``documents`` (b, s): a
     FlexAttention ``BlockMask`` where ``flex``, else a boolean tensor (b, 1, s, s). Made
-    outside any compiled graph (disabled here, not at import, where torch.compiler would
-    import Triton), once per forward, for every block."""
-    if not _eager:
-        _eager.append(torch.compiler.disable(_make_mask))
+    outside any compiled graph, once per forward, for every block."""
+    masks_ready()
     return _eager[0](documents, flex)
 
 
@@ -143,19 +156,21 @@ def _make_mask(documents: torch.Tensor, flex: bool) -> Any:
         return (k <= q) & (documents[b, q] == documents[b, k])
 
     b, s = documents.shape
-    return create_block_mask(within_document, b, None, s, s, device=documents.device)
+    # Compiled, the block mask is made block by block; eager, torch makes the whole (b, s, s)
+    # mask first. Eager off CUDA, where only the tests make a block mask (its meaning).
+    return create_block_mask(
+        within_document,
+        b,
+        None,
+        s,
+        s,
+        device=documents.device,
+        _compile=documents.device.type == "cuda",
+    )
 
 
-_compiled_flex: list[Any] = []
-
-
-def _flex_attention() -> Any:
-    """Return FlexAttention compiled (once): uncompiled it runs an unfused reference."""
-    if not _compiled_flex:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex.append(torch.compile(flex_attention, dynamic=False))
-    return _compiled_flex[0]
+_eager: list[Any] = []  # the mask maker, disabled for the compiler
+_compiled_flex: list[Any] = []  # FlexAttention compiled: uncompiled it is an unfused reference
 
 
 def masked_attention(
@@ -171,9 +186,10 @@ def masked_attention(
     :func:`attention_mask` made: FlexAttention for a block mask (``flex``: the function to
     call; None: the compiled one), else scaled_dot_product_attention."""
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
-        )
+        return masked_sdpa(q, k, v, mask, dropout_p, gqa)
     if dropout_p:
         raise ValueError("FlexAttention takes no attention dropout; use a boolean mask")
-    return (flex or _flex_attention())(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if flex is None:
+        masks_ready()
+        flex = _compiled_flex[0]
+    return flex(q, k, v, block_mask=mask, enable_gqa=gqa)

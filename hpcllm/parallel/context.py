@@ -177,13 +177,13 @@ class ContextParallel:
             end = (chunk + 1) * c
             if masks is not None:
                 outs.append(
-                    torch.nn.functional.scaled_dot_product_attention(
+                    masked_sdpa(
                         q[:, :, part * c : (part + 1) * c],
                         k_seq[:, :, :end],
                         v_seq[:, :, :end],
-                        attn_mask=masks[part],
-                        dropout_p=dropout_p,
-                        enable_gqa=gqa,
+                        masks[part],
+                        dropout_p,
+                        gqa,
                     )
                 )
                 continue
@@ -198,6 +198,27 @@ class ContextParallel:
                 )
             )
         return torch.cat(outs, dim=2)
+
+
+def masked_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    dropout_p: float = 0.0,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """Return scaled_dot_product_attention of ``q`` over ``k`` and ``v`` under the boolean
+    ``mask`` (True: attend). On CUDA grouped key/value heads are repeated to the query heads
+    first: torch's grouped-query attention runs only the flash kernel, which takes no mask, or
+    the math one, which keeps the fp32 scores; the memory-efficient kernel takes the mask."""
+    if gqa and q.device.type == "cuda":
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        gqa = False
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
+    )
 
 
 # On CUDA the lower-right causal mask is torch's CausalBias, which runs the flash or the
