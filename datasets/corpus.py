@@ -240,8 +240,8 @@ def _parquet_file(path: Path, field: str) -> Any:
         raise UserError(
             f"{path} has no column {field!r} (choose it with --text-field); its columns: {columns}"
         )
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not _is_text(schema.field(field).type):
+        kind = schema.field(field).type
         raise UserError(
             f"{path}: column {field!r} holds {kind}, not text (choose the text column with "
             f"--text-field); its columns: {columns}"
@@ -249,15 +249,35 @@ def _parquet_file(path: Path, field: str) -> Any:
     return parquet
 
 
-def _parquet_texts(path: Path, column: Any, field: str, first_row: int) -> list[str]:
-    """Return the strings of a batch of Parquet column ``field`` whose first row is
-    ``first_row``; a null is refused naming its row."""
+def _is_text(kind: Any) -> bool:
+    """Return whether a Parquet column of Arrow type ``kind`` holds strings: plain, large, a
+    view (newer writers) or dictionary-encoded (pandas' categoricals)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or view(kind)
+
+
+def _parquet_texts(
+    path: Path, column: Any, field: str, first_row: int, keep: list[bool]
+) -> list[str]:
+    """Return the strings of the rows ``keep`` says of a batch of Parquet column ``field``
+    whose first row is ``first_row``; a null among them is refused naming its row. Only those
+    rows become Python strings: a rank keeps about one row in its world size."""
+    import pyarrow as pa
+
+    column = column.filter(pa.array(keep, type=pa.bool_()))
     if column.null_count:
-        row = first_row + column.is_null().to_pylist().index(True)
+        kept = [row for row, wanted in enumerate(keep) if wanted]
+        row = first_row + kept[column.is_null().to_pylist().index(True)]
         raise UserError(
             f"{path}: row {row} (counting from 0) has no text: column {field!r} is null",
             same_on_all_ranks=False,
         )
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        column = column.cast(pa.large_string())
     return column.to_pylist()
 
 
@@ -293,19 +313,23 @@ def _parquet_documents(
     for group in range(parquet.num_row_groups):
         rows = parquet.metadata.row_group(group).num_rows
         numbers = [numbering.next(source) for _ in range(rows)]
-        if any(wanted(split, index) for _, split, index in numbers):
-            texts = _parquet_group_texts(source.path, parquet, group, field, first_row)
-            for (doc_id, split, index), text in zip(numbers, texts, strict=True):
-                if wanted(split, index):
-                    yield Document(doc_id, split, index, where, text)
+        keep = [wanted(split, index) for _, split, index in numbers]
+        if any(keep):
+            texts = _parquet_group_texts(source.path, parquet, group, field, first_row, keep)
+            mine = [
+                number for number, wanted_here in zip(numbers, keep, strict=True) if wanted_here
+            ]
+            for (doc_id, split, index), text in zip(mine, texts, strict=True):
+                yield Document(doc_id, split, index, where, text)
         first_row += rows
 
 
 def _parquet_group_texts(
-    path: Path, parquet: Any, group: int, field: str, first_row: int
+    path: Path, parquet: Any, group: int, field: str, first_row: int, keep: list[bool]
 ) -> Iterator[str]:
-    """Yield the texts of row group ``group`` whose first row is ``first_row``, read batch by
-    batch and only column ``field``: a row group can be far larger than its text."""
+    """Yield the texts of the rows ``keep`` says of row group ``group``, whose first row is
+    ``first_row``, read batch by batch and only column ``field``: a row group can be far
+    larger than its text."""
     import pyarrow as pa
 
     batches = parquet.iter_batches(batch_size=_PARQUET_BATCH, row_groups=[group], columns=[field])
@@ -317,7 +341,8 @@ def _parquet_group_texts(
             raise UserError(f"cannot read {path}: {err}", same_on_all_ranks=False) from None
         if batch is None:
             return
-        yield from _parquet_texts(path, batch.column(0), field, row)
+        chosen = keep[row - first_row : row - first_row + batch.num_rows]
+        yield from _parquet_texts(path, batch.column(0), field, row, chosen)
         row += batch.num_rows
 
 

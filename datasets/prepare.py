@@ -332,7 +332,9 @@ def _make_tokenizer(opts: PrepareOptions, sources: list[Source], world: _World) 
     # error, if any, travels with the result so that every rank stops with it.
     spec, error = None, None
     if world.rank == 0:
-        texts = (doc.text for doc in _documents(opts, sources, lambda s, _: s == "train"))
+        # --val-input's sources come last and hold no training document: not even read.
+        train_sources = [source for source in sources if source.split != "val"]
+        texts = (doc.text for doc in _documents(opts, train_sources, lambda s, _: s == "train"))
         try:
             spec = train_bpe(texts, opts.vocab_size or 8192).spec
         except UserError as err:

@@ -318,6 +318,26 @@ def test_bad_parquet_is_refused_naming_the_file(tmp_path, table, words):
     assert words in str(refused.value)
 
 
+def test_a_dictionary_encoded_text_column_reads_as_its_strings(tmp_path):
+    """pandas writes a categorical column dictionary-encoded: its rows are still text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = ["first row", "second", "first row", "third ü"]
+    column = pa.array(rows).dictionary_encode()
+    pq.write_table(pa.table({"text": column}), tmp_path / "cat.parquet")
+    prepare(
+        PrepareOptions(
+            out=tmp_path / "out",
+            inputs=(str(tmp_path / "cat.parquet"),),
+            tokenizer="byte",
+            val_fraction=0.0,
+        ),
+        progress=False,
+    )
+    assert _texts(tmp_path / "out", "train") == rows
+
+
 def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
     parquet, _, _ = _parquet_and_jsonl(tmp_path)
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now fails
