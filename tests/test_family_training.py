@@ -19,7 +19,10 @@ from family_runs import cli, registered, tiny, train_together
 
 import hpcllm
 from hpcllm import families
+from hpcllm.datasets.reader import MicroBatchReader
+from hpcllm.datasets.shards import load_manifest
 from hpcllm.evaluate import evaluate
+from hpcllm.model.documents import DocumentMasks
 
 # name: (ranks, sets), each against the one-process run.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -81,6 +84,22 @@ def test_a_family_trains_alike_under_every_layout_and_engine_and_recuts(
         assert norms[name][0] == pytest.approx(norms["docs-t1"][0], rel=1e-6), name
         assert norms[name] == pytest.approx(norms["docs-t1"], rel=1e-4), name
     assert losses["docs-off"][0] != pytest.approx(losses["docs-t1"][0], rel=1e-3)
+    # hpcllm evaluate reads a masked run's checkpoint under its masks.
+    manifest = load_manifest(short_docs)
+    reader = MicroBatchReader(manifest, split="train", seq_len=32, micro_batch_size=2, seed=1234)
+    batches = iter(reader)
+    batch = next(batches)
+    batches.close()
+    model, masks = (
+        hpcllm.load_model(tmp_path / "docs-t1"),
+        DocumentMasks(manifest.eos_id, True, True),
+    )
+    ids = batch.input_ids
+    with torch.no_grad():
+        masked = model(ids, masks.labels(ids, batch.labels), **masks.keywords(ids)).item()
+        plain = model(ids, batch.labels).item()
+    got = evaluate(tmp_path / "docs-t1", short_docs, split="train", iters=1).loss
+    assert got == pytest.approx(masked, rel=1e-6) and got != pytest.approx(plain, rel=1e-3)
     # Every layout is one model: merged whole, the logits agree; re-cut into t = 2 × p = 2
     # and merged again, the one-process checkpoint is the same model to the last bit.
     ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -288,6 +288,14 @@ class Trainer:
                 f"{where}: {self.manifest.n_tokens('train')} train tokens, "
                 f"{reader.dataset.n_samples} samples"
             )
+        documents = self.parallelized.documents
+        if documents is not None:  # what the packed samples' end-of-text tokens do
+            acts = ["attention and positions restart after each end-of-text token"] * bool(
+                documents.reset_attention
+            )
+            acts += ["no loss where the input is end-of-text"] * bool(documents.mask_loss)
+            line = f"documents: {'; '.join(acts)} (id {documents.eos_id})"
+            data = [*([data] if isinstance(data, str) else data), line]
         resume = self.checkpointer.describe_resume(self.state.step)
         return self.metrics.banner(resume, self.vocab_size, data)
 
