@@ -89,12 +89,14 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     plan.add_argument(
         "--software",
-        choices=("hpcllm", "megatron-2021"),
+        choices=("hpcllm", "megatron-2021", "megatron-core"),
         default="hpcllm",
         help="how the step runs: hpcllm (fp32 weights under autocast, flash attention, DDP "
         "overlapping the backward) or megatron-2021 (the SC21 paper's: fp16, unfused "
         "attention, no overlap, no sequence parallelism, recompute full or none; flags that "
-        "contradict it are refused) [default: hpcllm]",
+        "contradict it are refused) or megatron-core (2024: bf16 weights, fp32 gradients, "
+        "data-parallel, tensor-parallel and pipeline communication overlapped) "
+        "[default: hpcllm]",
     )
     plan.add_argument(
         "--precision", choices=("bf16", "fp16", "fp32"), help="[default: the software's]"

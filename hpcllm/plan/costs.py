@@ -84,12 +84,19 @@ from hpcllm import families
 from hpcllm.config import BatchPlan, ModelConfig, model_config, moe_layers, padded_vocab
 from hpcllm.flops import moe_flops_delta
 from hpcllm.parallel.pipeline.simulate import theory_bubble
-from hpcllm.plan.hardware import Cluster, bus_factor, gemm_efficiency, latency_steps
+from hpcllm.plan.hardware import (
+    Cluster,
+    attention_efficiency,
+    bus_factor,
+    gemm_efficiency,
+    latency_steps,
+)
+from hpcllm.plan.sources import value
 from hpcllm.user_error import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
-SOFTWARE = ("hpcllm", "megatron-2021")
+SOFTWARE = ("hpcllm", "megatron-2021", "megatron-core")
 
 
 def _dense_ffn(shape: families.Shape) -> int:
@@ -233,7 +240,9 @@ class Layout:
 class Software:
     """How the training code runs a step (what it computes is the same).
 
-    ``hpcllm()`` is this project; ``megatron_2021()`` the Megatron-LM of the SC21 paper.
+    ``hpcllm()`` is this project; ``megatron_2021()`` the Megatron-LM of the SC21 paper;
+    ``megatron_core()`` NVIDIA's Megatron-Core of 2024 with the overlaps its published H100
+    runs turn on.
     """
 
     precision: str = "bf16"
@@ -241,6 +250,16 @@ class Software:
     weights: str = "fp32"  # fp32 | mixed
     grad_bytes: int = 4  # bytes per gradient element in the data-parallel all-reduce
     dp_overlap: bool = True  # the all-reduce overlaps the last backward
+    # The distributed optimizer's parameter all-gather overlaps the next step's first forward
+    # (Megatron-Core's --overlap-param-gather): the reduce-scatter half of the data-parallel
+    # time hides behind the last backward, the all-gather half behind the first forward.
+    param_gather_overlap: bool = False
+    # Tensor-parallel collectives run under the GEMMs they feed and follow (Transformer
+    # Engine's --tp-comm-overlap): exposed only where a layer's exceed its GEMMs.
+    tp_overlap: bool = False
+    # The interleaved schedule's sends and receives overlap the next chunk's compute
+    # (Megatron-Core's default): the steady state exposes none of them.
+    p2p_overlap: bool = False
     distributed_optimizer: bool = False
     schedules: tuple[str, ...] = SCHEDULES  # the pipeline schedules the code runs
     interleave_min_pp: int = 2  # the smallest p the interleaved schedule runs at
@@ -308,6 +327,33 @@ class Software:
         )
 
     @classmethod
+    def megatron_core(cls) -> Software:
+        """Return Megatron-Core's way (2024; the Megatron-LM README's H100 scaling runs, which
+        overlap data-parallel (``--overlap-grad-reduce --overlap-param-gather``),
+        tensor-parallel (``--tp-comm-overlap``) and pipeline communication with compute).
+
+        bf16 weights with fp32 main gradients, reduced in fp32, and fp32 master weights and
+        moments (the distributed optimizer shards them over d); flash attention; sequence
+        parallelism, selective or full recomputation; 1F1B and interleaved schedules with
+        uneven stages; the vocabulary-parallel cross-entropy and the fp16/bf16 optimizer's
+        passes as in 2021.
+        """
+        return cls(
+            "bf16",
+            "flash",
+            "mixed",
+            4,
+            True,
+            param_gather_overlap=True,
+            tp_overlap=True,
+            p2p_overlap=True,
+            schedules=("1f1b", "interleaved"),
+            loss_bytes=(38, 14),
+            optimizer_bytes=60,
+            precisions=("bf16", "fp16"),
+        )
+
+    @classmethod
     def named(
         cls, name: str, precision: str | None = None, distributed_optimizer: bool = False
     ) -> Software:
@@ -315,7 +361,11 @@ class Software:
         distributed optimizer asked for; a UserError where that software had neither."""
         if name not in SOFTWARE:
             raise UserError(f"unknown software {name!r}; one of {', '.join(SOFTWARE)}")
-        software = cls.megatron_2021() if name == "megatron-2021" else cls.hpcllm()
+        software = {
+            "hpcllm": cls.hpcllm,
+            "megatron-2021": cls.megatron_2021,
+            "megatron-core": cls.megatron_core,
+        }[name]()
         if precision is not None:
             if precision not in software.precisions:
                 raise UserError(
@@ -524,8 +574,9 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
         # Causal: half of the 4·b·s²·a/t score and context FLOPs are computed (a: the
         # heads' width, h unless head_dim is free).
         flops = 2.0 * b * s * s * a / t
-        attention_f = flops / (peak * 1e12 * cluster.gpu.flash_efficiency)
-        attention_b = 2.5 * attention_f
+        efficiency = attention_efficiency(cluster.gpu, s, head_dim)
+        attention_f = flops / (peak * 1e12 * efficiency)
+        attention_b = value("flash.backward_ratio") * attention_f
     else:
         scores = b * heads * s * s
         bmm = (
@@ -571,6 +622,8 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     link = "inter_node" if _spans_nodes(cluster, 1, t) else "intra_node"
     pair = ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",) * 2
     tp_f = sum(collective_s(cluster, link, op, b * s * h * e, t) for op in pair)
+    if software.tp_overlap:  # under the layer's GEMMs (the backward's are twice as long)
+        tp_f = max(0.0, tp_f - gemm)
     # zb-h1's weight pass: the weight GEMMs and the bias gradients.
     return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm + bias_grads, bias_grads)
 
@@ -880,7 +933,10 @@ def estimate(
         bubble = ratio * m * (stage_f + stage_b) + (p - 1) / v * p2p
     else:
         bubble = 0.0
-    pp_exposed = m * p2p
+    # Overlapped, the steady state's transfers hide behind the next chunk; the warm-up's
+    # (the bubble's term above) stay on the critical path.
+    overlapped = software.p2p_overlap and layout.schedule == "interleaved"
+    pp_exposed = 0.0 if overlapped else m * p2p
     # The tied embedding's gradient, summed between the first and the last stage: where the
     # family's rules put a tensor on both (``first+last``) and this shape ties it.
     tied = shape.tied and any(rule.stage == "first+last" for rule in family.tensors)
@@ -894,7 +950,13 @@ def estimate(
             2,
         )
     dp_time = _gradient_sync_s(cluster, software, layout, params, routed)
-    hidden_dp = min(dp_time, stage_b) if software.dp_overlap else 0.0
+    if not software.dp_overlap:
+        hidden_dp = 0.0
+    elif software.param_gather_overlap and software.distributed_optimizer:
+        # The reduce-scatter under the last backward, the all-gather under the first forward.
+        hidden_dp = min(dp_time / 2, stage_b) + min(dp_time / 2, stage_f)
+    else:
+        hidden_dp = min(dp_time, stage_b)
     dp_exposed = dp_time - hidden_dp
     optimizer = _optimizer_s(cluster, software, layout, params, routed)
     # The tp and ep collectives of every forward: once more in the backward, and in a full

@@ -1,19 +1,19 @@
 """What the planner knows of a machine: GPU kinds from their specifications, clusters from YAML.
 
+Every number here comes from :mod:`hpcllm.plan.sources`, which names where each comes from.
 Peaks are the dense (no sparsity) tensor-core figures of NVIDIA's data sheets; ``fp32`` is
 TF32, which hpcllm's fp32 runs use on tensor cores. What a kernel achieves is a fraction of
 those peaks:
 
-- ``gemm_ceiling``: the share of peak the best-shaped BF16 GEMM sustains, the "maximum
-  achievable matmul FLOPS" that Stas Bekman's *Machine Learning Engineering* lists from its
-  ``mamf-finder`` sweeps: A100 SXM 267.9 of 312 TFLOP/s (0.86), H100 SXM 792.1 of 989 (0.80);
-  H100 PCIe and H200 take the H100 SXM's share. Smaller GEMMs lose to tile and wave
-  quantization (:func:`gemm_efficiency`).
-- ``flash_efficiency``: FlashAttention-2's fraction of peak, forward and backward together
-  (Dao 2023: 50–73% of an A100's peak forward, lower backward; on H100 about 35–50%).
-- ``memory_efficiency``: the share of HBM bandwidth a streaming kernel reaches. H100: 0.9,
-  measured on this project's H100 (about 3,000 GB/s copy bandwidth of 3,350); A100: 0.87
-  (STREAM-like copies at about 1.75 TB/s of 2.04).
+- ``gemm_ceiling``: the share of peak the best-shaped BF16 GEMM sustains (Bekman's mamf-finder
+  sweeps). Smaller GEMMs lose to tile and wave quantization (:func:`gemm_efficiency`, by the
+  table ``hpcllm bench device`` measured).
+- ``flash_efficiency``: causal flash attention's share of peak, forward and backward together,
+  at sequence 2,048 and head dimension 128 (``bench device``'s shape); other shapes scale by
+  :func:`attention_efficiency`.
+- ``memory_efficiency``: the share of HBM bandwidth a streaming kernel reaches.
+- ``sfu_tops``: the special-function units' rate (a softmax's exp), which bounds attention
+  at small head dimensions.
 
 A cluster file names a GPU kind (or describes one with a ``gpu_spec`` mapping, as the CPU file
 does) and the network. Bandwidths are what collectives achieve (nccl-tests' "bus bandwidth"),
@@ -30,22 +30,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hpcllm.plan.sources import SHAPE_FACTOR, value
 from hpcllm.user_error import UserError
 
-# Fraction of ``gemm_ceiling`` by a GEMM's smallest dimension: 128×128 and 256×128 tiles are
-# filled only from 128 on, and a GEMM needs a few tiles per SM (108 on an A100, 132 on an
-# H100) to fill the waves; from about 2,048 on the shape no longer matters. Between the
-# points, linear in log2 of the dimension.
-SHAPE_FACTOR: tuple[tuple[int, float], ...] = (
-    (16, 0.08),
-    (32, 0.15),
-    (64, 0.30),
-    (128, 0.50),
-    (256, 0.70),
-    (512, 0.85),
-    (1024, 0.95),
-    (2048, 1.00),
-)
+# The shape at which ``flash_efficiency`` is given (``hpcllm bench device`` measures there).
+FLASH_SEQ, FLASH_HEAD_DIM = 2048, 128
 
 
 @dataclass(frozen=True)
@@ -60,23 +49,41 @@ class GPU:
     gemm_ceiling: float
     flash_efficiency: float
     memory_efficiency: float
-    # (smallest dimension, fraction of gemm_ceiling), increasing; measured by
-    # ``hpcllm bench device`` where a cluster file gives one.
+    # (smallest dimension, fraction of gemm_ceiling), increasing, linear in log2 between the
+    # points; measured by ``hpcllm bench device`` (the built-in table, or a cluster file's).
     shape_factor: tuple[tuple[int, float], ...] = SHAPE_FACTOR
+    sfu_tops: float | None = None  # T exp/s; None: attention not scaled by head dimension
 
     def peak(self, precision: str) -> float:
         """Return the peak TFLOP/s for ``bf16``, ``fp16`` or ``fp32``."""
         return self.peak_fp32 if precision == "fp32" else self.peak_bf16
 
 
+def _kind(name: str, family: str, sfu: str) -> GPU:
+    """Return GPU kind ``name`` from its figures (:data:`hpcllm.plan.sources.FIGURES`): its
+    own data sheet's, its generation's (``family``) achieved fractions."""
+    flash = "a100" if family == "a100" else "h100"
+    return GPU(
+        name,
+        value(f"{name}.peak_bf16"),
+        value(f"{name}.peak_fp32"),
+        value(f"{name}.memory_gb"),
+        value(f"{name}.hbm_gbps"),
+        value(f"{flash}.gemm_ceiling"),
+        value(f"{flash}.flash_efficiency"),
+        value(f"{family}.memory_efficiency"),
+        sfu_tops=value(f"{sfu}.sfu_tops"),
+    )
+
+
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
-        GPU("a100-40gb", 312.0, 156.0, 40.0, 1555.0, 0.86, 0.55, 0.87),
-        GPU("a100-80gb", 312.0, 156.0, 80.0, 2039.0, 0.86, 0.55, 0.87),
-        GPU("h100-sxm", 989.4, 494.7, 80.0, 3350.0, 0.80, 0.45, 0.90),
-        GPU("h100-pcie", 756.0, 378.0, 80.0, 2000.0, 0.80, 0.45, 0.90),
-        GPU("h200", 989.4, 494.7, 141.0, 4800.0, 0.80, 0.45, 0.90),
+        _kind("a100-40gb", "a100", "a100"),
+        _kind("a100-80gb", "a100", "a100"),
+        _kind("h100-sxm", "h100", "h100-sxm"),
+        _kind("h100-pcie", "h100", "h100-pcie"),
+        _kind("h200", "h200", "h100-sxm"),
     )
 }
 
@@ -96,6 +103,35 @@ def gemm_efficiency(gpu: GPU, dims: Sequence[int]) -> float:
     return gpu.gemm_ceiling * table[-1][1]
 
 
+def attention_efficiency(gpu: GPU, seq: int, head_dim: int) -> float:
+    """Return the fraction of peak causal flash attention reaches, forward and backward, at
+    this sequence length and head dimension: ``flash_efficiency`` (given at 2,048 and 128)
+    scaled by two shares that the shape moves.
+
+    - The causal tiles: a kernel walks blocks of ``flash.block`` queries and keys and computes
+      the n(n + 1)/2 blocks on and below the diagonal of the n = s/block; the n²/2 below it are
+      the causal work counted, n/(n + 1) of it.
+    - The exps: each score takes 14·d matmul FLOPs (2·2·d forward, 2.5 times that backward) and
+      two exps (forward and the backward's recomputation) on the special-function units; the
+      matmul share of that time grows with the head dimension d.
+    """
+    block = value("flash.block")
+
+    def tiles(s: int) -> float:
+        n = max(1.0, s / block)
+        return n / (n + 1)
+
+    def matmuls(d: int) -> float:
+        if gpu.sfu_tops is None:
+            return 1.0
+        flops = 2 * 2 * d * (1 + value("flash.backward_ratio"))
+        mm = flops / (gpu.peak_bf16 * 1e12)
+        return mm / (mm + 2 / (gpu.sfu_tops * 1e12))
+
+    shape = tiles(seq) / tiles(FLASH_SEQ) * matmuls(head_dim) / matmuls(FLASH_HEAD_DIM)
+    return gpu.flash_efficiency * shape
+
+
 @dataclass(frozen=True)
 class Cluster:
     """GPUs per node and the network between them."""
@@ -107,7 +143,8 @@ class Cluster:
     inter_node_gbps: float  # per GPU and direction, over its own network adapter
     intra_node_latency_us: float
     inter_node_latency_us: float
-    usable_memory_fraction: float = 0.9  # the rest: CUDA context, workspaces, fragmentation
+    # the rest: CUDA context, workspaces, fragmentation (sources: usable_memory_fraction)
+    usable_memory_fraction: float = value("usable_memory_fraction")
     # Measured collective tables (``hpcllm bench report``): {link kind: {collective: {message
     # bytes: bus GB/s}}}, link kinds in LINK_KINDS, collectives in COLLECTIVES.
     comm_tables: dict[str, dict[str, dict[int, float]]] = field(
@@ -202,8 +239,9 @@ def _gpu(where: str, raw: dict[str, Any]) -> GPU:
         spec = raw["gpu_spec"]
         if not isinstance(spec, dict):
             raise UserError(f"{where}: gpu_spec must be a mapping of the GPU fields")
-        names = [f.name for f in fields(GPU) if f.name not in ("name", "shape_factor")]
-        unknown = sorted(set(spec) - set(names) - {"shape_factor"})
+        optional = ("shape_factor", "sfu_tops")
+        names = [f.name for f in fields(GPU) if f.name not in ("name", *optional)]
+        unknown = sorted(set(spec) - set(names) - set(optional))
         if unknown:
             raise UserError(f"{where}: gpu_spec has unknown field {unknown[0]}")
         # A known kind takes the fields given (what ``hpcllm bench device`` measured) and
@@ -218,6 +256,10 @@ def _gpu(where: str, raw: dict[str, Any]) -> GPU:
             values["shape_factor"] = _shape_factor(where, spec["shape_factor"])
         elif base is not None:
             values["shape_factor"] = base.shape_factor
+        if "sfu_tops" in spec:
+            values["sfu_tops"] = _number(where, "sfu_tops", spec["sfu_tops"])
+        elif base is not None:
+            values["sfu_tops"] = base.sfu_tops
         return GPU(str(kind if kind is not None else "custom"), **values)
     if base is None:
         raise UserError(f"{where}: unknown gpu {kind!r}; kinds: {', '.join(GPUS)} (or a gpu_spec)")
@@ -240,7 +282,11 @@ def cluster_from_dict(raw: Any, where: str = "cluster") -> Cluster:
     per_node = raw["gpus_per_node"]
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         raise UserError(f"{where}: gpus_per_node must be a positive integer, got {per_node!r}")
-    usable = _number(where, "usable_memory_fraction", raw.get("usable_memory_fraction", 0.9))
+    usable = _number(
+        where,
+        "usable_memory_fraction",
+        raw.get("usable_memory_fraction", value("usable_memory_fraction")),
+    )
     if usable > 1:
         raise UserError(f"{where}: usable_memory_fraction must be at most 1")
     return Cluster(

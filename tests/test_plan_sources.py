@@ -1,0 +1,96 @@
+"""Every figure the planner prices a step with names where it comes from, and no other number
+hides in its cost code (issue: a planner validated on tables none of its figures was fitted
+to)."""
+
+import ast
+import dataclasses
+import math
+import re
+
+import pytest
+from mpirun import REPO
+
+from hpcllm.plan import costs, hardware, sources
+from hpcllm.plan.sources import FIGURES, KINDS, SHAPE_FACTOR, SHAPE_FACTOR_SOURCE
+
+COST_CODE = [REPO / "hpcllm" / "plan" / "costs.py", REPO / "hpcllm" / "plan" / "hardware.py"]
+# Input checks, not figures: a measured shape table's share above this is refused as no share.
+INPUT_BOUNDS = {1.5}
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_every_figure_has_a_kind_and_a_source(name):
+    figure = FIGURES[name]
+    assert figure.kind in KINDS, name
+    assert len(figure.source) > 20, name
+    assert figure.value > 0, name
+    if figure.kind == "publication":  # authors or a named work, and a year or a table
+        assert re.search(r"(19|20)\d\d", figure.source), name
+
+
+def test_every_measurement_names_a_report_that_exists():
+    measured = [f for f in [*FIGURES.values(), SHAPE_FACTOR_SOURCE] if f.kind == "measurement"]
+    assert measured
+    for figure in measured:
+        paths = re.findall(r"docs/reports/[\w./-]+", figure.source)
+        assert paths, figure.source
+        for path in paths:
+            assert (REPO / path.rstrip(".")).exists(), path
+
+
+def test_the_shape_table_is_the_measured_reports_mean():
+    # Each point is the mean of the two device.yaml tables the source names.
+    import yaml
+
+    tables = [
+        yaml.safe_load((REPO / path).read_text())["gpu_spec"]["shape_factor"]
+        for path in re.findall(r"docs/reports/[\w./-]+\.yaml", SHAPE_FACTOR_SOURCE.source)
+    ]
+    assert len(tables) == 2
+    for dim, share in SHAPE_FACTOR:
+        assert share == pytest.approx(sum(t[dim] for t in tables) / 2, abs=1e-4), dim
+
+
+def test_every_gpu_kind_is_made_of_named_figures():
+    values = {f.value for f in FIGURES.values()}
+    for gpu in hardware.GPUS.values():
+        for field in dataclasses.fields(gpu):
+            got = getattr(gpu, field.name)
+            if field.name == "name":
+                continue
+            if field.name == "shape_factor":
+                assert got == SHAPE_FACTOR
+                continue
+            assert got in values, (gpu.name, field.name, got)
+
+
+@pytest.mark.parametrize("path", COST_CODE, ids=lambda p: p.name)
+def test_the_cost_code_holds_no_figure_of_its_own(path):
+    # Integers are counts the docstrings derive (bytes per value, passes, collectives) and
+    # powers of ten convert units; any other fraction would be a figure, and figures live in
+    # hpcllm/plan/sources.py with a source.
+    fractions = [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, float)
+        and not node.value.is_integer()
+        and not math.log10(node.value).is_integer()
+        and node.value not in INPUT_BOUNDS
+    ]
+    assert not fractions, fractions
+
+
+def test_a_software_profile_is_a_list_of_what_it_overlaps_and_fuses():
+    # The three profiles docs/plan.md describes differ where their software does.
+    hpcllm, old, core = (costs.Software.named(n) for n in costs.SOFTWARE)
+    assert (hpcllm.dp_overlap, hpcllm.tp_overlap, hpcllm.p2p_overlap) == (True, False, False)
+    assert (old.dp_overlap, old.tp_overlap, old.p2p_overlap, old.attention) == (
+        False,
+        False,
+        False,
+        "unfused",
+    )
+    assert core.tp_overlap and core.p2p_overlap and core.param_gather_overlap
+    assert core.weights == "mixed" and core.grad_bytes == 4
+    assert sources.value("flash.backward_ratio") == 2.5
