@@ -36,8 +36,10 @@ TABLE_1 = [
     (128, 20480, 105, 8, 35, 2520, 2520, 163),
     (160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-# What the model reaches today, row by row (docs/plan.md: +8% to +16%); the issue asks for 15%.
-TABLE_1_TOLERANCE = 0.17
+# What the model reaches today, row by row (docs/plan.md: +3% to +13%, eight rows within the
+# 10% the planner aims at, the two deeply interleaved ones at 12-13%), and its mean error.
+TABLE_1_TOLERANCE = 0.13
+TABLE_1_MEAN_ERROR = 0.07
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
@@ -70,6 +72,58 @@ def test_the_table_1_predictions_are_all_high_and_within_the_tolerance():
     # The model leaves out only costs (launches, congestion, stragglers): it errs high.
     errors = [predicted / measured - 1 for _, predicted, measured in table_1_predictions()]
     assert all(0 < e < TABLE_1_TOLERANCE for e in errors), errors
+    assert sum(errors) / len(errors) < TABLE_1_MEAN_ERROR, errors
+    assert sum(e < 0.10 for e in errors) >= 8, errors
+
+
+# Held out: The Llama 3 Herd of Models (Llama Team, 2024), Table 4, the two rows at sequence
+# 8,192: 405B on H100s at TP 8, CP 1, PP 16, a 16M-token batch; GPUs and BF16 MFU.
+LLAMA3_ROWS = [(8192, 0.43), (16384, 0.41)]
+LLAMA3_COMMAND = [
+    "--model", "llama3.1-405b", "--seq", "8192", "--gpus", "GPUS", "--global-batch", "2048",
+    "--tp", "8", "--pp", "16", "--cp", "1", "--precision", "bf16", "--distributed-optimizer",
+    "--software", "megatron-core", "--cluster", "jobs/clusters/dgx-h100.yaml",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_llama3_405b_is_predicted_within_10_percent_of_table_4_as_docs_plan_md_shows():
+    section = PLAN_MD.read_text().split("### Held out: Llama 3 405B")[1].split("\n### ")[0]
+    block = section.split("```bash\n")[1].split("\n```")[0]
+    command = block.split("#")[0].replace("\\\n", " ").split()
+    assert command == ["hpcllm", "plan", *LLAMA3_COMMAND], command
+    for gpus, published in LLAMA3_ROWS:
+        args = [str(gpus) if a == "GPUS" else a for a in LLAMA3_COMMAND]
+        done = _plan(*args[:-1], str(DGX_H100), "--json")
+        assert done.returncode == 0, done.stderr
+        best = json.loads(done.stdout)["layouts"][0]
+        error = best["mfu"] / published - 1
+        assert abs(error) < 0.10, (gpus, best["mfu"])
+        row = f"| {gpus:,} | {published:.0%} | {best['mfu']:.1%} | {error:+.1%} |"
+        assert row in section, row
+
+
+# This project's H100 steps of the plain model under torch.compile (docs/benchmarks.md):
+# the model's planner arguments and the measured milliseconds a step.
+SINGLE_GPU = [
+    ("gpt2-124m", ["--micro-batch", "16", "--vocab", "50257"], 36.66),
+    ("gpt2-1.3b", ["--micro-batch", "4", "--vocab", "50257"], 150.85),
+    ("llama3.2-1b", ["--micro-batch", "4", "--seq", "2048"], 140.4),
+]
+
+
+@pytest.mark.slow
+def test_one_gpu_steps_are_predicted_within_10_percent_as_docs_plan_md_shows():
+    section = PLAN_MD.read_text().split("### One GPU")[1].split("\n### ")[0]
+    for model, args, measured_ms in SINGLE_GPU:
+        done = _plan("--model", model, *args, "--gpus", "1", "--global-batch", args[1],
+                     "--recompute", "none", "--cluster", str(DGX_H100), "--json")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        predicted_ms = json.loads(done.stdout)["layouts"][0]["step_time_s"] * 1e3
+        error = measured_ms / predicted_ms - 1
+        assert abs(error) < 0.10, (model, predicted_ms)
+        row = next(line for line in section.splitlines() if line.startswith(f"| {model},"))
+        assert f"| {predicted_ms:.1f} ms | {error:+.1%} |" in row, row
 
 
 def test_megatron_2021_runs_only_the_layouts_megatron_ran():
