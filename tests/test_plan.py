@@ -1,10 +1,12 @@
 """``hpcllm plan``: the cost model against the SC21 paper's measurements and against hpcllm's
 own schedules, the search, and the command as a user types it."""
 
+import itertools
 import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -115,7 +117,9 @@ SINGLE_GPU = [
 @pytest.mark.slow
 def test_one_gpu_steps_are_predicted_within_10_percent_as_docs_plan_md_shows():
     section = PLAN_MD.read_text().split("### One GPU")[1].split("\n### ")[0]
+    measured_in = (REPO / "docs" / "benchmarks.md").read_text()
     for model, args, measured_ms in SINGLE_GPU:
+        assert f" {measured_ms} " in measured_in or f"{measured_ms} ms" in measured_in, model
         done = _plan("--model", model, *args, "--gpus", "1", "--global-batch", args[1],
                      "--recompute", "none", "--cluster", str(DGX_H100), "--json")  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -1001,3 +1005,29 @@ def test_a_long_sequence_keeps_cp1_and_a_mixture_of_experts_plans_at_cp1_only():
                "--global-batch", "8", "--cluster", str(DGX_H100), "--cp", "2")  # fmt: skip
     assert done.returncode == 2 and "mixtures of experts at cp = 1 only" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_megatron_cores_overlaps_hide_what_they_can_and_the_parts_add_up():
+    # Llama 3 8B's shape at sequence 1,024 on four DGX H100 nodes: t 2, p 2, d 16 and one
+    # micro-batch each, so that the data-parallel reduction outlasts a backward.
+    model = Model.of("llama", 32, 4096, 32, 1024, 128256, kv_heads=8, ffn=14336, tied=False)
+    cluster, core = load_cluster(DGX_H100), Software.megatron_core()
+    plain = replace(core, tp_overlap=False, p2p_overlap=False, param_gather_overlap=False)
+    layout = Layout(2, 2, 16, 2, 1, "interleaved", "full", sequence_parallel=True)
+    for software, lay in itertools.product((core, plain), (layout, replace(layout, vpp=1,
+                                           schedule="1f1b"))):  # fmt: skip
+        e = estimate(model, lay, cluster, software, 16)
+        assert sum(e.time_parts_s.values()) == pytest.approx(e.step_time_s), (software, lay)
+    over, under = (estimate(model, layout, cluster, s, 16) for s in (core, plain))
+    for axis in ("tp", "pp", "dp"):  # what is hidden is taken off what was exposed, no more
+        total = under.time_parts_s[axis] + under.hidden_comm_s.get(axis, 0.0)
+        assert over.time_parts_s[axis] + over.hidden_comm_s[axis] == pytest.approx(total), axis
+        assert over.hidden_comm_s[axis] > under.hidden_comm_s.get(axis, 0.0), axis
+        assert 0 <= over.hidden_comm_s[axis] <= total, axis
+    assert over.time_parts_s["pp"] == 0.0 and over.hidden_comm_s["pp"] > 0
+    # 1F1B's sends stay exposed; without sequence parallelism nothing tp hides (Transformer
+    # Engine overlaps its all-gathers and reduce-scatters only).
+    one = estimate(model, replace(layout, vpp=1, schedule="1f1b"), cluster, core, 16)
+    assert one.hidden_comm_s["pp"] == 0.0 and one.time_parts_s["pp"] > 0
+    no_sp = estimate(model, replace(layout, sequence_parallel=False), cluster, core, 16)
+    assert no_sp.hidden_comm_s["tp"] == 0.0 and no_sp.time_parts_s["tp"] > 0

@@ -38,30 +38,48 @@ def test_every_measurement_names_a_report_that_exists():
             assert (REPO / path.rstrip(".")).exists(), path
 
 
-def test_the_shape_table_is_the_measured_reports_mean():
-    # Each point is the mean of the two device.yaml tables the source names.
+def _reported_specs(figure: sources.Figure) -> list[dict]:
+    """Return the gpu_spec mappings of the device.yaml reports a figure's source names."""
     import yaml
 
-    tables = [
-        yaml.safe_load((REPO / path).read_text())["gpu_spec"]["shape_factor"]
-        for path in re.findall(r"docs/reports/[\w./-]+\.yaml", SHAPE_FACTOR_SOURCE.source)
+    return [
+        yaml.safe_load((REPO / path).read_text())["gpu_spec"]
+        for path in re.findall(r"docs/reports/[\w./-]+\.yaml", figure.source)
     ]
-    assert len(tables) == 2
+
+
+def test_the_measured_figures_are_their_reports_means():
+    # Each point of the shape table, Hopper's flash efficiency and the copy share: the mean
+    # of the two device.yaml files their sources name.
+    specs = _reported_specs(SHAPE_FACTOR_SOURCE)
+    assert len(specs) == 2
     for dim, share in SHAPE_FACTOR:
-        assert share == pytest.approx(sum(t[dim] for t in tables) / 2, abs=1e-4), dim
+        assert share == pytest.approx(sum(s["shape_factor"][dim] for s in specs) / 2, abs=1e-4)
+    for name, key in (("h100.flash_efficiency", "flash_efficiency"),
+                      ("memory_efficiency", "memory_efficiency")):  # fmt: skip
+        specs = _reported_specs(FIGURES[name])
+        assert len(specs) == 2, name
+        assert FIGURES[name].value == pytest.approx(sum(s[key] for s in specs) / 2), name
 
 
-def test_every_gpu_kind_is_made_of_named_figures():
-    values = {f.value for f in FIGURES.values()}
-    for gpu in hardware.GPUS.values():
-        for field in dataclasses.fields(gpu):
-            got = getattr(gpu, field.name)
-            if field.name == "name":
-                continue
-            if field.name == "shape_factor":
-                assert got == SHAPE_FACTOR
-                continue
-            assert got in values, (gpu.name, field.name, got)
+def test_every_gpu_kind_is_made_of_its_own_figures():
+    generation = {"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100",
+                  "h100-pcie": "h100", "h200": "h100"}  # fmt: skip
+    sfu = {"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100-sxm",
+           "h100-pcie": "h100-pcie", "h200": "h100-sxm"}  # fmt: skip
+    assert set(hardware.GPUS) == set(generation)
+    for name, gpu in hardware.GPUS.items():
+        for field in ("peak_bf16", "peak_fp32", "memory_gb", "hbm_gbps"):
+            assert getattr(gpu, field) == sources.value(f"{name}.{field}"), (name, field)
+        for field in ("gemm_ceiling", "flash_efficiency"):
+            assert getattr(gpu, field) == sources.value(f"{generation[name]}.{field}")
+        assert gpu.memory_efficiency == sources.value("memory_efficiency")
+        assert gpu.sfu_tops == sources.value(f"{sfu[name]}.sfu_tops")
+        assert gpu.shape_factor == SHAPE_FACTOR
+    # Every field a kind has is one of those checked above.
+    checked = {"name", "peak_bf16", "peak_fp32", "memory_gb", "hbm_gbps", "gemm_ceiling",
+               "flash_efficiency", "memory_efficiency", "sfu_tops", "shape_factor"}  # fmt: skip
+    assert {f.name for f in dataclasses.fields(hardware.GPU)} == checked
 
 
 @pytest.mark.parametrize("path", COST_CODE, ids=lambda p: p.name)
@@ -92,5 +110,4 @@ def test_a_software_profile_is_a_list_of_what_it_overlaps_and_fuses():
         "unfused",
     )
     assert core.tp_overlap and core.p2p_overlap and core.param_gather_overlap
-    assert core.weights == "mixed" and core.grad_bytes == 4
-    assert sources.value("flash.backward_ratio") == 2.5
+    assert core.weights == "mixed" and core.grad_bytes == 4 and core.distributed_optimizer

@@ -4,8 +4,9 @@ The planner prices a step from a GPU's peak and four achieved fractions
 (:mod:`hpcllm.plan.hardware`): the share of peak the best GEMM sustains (``gemm_ceiling``),
 how that share falls with a GEMM's smallest dimension (``shape_factor``), the share of peak
 causal flash attention reaches (``flash_efficiency``) and the share of HBM bandwidth a copy
-reaches (``memory_efficiency``). Built in, they come from data sheets and published sweeps;
-this benchmark measures them here and writes them as a ``gpu_spec`` mapping that a cluster
+reaches (``memory_efficiency``). Built in, they come from published sweeps and this project's
+own runs of this benchmark on two H200s (:mod:`hpcllm.plan.sources` names each); it measures
+them here and writes them as a ``gpu_spec`` mapping that a cluster
 file takes as it is, so the planner prices this GPU from its own numbers.
 
 - GEMMs: for each dimension d, the three shapes with d as M, N or K and the other two at
@@ -15,7 +16,10 @@ file takes as it is, so the planner prices this GPU from its own numbers.
   share at d = ``--size``).
 - Attention: ``scaled_dot_product_attention`` causal, forward and backward, at batch 4,
   16 heads of 128, sequence 2048; the planner counts 2·b·s²·h FLOPs forward and 2.5 times
-  that backward (the causal half), so ``flash_efficiency`` = 7·b·s²·h / time / peak.
+  that backward (the causal half), so ``flash_efficiency`` = 7·b·s²·h / time / peak, the
+  figure at the shape the planner scales others from (for the kinds it knows, whose
+  special-function rate ``sfu_tops`` it has; a fragment for another device gives none, and
+  its efficiency then holds at every shape).
 - HBM: ``dst.copy_(src)`` of 1 GiB; bandwidth = 2 × bytes / time; ``memory_efficiency`` =
   bandwidth / the data sheet's.
 

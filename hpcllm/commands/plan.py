@@ -91,11 +91,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--software",
         choices=("hpcllm", "megatron-2021", "megatron-core"),
         default="hpcllm",
-        help="how the step runs: hpcllm (fp32 weights under autocast, flash attention, DDP "
-        "overlapping the backward) or megatron-2021 (the SC21 paper's: fp16, unfused "
-        "attention, no overlap, no sequence parallelism, recompute full or none; flags that "
-        "contradict it are refused) or megatron-core (2024: bf16 weights, fp32 gradients, "
-        "data-parallel, tensor-parallel and pipeline communication overlapped) "
+        help="whose step is priced: hpcllm (fp32 weights under autocast, flash attention, DDP "
+        "overlapping the backward); megatron-2021 (the SC21 paper's: fp16, unfused attention, "
+        "no overlap, no sequence parallelism, recompute full or none; flags that contradict it "
+        "are refused); megatron-core (2024: bf16 weights, fp32 gradients, the distributed "
+        "optimizer, data-parallel, tensor-parallel and pipeline communication overlapped) "
         "[default: hpcllm]",
     )
     plan.add_argument(

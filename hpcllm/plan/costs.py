@@ -344,6 +344,7 @@ class Software:
             "mixed",
             4,
             True,
+            distributed_optimizer=True,
             param_gather_overlap=True,
             tp_overlap=True,
             p2p_overlap=True,
@@ -357,7 +358,7 @@ class Software:
     def named(
         cls, name: str, precision: str | None = None, distributed_optimizer: bool = False
     ) -> Software:
-        """Return the software ``name`` (``hpcllm`` or ``megatron-2021``) with the precision and
+        """Return the software ``name`` (one of :data:`SOFTWARE`) with the precision and
         distributed optimizer asked for; a UserError where that software had neither."""
         if name not in SOFTWARE:
             raise UserError(f"unknown software {name!r}; one of {', '.join(SOFTWARE)}")
@@ -547,6 +548,13 @@ class _Layer:
     bias_grads: float = 0.0  # the backward's bias-gradient reductions
     ep_f: float = 0.0  # an MoE block's all-to-alls of one forward (dispatch and combine)
     cp_f: float = 0.0  # the keys' and values' all-gather over cp (backward: a reduce-scatter)
+    tp_b: float | None = None  # exposed tp time of one backward (None: tp_f's)
+    tp_hidden_f: float = 0.0  # tp time one forward hides under its GEMMs
+    tp_hidden_b: float = 0.0  # tp time one backward hides under its GEMMs
+
+    @property
+    def tp_backward(self) -> float:
+        return self.tp_f if self.tp_b is None else self.tp_b
 
     @property
     def forward(self) -> float:
@@ -559,7 +567,7 @@ class _Layer:
         core = self.attention_f + self.cp_f
         redo = {"none": 0.0, "selective": core, "full": self.forward}[recompute]
         own = 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.bias_grads
-        return own + self.tp_f + self.ep_f + self.cp_f + redo
+        return own + self.tp_backward + self.ep_f + self.cp_f + redo
 
 
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
@@ -621,11 +629,25 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
     # reduce-scatter each (the same bytes on a ring).
     link = "inter_node" if _spans_nodes(cluster, 1, t) else "intra_node"
     pair = ("all_gather", "reduce_scatter") if layout.sequence_parallel else ("all_reduce",) * 2
-    tp_f = sum(collective_s(cluster, link, op, b * s * h * e, t) for op in pair)
-    if software.tp_overlap:  # under the layer's GEMMs (the backward's are twice as long)
-        tp_f = max(0.0, tp_f - gemm)
+    tp = sum(collective_s(cluster, link, op, b * s * h * e, t) for op in pair)
+    tp_f = tp_b = tp
+    if software.tp_overlap and layout.sequence_parallel:
+        # Under the GEMMs they feed and follow (Transformer Engine's overlap splits sequence
+        # parallelism's all-gathers and reduce-scatters); the backward's GEMMs are twice as long.
+        tp_f, tp_b = max(0.0, tp - gemm), max(0.0, tp - 2 * gemm)
     # zb-h1's weight pass: the weight GEMMs and the bias gradients.
-    return _Layer(gemm, attention_f, attention_b, elementwise, tp_f, gemm + bias_grads, bias_grads)
+    return _Layer(
+        gemm,
+        attention_f,
+        attention_b,
+        elementwise,
+        tp_f,
+        gemm + bias_grads,
+        bias_grads,
+        tp_b=tp_b,
+        tp_hidden_f=tp - tp_f,
+        tp_hidden_b=tp - tp_b,
+    )
 
 
 def per_rank_model(model: Model, layout: Layout) -> Model:
@@ -858,9 +880,14 @@ def _gradient_sync_s(
     experts over the d replicas of each shard (t ranks apart), the routed experts' over their
     d/ep expert-data-parallel replicas (t·ep ranks apart)."""
     t, d, ep = layout.tp, layout.replicas, layout.ep
-    seconds = _dp_allreduce_s(cluster, params * software.grad_bytes, t, d) if d > 1 else 0.0
+    per_parameter: float = software.grad_bytes
+    if software.distributed_optimizer:
+        # A reduce-scatter of the gradients and an all-gather of the updated weights, each half
+        # of an all-reduce's ring: the weights travel in their own precision.
+        per_parameter = (software.grad_bytes + _state_bytes(software)[0]) / 2
+    seconds = _dp_allreduce_s(cluster, params * per_parameter, t, d) if d > 1 else 0.0
     if routed and d // ep > 1:
-        seconds += _dp_allreduce_s(cluster, routed * software.grad_bytes, t * ep, d // ep)
+        seconds += _dp_allreduce_s(cluster, routed * per_parameter, t * ep, d // ep)
     return seconds
 
 
@@ -874,6 +901,36 @@ def _optimizer_s(
         shards, expert_shards = layout.replicas, layout.replicas // layout.ep
     nbytes = software.optimizer_bytes
     return _memory_s(cluster, params * nbytes / shards + routed * nbytes / expert_shards)
+
+
+def _p2p_s(cluster: Cluster, layout: Layout, nbytes: float) -> float:
+    """Return one micro-batch's pipeline point-to-point time on a rank: an activation of
+    ``nbytes`` forward and its gradient back per chunk boundary (v of them), 1/t of it per GPU
+    with scatter/gather or sequence parallelism (then, without the latter, an all-gather
+    inside the node)."""
+    t, p = layout.tp, layout.pp
+    if p == 1:
+        return 0.0
+    link = "inter_node" if _spans_nodes(cluster, t * layout.cp * layout.dp, 2) else "intra_node"
+    split = t > 1 and (layout.scatter_gather or layout.sequence_parallel)
+    one = collective_s(cluster, link, "send_recv", nbytes / t if split else nbytes, 2)
+    if split and not layout.sequence_parallel:  # the all-gather inside the node
+        one += collective_s(cluster, "intra_node", "all_gather", nbytes, t, latency=False)
+    return 2 * layout.vpp * one
+
+
+def _hidden_dp_s(software: Software, dp_time: float, stage_f: float, stage_b: float) -> float:
+    """Return the data-parallel time the software hides: none, the last backward's worth, or
+    with the parameter all-gather overlapped (Megatron-Core) the gradients' reduce-scatter
+    under the last backward and the weights' all-gather under the next step's first forward,
+    each its share of the bytes."""
+    if not software.dp_overlap:
+        return 0.0
+    if software.param_gather_overlap and software.distributed_optimizer:
+        grads, weights = software.grad_bytes, _state_bytes(software)[0]
+        gather = dp_time * weights / (grads + weights)
+        return min(dp_time - gather, stage_b) + min(gather, stage_f)
+    return min(dp_time, stage_b)
 
 
 def estimate(
@@ -911,16 +968,7 @@ def estimate(
         + loss_b
     )
     stage_w = dense_blocks * layer.weight_grad + moe_blocks * moe.weight_grad + head_gemm
-    # Pipeline point-to-point: an activation forward and its gradient back per chunk boundary.
-    p2p = 0.0
-    if p > 1:
-        nbytes = b * s * h * e
-        link = "inter_node" if _spans_nodes(cluster, t * layout.cp * d, 2) else "intra_node"
-        split = t > 1 and (layout.scatter_gather or layout.sequence_parallel)
-        one = collective_s(cluster, link, "send_recv", nbytes / t if split else nbytes, 2)
-        if split and not layout.sequence_parallel:  # the all-gather inside the node
-            one += collective_s(cluster, "intra_node", "all_gather", nbytes, t, latency=False)
-        p2p = 2 * v * one
+    p2p = _p2p_s(cluster, layout, b * s * h * e)
     # Each micro-batch's weight gradients are added into the step's (read both, write one).
     params, routed = rank_parameters_by_kind(model, layout)
     stage_b += _memory_s(cluster, (params + routed) * software.grad_accumulation_bytes)
@@ -937,6 +985,7 @@ def estimate(
     # (the bubble's term above) stay on the critical path.
     overlapped = software.p2p_overlap and layout.schedule == "interleaved"
     pp_exposed = 0.0 if overlapped else m * p2p
+    pp_hidden = m * p2p - pp_exposed
     # The tied embedding's gradient, summed between the first and the last stage: where the
     # family's rules put a tensor on both (``first+last``) and this shape ties it.
     tied = shape.tied and any(rule.stage == "first+last" for rule in family.tensors)
@@ -950,19 +999,15 @@ def estimate(
             2,
         )
     dp_time = _gradient_sync_s(cluster, software, layout, params, routed)
-    if not software.dp_overlap:
-        hidden_dp = 0.0
-    elif software.param_gather_overlap and software.distributed_optimizer:
-        # The reduce-scatter under the last backward, the all-gather under the first forward.
-        hidden_dp = min(dp_time / 2, stage_b) + min(dp_time / 2, stage_f)
-    else:
-        hidden_dp = min(dp_time, stage_b)
+    hidden_dp = _hidden_dp_s(software, dp_time, stage_f, stage_b)
     dp_exposed = dp_time - hidden_dp
     optimizer = _optimizer_s(cluster, software, layout, params, routed)
     # The tp and ep collectives of every forward: once more in the backward, and in a full
     # recomputation's forward.
     passes = 2 + (layout.recompute == "full")
-    tp_total = m * layers_per_rank * layer.tp_f * passes
+    forwards = passes - 1
+    tp_total = m * layers_per_rank * (layer.tp_f * forwards + layer.tp_backward)
+    tp_hidden = m * layers_per_rank * (layer.tp_hidden_f * forwards + layer.tp_hidden_b)
     ep_total = m * moe_blocks * moe.ep_f * passes
     # The gather forward, its reduce-scatter backward, and the gather again where recomputed.
     cp_total = m * layers_per_rank * layer.cp_f * (2 + (layout.recompute != "none"))
@@ -993,6 +1038,6 @@ def estimate(
             "dp": dp_exposed,
             "optimizer": optimizer,
         },
-        hidden_comm_s={"dp": hidden_dp},
+        hidden_comm_s={"dp": hidden_dp, "tp": tp_hidden, "pp": pp_hidden},
         all_to_all_pricing=pricing,
     )

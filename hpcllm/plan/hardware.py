@@ -61,7 +61,7 @@ class GPU:
 
 def _kind(name: str, family: str, sfu: str) -> GPU:
     """Return GPU kind ``name`` from its figures (:data:`hpcllm.plan.sources.FIGURES`): its
-    own data sheet's, its generation's (``family``) achieved fractions."""
+    own data sheet's, its generation's (``family``) GEMM and attention fractions."""
     flash = "a100" if family == "a100" else "h100"
     return GPU(
         name,
@@ -71,7 +71,7 @@ def _kind(name: str, family: str, sfu: str) -> GPU:
         value(f"{name}.hbm_gbps"),
         value(f"{flash}.gemm_ceiling"),
         value(f"{flash}.flash_efficiency"),
-        value(f"{family}.memory_efficiency"),
+        value("memory_efficiency"),
         sfu_tops=value(f"{sfu}.sfu_tops"),
     )
 
@@ -114,7 +114,12 @@ def attention_efficiency(gpu: GPU, seq: int, head_dim: int) -> float:
     - The exps: each score takes 14·d matmul FLOPs (2·2·d forward, 2.5 times that backward) and
       two exps (forward and the backward's recomputation) on the special-function units; the
       matmul share of that time grows with the head dimension d.
+
+    A kind without ``sfu_tops`` (a CPU, a device described by its ``gpu_spec`` alone) has no
+    known flash kernel: its ``flash_efficiency`` holds at every shape.
     """
+    if gpu.sfu_tops is None:
+        return gpu.flash_efficiency
     block = value("flash.block")
 
     def tiles(s: int) -> float:
@@ -122,8 +127,7 @@ def attention_efficiency(gpu: GPU, seq: int, head_dim: int) -> float:
         return n / (n + 1)
 
     def matmuls(d: int) -> float:
-        if gpu.sfu_tops is None:
-            return 1.0
+        assert gpu.sfu_tops is not None
         flops = 2 * 2 * d * (1 + value("flash.backward_ratio"))
         mm = flops / (gpu.peak_bf16 * 1e12)
         return mm / (mm + 2 / (gpu.sfu_tops * 1e12))

@@ -419,6 +419,24 @@ def _experts_record(plan: Plan) -> dict[str, Any]:
     return {} if experts is None else {"experts": asdict(experts)}
 
 
+def _dp_hidden_behind(software: Software) -> str:
+    """Return what the data-parallel reduction hides behind under this software."""
+    if software.param_gather_overlap and software.distributed_optimizer:
+        return "last backward (gradients) and the next first forward (weights)"
+    return "backward"
+
+
+def _overlap_lines(best: Estimate) -> list[str]:
+    """Return the lines saying what tensor-parallel and pipeline time the software hid."""
+    hidden = {k: best.hidden_comm_s.get(k, 0.0) for k in ("tp", "pp")}
+    names = {"tp": "tensor-parallel collectives", "pp": "pipeline sends"}
+    return [
+        f"#1 {names[k]}: {best.time_parts_s[k]:.3f} s exposed, {v:.3f} s hidden under compute"
+        for k, v in hidden.items()
+        if v > 0
+    ]
+
+
 def _expert_lines(plan: Plan, best: Estimate) -> list[str]:
     """Return what the best layout does with the experts: their memory, their all-to-all."""
     experts = plan.model.experts
@@ -481,7 +499,8 @@ def render(plan: Plan, top: int) -> str:
             f"#1 memory per GPU (GB): {memory}; of {c.gpu.memory_gb:.0f} GB, "
             f"{c.usable_memory_fraction:.0%} usable",
             f"#1 data-parallel all-reduce: {best.time_parts_s['dp']:.3f} s exposed, "
-            f"{hidden:.3f} s hidden behind the backward",
+            f"{hidden:.3f} s hidden behind the {_dp_hidden_behind(plan.software)}",
+            *_overlap_lines(best),
             *_expert_lines(plan, best),
             "TFLOP/s counts the FLOPs done, recomputation included (Narayanan et al.); MFU "
             "counts the model's FLOPs only",
