@@ -544,17 +544,13 @@ class _Layer:
     attention_b: float
     elementwise_f: float
     tp_f: float  # exposed all-reduce time of one forward
+    tp_b: float  # exposed all-reduce time of one backward
     weight_grad: float  # the share of the backward that computes weight (and bias) gradients
     bias_grads: float = 0.0  # the backward's bias-gradient reductions
     ep_f: float = 0.0  # an MoE block's all-to-alls of one forward (dispatch and combine)
     cp_f: float = 0.0  # the keys' and values' all-gather over cp (backward: a reduce-scatter)
-    tp_b: float | None = None  # exposed tp time of one backward (None: tp_f's)
     tp_hidden_f: float = 0.0  # tp time one forward hides under its GEMMs
     tp_hidden_b: float = 0.0  # tp time one backward hides under its GEMMs
-
-    @property
-    def tp_backward(self) -> float:
-        return self.tp_f if self.tp_b is None else self.tp_b
 
     @property
     def forward(self) -> float:
@@ -567,7 +563,7 @@ class _Layer:
         core = self.attention_f + self.cp_f
         redo = {"none": 0.0, "selective": core, "full": self.forward}[recompute]
         own = 2 * self.gemm_f + self.attention_b + 2 * self.elementwise_f + self.bias_grads
-        return own + self.tp_backward + self.ep_f + self.cp_f + redo
+        return own + self.tp_b + self.ep_f + self.cp_f + redo
 
 
 def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -> _Layer:
@@ -642,9 +638,9 @@ def _layer(model: Model, layout: Layout, cluster: Cluster, software: Software) -
         attention_b,
         elementwise,
         tp_f,
+        tp_b,
         gemm + bias_grads,
         bias_grads,
-        tp_b=tp_b,
         tp_hidden_f=tp - tp_f,
         tp_hidden_b=tp - tp_b,
     )
@@ -1006,7 +1002,7 @@ def estimate(
     # recomputation's forward.
     passes = 2 + (layout.recompute == "full")
     forwards = passes - 1
-    tp_total = m * layers_per_rank * (layer.tp_f * forwards + layer.tp_backward)
+    tp_total = m * layers_per_rank * (layer.tp_f * forwards + layer.tp_b)
     tp_hidden = m * layers_per_rank * (layer.tp_hidden_f * forwards + layer.tp_hidden_b)
     ep_total = m * moe_blocks * moe.ep_f * passes
     # The gather forward, its reduce-scatter backward, and the gather again where recomputed.

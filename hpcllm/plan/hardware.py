@@ -52,25 +52,25 @@ class GPU:
     # (smallest dimension, fraction of gemm_ceiling), increasing, linear in log2 between the
     # points; measured by ``hpcllm bench device`` (the built-in table, or a cluster file's).
     shape_factor: tuple[tuple[int, float], ...] = SHAPE_FACTOR
-    sfu_tops: float | None = None  # T exp/s; None: attention not scaled by head dimension
+    sfu_tops: float | None = None  # T exp/s; None: attention not scaled by its shape
 
     def peak(self, precision: str) -> float:
         """Return the peak TFLOP/s for ``bf16``, ``fp16`` or ``fp32``."""
         return self.peak_fp32 if precision == "fp32" else self.peak_bf16
 
 
-def _kind(name: str, family: str, sfu: str) -> GPU:
+def _kind(name: str, generation: str, sfu: str) -> GPU:
     """Return GPU kind ``name`` from its figures (:data:`hpcllm.plan.sources.FIGURES`): its
-    own data sheet's, its generation's (``family``) GEMM and attention fractions."""
-    flash = "a100" if family == "a100" else "h100"
+    own data sheet's, its generation's GEMM and attention fractions, the special-function
+    rate of kind ``sfu``."""
     return GPU(
         name,
         value(f"{name}.peak_bf16"),
         value(f"{name}.peak_fp32"),
         value(f"{name}.memory_gb"),
         value(f"{name}.hbm_gbps"),
-        value(f"{flash}.gemm_ceiling"),
-        value(f"{flash}.flash_efficiency"),
+        value(f"{generation}.gemm_ceiling"),
+        value(f"{generation}.flash_efficiency"),
         value("memory_efficiency"),
         sfu_tops=value(f"{sfu}.sfu_tops"),
     )
@@ -83,7 +83,7 @@ GPUS: dict[str, GPU] = {
         _kind("a100-80gb", "a100", "a100"),
         _kind("h100-sxm", "h100", "h100-sxm"),
         _kind("h100-pcie", "h100", "h100-pcie"),
-        _kind("h200", "h200", "h100-sxm"),
+        _kind("h200", "h100", "h100-sxm"),
     )
 }
 
