@@ -25,7 +25,6 @@ CPU = REPO / "jobs" / "clusters" / "cpu-local.yaml"
 
 # Narayanan et al. (SC21), Table 1, all ten rows: heads, hidden, layers, t, p, GPUs, batch,
 # TFLOP/s per GPU measured on Selene (vocabulary 51,200, sequence 2,048, full recomputation).
-# The issue gave every other row (1.7B, 7.5B, 39.1B, 145.6B, 1T); the others are checked alike.
 TABLE_1 = [
     (24, 2304, 24, 1, 1, 32, 512, 137),
     (32, 3072, 30, 2, 1, 64, 512, 138),
@@ -38,9 +37,24 @@ TABLE_1 = [
     (128, 20480, 105, 8, 35, 2520, 2520, 163),
     (160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-# What the model reaches today, row by row (docs/plan.md: +3% to +13%, eight rows within the
-# 10% the planner aims at, the two deeply interleaved ones at 12-13%), and its mean error.
-TABLE_1_TOLERANCE = 0.13
+# How each row ran, from the authors' own script (Megatron-LM, examples/sc21/run_table_1.sh):
+# micro-batch, schedule and v (its --num-layers-per-virtual-pipeline-stage turned into chunks
+# per stage); the data-parallel engine follows from p in the megatron-2021 profile.
+TABLE_1_RUN = [
+    (16, "1f1b", 1),
+    (16, "1f1b", 1),
+    (16, "1f1b", 1),
+    (8, "1f1b", 1),
+    (4, "1f1b", 1),
+    (2, "interleaved", 3),
+    (2, "interleaved", 2),
+    (1, "interleaved", 2),
+    (1, "interleaved", 3),
+    (1, "1f1b", 1),
+]
+# What the model reaches today, row by row (docs/plan.md: +2% to +11%, nine rows within the
+# 10% the planner aims at, 76.1B at 11%), and its mean error.
+TABLE_1_TOLERANCE = 0.12
 TABLE_1_MEAN_ERROR = 0.07
 
 
@@ -52,14 +66,15 @@ def table_1_predictions() -> list[tuple[int, float, float]]:
     """Return (hidden, predicted, measured TFLOP/s per GPU) for each row of TABLE_1."""
     cluster = load_cluster(DGX_A100)
     rows = []
-    for heads, hidden, layers, t, p, gpus, batch, measured in TABLE_1:
+    for row, (micro_batch, schedule, v) in zip(TABLE_1, TABLE_1_RUN, strict=True):
+        heads, hidden, layers, t, p, gpus, batch, measured = row
         plan = search(
             Model.of("gpt2", layers, hidden, heads, 2048, 51200),
             gpus,
             batch,
             cluster,
             Software.megatron_2021(),
-            Fixed(tp=t, pp=p, recompute="full", sequence_parallel=False),
+            Fixed(t, p, v, micro_batch, schedule, "full", sequence_parallel=False),
         )
         rows.append((hidden, plan.ranked[0].tflops_per_gpu, measured))
     return rows
@@ -75,7 +90,7 @@ def test_the_table_1_predictions_are_all_high_and_within_the_tolerance():
     errors = [predicted / measured - 1 for _, predicted, measured in table_1_predictions()]
     assert all(0 < e < TABLE_1_TOLERANCE for e in errors), errors
     assert sum(errors) / len(errors) < TABLE_1_MEAN_ERROR, errors
-    assert sum(e < 0.10 for e in errors) >= 8, errors
+    assert sum(e < 0.10 for e in errors) >= 9, errors
 
 
 # Held out: The Llama 3 Herd of Models (Llama Team, 2024), Table 4, the two rows at sequence
@@ -559,7 +574,7 @@ TABLE_1_COMMON = [
 
 def _docs_table_1() -> list[dict]:
     """Return the rows of docs/plan.md's Table 1: params, the row's own options, published and
-    predicted TFLOP/s, the error."""
+    predicted TFLOP/s, the error, the planner's own pick."""
     rows = []
     for line in PLAN_MD.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -571,6 +586,7 @@ def _docs_table_1() -> list[dict]:
                     "published": float(cells[2]),
                     "predicted": cells[3],
                     "error": cells[4].strip("*"),
+                    "own": cells[5],
                 }
             )
     return rows
@@ -582,11 +598,20 @@ def test_table_1_through_the_cli_is_what_docs_plan_md_shows_and_what_the_library
     assert [r["published"] for r in rows] == [row[-1] for row in TABLE_1]
     statement = PLAN_MD.read_text().split("### Row by row")[1].split("\n## ")[0]
     library = table_1_predictions()
-    for row, (_, expected, _) in zip(rows, library, strict=True):
+    for row, (_, expected, _), run in zip(rows, library, TABLE_1_RUN, strict=True):
         done = _plan(*TABLE_1_COMMON, *row["args"])
         assert done.returncode == 0, done.stderr
         best = json.loads(done.stdout)["layouts"][0]
         assert best["sequence_parallel"] is False  # megatron-2021 had none
+        assert (best["micro_batch"], best["schedule"], best["vpp"]) == run, row["params"]
+        # The last column: the same command without the run's micro-batch, schedule and v.
+        own_args = row["args"][: row["args"].index("--micro-batch")]
+        own = json.loads(_plan(*TABLE_1_COMMON, *own_args).stdout)["layouts"][0]
+        kind = own["schedule"] + (f" v {own['vpp']}" if own["schedule"] == "interleaved" else "")
+        own_error = own["tflops_per_gpu"] / row["published"] - 1
+        assert row["own"] == (
+            f"{kind}, b {own['micro_batch']}: {own['tflops_per_gpu']:.1f} ({own_error:+.1%})"
+        ), row["params"]
         predicted = best["tflops_per_gpu"]
         assert predicted == expected  # the CLI and the library: one number
         assert f"{predicted:.1f}" == row["predicted"], row["params"]
@@ -629,11 +654,12 @@ def _with_tables(path, scale: float = 1.0, intra: float = 4.0):
 
 @pytest.mark.slow
 def test_measured_tables_between_nodes_price_a_data_parallel_layout_across_nodes(tmp_path):
-    # 1.7B on 32 GPUs, t = p = 1: the all-reduce's ring spans 4 nodes. Megatron 2021 does not
-    # overlap it, so the whole of it is in the step.
+    # 1.7B on 32 GPUs, t = 1, p = 2: the all-reduce's ring spans nodes. Megatron 2021 does
+    # not overlap it under a pipeline (its local DDP), so the whole of it is in the step.
     args = ["--layers", "24", "--hidden", "2304", "--heads", "24", "--seq", "2048",
-            "--gpus", "32", "--global-batch", "512", "--tp", "1", "--pp", "1",
-            "--micro-batch", "16", "--software", "megatron-2021", "--recompute", "full",
+            "--gpus", "32", "--global-batch", "512", "--tp", "1", "--pp", "2",
+            "--micro-batch", "16", "--schedule", "1f1b", "--software", "megatron-2021",
+            "--recompute", "full",
             "--json", "--top", "1"]  # fmt: skip
 
     def best(cluster):
@@ -645,7 +671,7 @@ def test_measured_tables_between_nodes_price_a_data_parallel_layout_across_nodes
     half = best(_with_tables(tmp_path / "half.yaml", 0.5))
     double = best(_with_tables(tmp_path / "double.yaml", 2.0))
     assert half["step_time_s"] > base["step_time_s"] > double["step_time_s"]
-    # At 3.4 GB the tables' largest size holds: the exposed all-reduce scales with 1/bandwidth.
+    # At 1.7 GB the tables' largest size holds: the exposed all-reduce scales with 1/bandwidth.
     assert half["time_parts_s"]["dp"] == pytest.approx(2 * base["time_parts_s"]["dp"], rel=0.01)
     assert double["time_parts_s"]["dp"] == pytest.approx(base["time_parts_s"]["dp"] / 2, rel=0.01)
     constants = best(DGX_A100)
@@ -1031,3 +1057,18 @@ def test_megatron_cores_overlaps_hide_what_they_can_and_the_parts_add_up():
     assert one.hidden_comm_s["pp"] == 0.0 and one.time_parts_s["pp"] > 0
     no_sp = estimate(model, replace(layout, sequence_parallel=False), cluster, core, 16)
     assert no_sp.hidden_comm_s["tp"] == 0.0 and no_sp.time_parts_s["tp"] > 0
+
+
+def test_megatron_2021_overlaps_the_data_parallel_reduction_only_without_a_pipeline():
+    # Its PyTorch DDP (p = 1) reduces under the last backward; its local DDP (p > 1) after it.
+    model = Model.of("gpt2", 24, 2304, 24, 2048, 51200)
+    cluster, old = load_cluster(DGX_A100), Software.megatron_2021()
+    for p, hidden in ((1, True), (2, False)):
+        layout = Layout(1, p, 32, 1, 4, "1f1b", "full", sequence_parallel=False)
+        both = estimate(model, layout, cluster, old, 512)
+        never = estimate(model, layout, cluster, replace(old, dp_overlap=False), 512)
+        total = never.time_parts_s["dp"]
+        assert total > 0
+        assert both.time_parts_s["dp"] + both.hidden_comm_s["dp"] == pytest.approx(total)
+        assert (both.hidden_comm_s["dp"] > 0) is hidden, p
+        assert (both.step_time_s < never.step_time_s) is hidden, p

@@ -104,10 +104,11 @@ def test_a_software_profile_is_a_list_of_what_it_overlaps_and_fuses():
     hpcllm, old, core = (costs.Software.named(n) for n in costs.SOFTWARE)
     assert (hpcllm.dp_overlap, hpcllm.tp_overlap, hpcllm.p2p_overlap) == (True, False, False)
     assert (old.dp_overlap, old.tp_overlap, old.p2p_overlap, old.attention) == (
-        False,
+        True,
         False,
         False,
         "unfused",
     )
+    assert hpcllm.dp_overlap_with_pipeline and not old.dp_overlap_with_pipeline
     assert core.tp_overlap and core.p2p_overlap and core.param_gather_overlap
     assert core.weights == "mixed" and core.grad_bytes == 4 and core.distributed_optimizer

@@ -93,7 +93,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         default="hpcllm",
         help="whose step is priced: hpcllm (fp32 weights under autocast, flash attention, DDP "
         "overlapping the backward); megatron-2021 (the SC21 paper's: fp16, unfused attention, "
-        "no overlap, no sequence parallelism, recompute full or none; flags that contradict it "
+        "the data-parallel reduction overlapped only at p = 1, no sequence parallelism, "
+        "recompute full or none; flags that contradict it "
         "are refused); megatron-core (2024: bf16 weights, fp32 gradients, the distributed "
         "optimizer, data-parallel, tensor-parallel and pipeline communication overlapped) "
         "[default: hpcllm]",

@@ -250,6 +250,11 @@ class Software:
     weights: str = "fp32"  # fp32 | mixed
     grad_bytes: int = 4  # bytes per gradient element in the data-parallel all-reduce
     dp_overlap: bool = True  # the all-reduce overlaps the last backward
+    # ... also with a pipeline (p > 1). Megatron-LM 2021 overlapped through PyTorch's DDP,
+    # which its pipelined schedules would have synchronised after every micro-batch (only the
+    # schedule without a pipeline accumulates under ``no_sync``): its runs at p > 1 used its
+    # own (``--DDP-impl local``), which all-reduces after the backward.
+    dp_overlap_with_pipeline: bool = True
     # The distributed optimizer's parameter all-gather overlaps the next step's first forward
     # (Megatron-Core's --overlap-param-gather): the reduce-scatter half of the data-parallel
     # time hides behind the last backward, the all-gather half behind the first forward.
@@ -299,7 +304,9 @@ class Software:
 
         fp16 weights and gradients; no sequence parallelism or selective recomputation (both
         came in 2022, Korthikanti et al.) and no distributed optimizer; unfused attention,
-        the data-parallel all-reduce after the backward; the 1F1B and interleaved schedules
+        the data-parallel all-reduce overlapping the last backward without a pipeline
+        (PyTorch's DDP) and after the backward with one (``--DDP-impl local``, as the paper's
+        runs chose: ``examples/sc21/run_table_1.sh``); the 1F1B and interleaved schedules
         only (zero-bubble came in 2023), the interleaved one at p > 2 with v dividing the
         layers per stage, and p dividing the layers (Megatron-LM refuses other layouts);
         PyTorch 1.8's ``F.linear`` on a 3-D input adds the q|k|v bias in a pass of its own; the
@@ -313,7 +320,8 @@ class Software:
             "unfused",
             "mixed",
             2,
-            False,
+            True,
+            dp_overlap_with_pipeline=False,
             schedules=("1f1b", "interleaved"),
             interleave_min_pp=3,
             even_stages=True,
@@ -915,12 +923,14 @@ def _p2p_s(cluster: Cluster, layout: Layout, nbytes: float) -> float:
     return 2 * layout.vpp * one
 
 
-def _hidden_dp_s(software: Software, dp_time: float, stage_f: float, stage_b: float) -> float:
+def _hidden_dp_s(
+    software: Software, pp: int, dp_time: float, stage_f: float, stage_b: float
+) -> float:
     """Return the data-parallel time the software hides: none, the last backward's worth, or
     with the parameter all-gather overlapped (Megatron-Core) the gradients' reduce-scatter
     under the last backward and the weights' all-gather under the next step's first forward,
     each its share of the bytes."""
-    if not software.dp_overlap:
+    if not software.dp_overlap or (pp > 1 and not software.dp_overlap_with_pipeline):
         return 0.0
     if software.param_gather_overlap and software.distributed_optimizer:
         grads, weights = software.grad_bytes, _state_bytes(software)[0]
@@ -995,7 +1005,7 @@ def estimate(
             2,
         )
     dp_time = _gradient_sync_s(cluster, software, layout, params, routed)
-    hidden_dp = _hidden_dp_s(software, dp_time, stage_f, stage_b)
+    hidden_dp = _hidden_dp_s(software, p, dp_time, stage_f, stage_b)
     dp_exposed = dp_time - hidden_dp
     optimizer = _optimizer_s(cluster, software, layout, params, routed)
     # The tp and ep collectives of every forward: once more in the backward, and in a full
