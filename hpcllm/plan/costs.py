@@ -39,8 +39,8 @@ then the pipeline: m micro-batches plus the schedule's bubble (the papers' formu
 :func:`hpcllm.parallel.pipeline.simulate.theory_bubble`), point-to-point transfers between
 stages on the critical path (over the network when a stage's neighbour sits on another node,
 1/t of the bytes each with scatter/gather), the data-parallel all-reduce (ring over d ranks;
-hpcllm overlaps it with the last backward, Megatron-LM in 2021 did not), and the optimizer's
-pass over its state at HBM bandwidth.
+hpcllm overlaps it with the last backward, Megatron-LM in 2021 only without a pipeline), and
+the optimizer's pass over its state at HBM bandwidth.
 
 Also the backward's bias-gradient sums, the loss's passes over the logits, the tied
 embedding's gradient summed between the first and the last stage, and the optimizer's passes,
