@@ -15,6 +15,8 @@ The quick mode changes commands by the first matching rule of ``QUICK_RULES``, a
 - a command ``RESOLVE_ONLY`` matches is only resolved (``--print-config``: it checks its
   config and stops): a bf16 training, emulated at about 10 s a step on this CPU.
 
+A command the walk has already run and passed, word for word, passes without a second run.
+
 ``make docs-examples`` runs every CPU example exactly as written instead.
 """
 
@@ -33,6 +35,7 @@ from docs_examples import (
     examples,
     fresh_copy,
     quick_command,
+    same_command,
     walk,
 )
 
@@ -140,6 +143,22 @@ def test_the_walk_runs_cpu_lines_in_order_and_reports_a_failure_by_file_and_line
     assert report.startswith(f"README.md:4: exit {outcomes[1].returncode} after ")
     assert outcomes[1].returncode != 0 and "missing-file" in report
     assert (root / "made" / "later").exists()
+
+
+def test_the_walk_runs_a_command_repeated_word_for_word_once_and_a_failed_one_again(tmp_path):
+    root = _docs(
+        tmp_path,
+        "```bash\necho x >> ran\necho x >> ran\necho x  >> ran\n"
+        "test -f flag\ntouch flag\ntest -f flag\n```\n",
+    )
+    outcomes = walk(examples(root), root, quick=True, timeout=60)
+    assert [o.ok for o in outcomes] == [True, True, True, False, True, True]
+    assert (root / "ran").read_text() == "x\nx\n"  # the third differs by a space: it ran
+    assert outcomes[1].output == "(ran at README.md:2: the same)"
+    assert "the same" not in outcomes[5].output  # run again: the first time it failed
+    assert same_command(".venv/bin/hpcllm plan --x 1") == same_command("hpcllm plan --x 1")
+    assert same_command("NP=2 .venv/bin/hpcllm a") == "NP=2 hpcllm a"
+    assert same_command("hpcllm a .venv/bin/b") == "hpcllm a b"
 
 
 @pytest.mark.slow

@@ -119,14 +119,15 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes_to_the_same_losses(sl
         "model.preset=null", "model.n_layer=2", "model.n_head=2", "model.d_model=64",
         "model.seq_len=64", "train.micro_batch_size=4", "train.log_interval=1",
         "train.eval_interval=0", "run.tensorboard=false", f"data.path={data}", "train.steps=40",
-        # Slow steps (a straggler's sleep, which changes no loss), so that the signal lands
-        # mid-run: at 10 ms a step the run could end before the poll below saw 3 steps.
-        "train.straggler_rank=1", "train.straggler_factor=20",
     ]  # fmt: skip
+    # Slow steps (a straggler's sleep, which changes no loss), so that the signal lands
+    # mid-run: at 10 ms a step the run could end before the poll below saw 3 steps. The
+    # reference runs at full speed.
+    slow = ["train.straggler_rank=1", "train.straggler_factor=20"]
 
-    def train_args(run):
+    def train_args(run, extra=()):
         args = ["train", "--no-progress"]
-        for item in [*sets, f"run.dir={run}"]:
+        for item in [*sets, *extra, f"run.dir={run}"]:
             args += ["--set", item]
         return args
 
@@ -136,7 +137,7 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes_to_the_same_losses(sl
             "--cpus-per-task=1", f"--output={tmp_path}/job.out", "--chdir", str(tmp_path),
             "--export=ALL,HPCLLM=" + hpcllm,
             str(Path(__file__).parent.parent / "jobs" / "slurm.sbatch"),
-            *train_args(tmp_path / "run"),
+            *train_args(tmp_path / "run", slow),
         ],
         env=slurm, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
